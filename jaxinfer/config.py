@@ -1,0 +1,166 @@
+"""Model configuration: one frozen dataclass whose fields cover every supported family.
+
+Family differences (Llama, Mistral, Qwen2/3, Gemma 1/2/3, llama2.c) are expressed as fields,
+never as subclasses. The config is hashable and passed to jitted functions as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as Hugging Face's ``rope_scaling`` config entry.
+
+    Attributes:
+        rope_type: ``"linear"`` (positions divided by ``factor``) or ``"llama3"`` (Llama 3.1's
+            wavelength-dependent scaling, transformers' ``_compute_llama3_parameters``).
+        factor: scaling factor.
+        low_freq_factor: llama3 only.
+        high_freq_factor: llama3 only.
+        original_max_position_embeddings: llama3 only, in tokens.
+    """
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer.
+
+    Attributes:
+        model_type: family name as in Hugging Face ``config.json`` (``"llama"``, ``"gemma2"``, ...),
+            ``"llama2c"`` for llama2.c checkpoints. Informational only: behaviour comes from the
+            fields below.
+        vocab_size: V, tokens.
+        hidden_size: D.
+        intermediate_size: F, MLP width.
+        num_layers: L.
+        num_heads: N, query heads.
+        num_kv_heads: K, key/value heads (K == N: MHA; K == 1: MQA; otherwise GQA).
+        head_dim: H.
+        max_position_embeddings: longest context the model was trained for, tokens.
+        rms_norm_eps: epsilon of every RMSNorm.
+        norm_weight_offset: 0.0 (``x * w``, Llama) or 1.0 (``x * (1 + w)``, Gemma).
+        hidden_act: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, Gemma).
+        rope_theta: RoPE base of global-attention layers.
+        rope_scaling: scaling of the global layers' RoPE, or None.
+        rope_local_theta: RoPE base of sliding-window layers when it differs (Gemma 3), else None.
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        qk_norm: RMSNorm over H applied to q and k before RoPE (Qwen3, Gemma 3).
+        post_norms: Gemma 2/3 "sandwich" norms after attention and after the MLP.
+        embed_scale: multiply embeddings by sqrt(D) (Gemma).
+        query_pre_attn_scalar: attention scale is ``query_pre_attn_scalar ** -0.5`` when set (Gemma
+            2/3), else ``head_dim ** -0.5``.
+        attn_logit_softcap: ``cap * tanh(scores / cap)`` on attention scores (Gemma 2), or None.
+        final_logit_softcap: the same on the output logits (Gemma 2), or None.
+        layer_windows: per-layer sliding window in tokens (query at position i sees keys j with
+            ``i - j < window``); 0 means global attention. Length L.
+        tie_word_embeddings: LM head is the embedding matrix transposed.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    norm_weight_offset: float = 0.0
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_local_theta: float | None = None
+    attention_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    layer_windows: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"layer_windows has {len(self.layer_windows)} entries, expected num_layers="
+                f"{self.num_layers}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act={self.hidden_act!r}; supported: 'silu', 'gelu_tanh'")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ("linear", "llama3"):
+            raise ValueError(
+                f"rope_scaling type {self.rope_scaling.rope_type!r} is not supported; "
+                "supported: 'linear', 'llama3'"
+            )
+
+    @property
+    def queries_per_kv(self) -> int:
+        """G = N // K."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        """Multiplier of q.k scores."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return float(self.head_dim) ** -0.5
+
+    @property
+    def has_local_rope(self) -> bool:
+        return self.rope_local_theta is not None and any(w > 0 for w in self.layer_windows)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, f, n, k, h = (self.hidden_size, self.intermediate_size, self.num_heads,
+                         self.num_kv_heads, self.head_dim)
+        attn = d * n * h + 2 * d * k * h + n * h * d
+        per_layer = attn + 3 * d * f + 2 * d
+        total = self.num_layers * per_layer + self.vocab_size * d + d
+        if not self.tie_word_embeddings:
+            total += self.vocab_size * d
+        return total
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies of RoPE, f32[H // 2].
+
+    Follows transformers' ``modeling_rope_utils`` (default, linear and llama3 types).
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    # llama3: Llama 3.1 "Scaling RoPE" (wavelength-dependent interpolation).
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * inv_freq_llama / scaling.factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)

@@ -1,0 +1,163 @@
+"""The transformer forward pass in pure JAX, one function for every supported family.
+
+Tokens are a flat ragged axis T (many sequences concatenated); how attention sees other tokens
+(dense segment mask, paged KV cache, Pallas kernel) is supplied by the caller as ``attn_fn``, so the
+same forward serves the reference tests and the engine's jitted step. Layers run under
+``lax.scan`` over the stacked weights; the KV cache travels in the scan carry so the engine can
+update it in place.
+
+Sources: Hugging Face transformers' modeling_llama / modeling_gemma2 / modeling_gemma3 /
+modeling_qwen3 (the numerics are matched to them: norms in float32, RoPE in float32, softmax in
+float32).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig, rope_inv_freq
+from jaxinfer.params import LayerParams, Params
+
+Cache = TypeVar("Cache")
+
+
+class AttnFn(Protocol[Cache]):
+    """Attention of one layer, including the KV cache update.
+
+    Args:
+        q: [T, N, H] queries, RoPE applied.
+        k, v: [T, K, H] keys (RoPE applied) and values of the same tokens.
+        cache: the KV cache pytree (any structure the implementation owns).
+        layer: i32[] layer index.
+        window: i32[] sliding window of this layer in tokens, 0 = global.
+    Returns:
+        ([T, N, H] attention output, updated cache).
+    """
+
+    def __call__(self, q, k, v, cache: Cache, layer, window) -> tuple[jax.Array, Cache]: ...
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:  # Gemma: (1 + w) in float32, then cast.
+        return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)
+    return w * xf.astype(x.dtype)  # Llama: cast, then scale in the weight dtype.
+
+
+def linear(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """Projection ``einsum(spec, x, w)`` accumulated in float32, returned in x's dtype."""
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool) -> tuple[jax.Array, jax.Array]:
+    """cos, sin f32[T, H // 2] for the global (or, with ``local``, the sliding-window) layers."""
+    if local:
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None)
+    else:
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding, "rotate_half" layout (Hugging Face), x: [T, heads, H]."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    if cfg.hidden_act == "silu":
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=True)
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    cache: Cache,
+    attn_fn: AttnFn[Cache],
+) -> tuple[jax.Array, Cache]:
+    """Runs the decoder stack over a flat batch of tokens.
+
+    Args:
+        params: model weights (float32 or bfloat16).
+        cfg: architecture.
+        tokens: i32[T] token ids.
+        positions: i32[T] position of each token within its sequence.
+        cache: KV cache pytree threaded through ``attn_fn`` (None for cache-less attention).
+        attn_fn: attention of one layer, see ``AttnFn``.
+
+    Returns:
+        (hidden states [T, D] after the final norm, in the params' dtype; the updated cache).
+    """
+    dtype = params.embed.dtype
+    x = params.embed[tokens]
+    if cfg.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first.
+        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=dtype)
+    cos_g, sin_g = rope_tables(cfg, positions, local=False)
+    if cfg.has_local_rope:
+        cos_l, sin_l = rope_tables(cfg, positions, local=True)
+    windows = jnp.asarray(np.asarray(cfg.layer_windows, np.int32))
+    eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
+
+    def layer_fn(carry, xs):
+        x, cache = carry
+        lp, layer, window = xs
+        lp: LayerParams
+        h = rms_norm(x, lp.attn_norm, eps, off)
+        q = linear(h, lp.wq, "TD,DNH->TNH")
+        k = linear(h, lp.wk, "TD,DKH->TKH")
+        v = linear(h, lp.wv, "TD,DKH->TKH")
+        if lp.bq is not None:
+            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+        if lp.q_norm is not None:
+            q = rms_norm(q, lp.q_norm, eps, off)
+            k = rms_norm(k, lp.k_norm, eps, off)
+        if cfg.has_local_rope:
+            is_local = window > 0
+            cos = jnp.where(is_local, cos_l, cos_g)
+            sin = jnp.where(is_local, sin_l, sin_g)
+        else:
+            cos, sin = cos_g, sin_g
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn, cache = attn_fn(q, k, v, cache, layer, window)
+        attn = linear(attn.astype(dtype), lp.wo, "TNH,NHD->TD")
+        if lp.post_attn_norm is not None:
+            attn = rms_norm(attn, lp.post_attn_norm, eps, off)
+        x = x + attn
+        h = rms_norm(x, lp.mlp_norm, eps, off)
+        gate = linear(h, lp.w_gate, "TD,DF->TF")
+        up = linear(h, lp.w_up, "TD,DF->TF")
+        mlp = linear(_act(cfg, gate) * up, lp.w_down, "TF,FD->TD")
+        if lp.post_mlp_norm is not None:
+            mlp = rms_norm(mlp, lp.post_mlp_norm, eps, off)
+        return (x + mlp, cache), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(layer_fn, (x, cache), (params.layers, layers, windows))
+    return rms_norm(x, params.final_norm, eps, off), cache
+
+
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Output logits f32[B, V] of hidden states [B, D] (final softcap applied when configured)."""
+    if params.lm_head is None:
+        logits = jnp.einsum("BD,VD->BV", hidden, params.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("BD,DV->BV", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    if params.embed.dtype != jnp.float32:  # match the reference, which rounds logits to its dtype
+        logits = logits.astype(params.embed.dtype).astype(jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        cap = cfg.final_logit_softcap
+        logits = jnp.tanh(logits / cap) * cap
+    return logits

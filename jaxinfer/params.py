@@ -1,0 +1,122 @@
+"""Parameter pytrees of the transformer: frozen dataclasses of arrays, layers stacked on axis 0.
+
+Weights are stored input-dim first so a projection is ``einsum("TD,DNH->TNH", x, wq)``. Optional
+tensors (biases, q/k norms, Gemma's sandwich norms, an untied LM head) are None when the family
+does not have them; None is an empty pytree node, so ``jax.tree.map`` skips it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    """Weights of all L layers, stacked on a leading L axis.
+
+    Attributes:
+        attn_norm: [L, D] RMSNorm before attention.
+        wq: [L, D, N, H]; wk, wv: [L, D, K, H]; wo: [L, N, H, D].
+        bq: [L, N, H] | None; bk, bv: [L, K, H] | None (Qwen2 q/k/v bias).
+        q_norm, k_norm: [L, H] | None (Qwen3, Gemma 3).
+        post_attn_norm: [L, D] | None (Gemma 2/3, applied to the attention output).
+        mlp_norm: [L, D] RMSNorm before the MLP.
+        post_mlp_norm: [L, D] | None (Gemma 2/3).
+        w_gate, w_up: [L, D, F]; w_down: [L, F, D].
+    """
+
+    attn_norm: jax.Array
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+    mlp_norm: jax.Array
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+    bq: jax.Array | None = None
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    post_attn_norm: jax.Array | None = None
+    post_mlp_norm: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """All weights of a model.
+
+    Attributes:
+        embed: [V, D] token embedding.
+        layers: stacked per-layer weights.
+        final_norm: [D].
+        lm_head: [D, V], or None when tied to ``embed``.
+    """
+
+    embed: jax.Array
+    layers: LayerParams
+    final_norm: jax.Array
+    lm_head: jax.Array | None = None
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every (non-None) field, keyed ``"embed"``, ``"layers.wq"``, ...
+
+    Loaders check tensors against this and name the field on a mismatch.
+    """
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {
+        "embed": (V, D),
+        "final_norm": (D,),
+        "layers.attn_norm": (L, D),
+        "layers.wq": (L, D, N, H),
+        "layers.wk": (L, D, K, H),
+        "layers.wv": (L, D, K, H),
+        "layers.wo": (L, N, H, D),
+        "layers.mlp_norm": (L, D),
+        "layers.w_gate": (L, D, F),
+        "layers.w_up": (L, D, F),
+        "layers.w_down": (L, F, D),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    if cfg.attention_bias:
+        shapes.update({"layers.bq": (L, N, H), "layers.bk": (L, K, H), "layers.bv": (L, K, H)})
+    if cfg.qk_norm:
+        shapes.update({"layers.q_norm": (L, H), "layers.k_norm": (L, H)})
+    if cfg.post_norms:
+        shapes.update({"layers.post_attn_norm": (L, D), "layers.post_mlp_norm": (L, D)})
+    return shapes
+
+
+def params_from_flat(flat: dict[str, jax.Array]) -> Params:
+    """Builds Params from a ``param_shapes``-keyed dict (missing optional keys become None)."""
+    layer_kwargs = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("layers.")}
+    return Params(
+        embed=flat["embed"],
+        layers=LayerParams(**layer_kwargs),
+        final_norm=flat["final_norm"],
+        lm_head=flat.get("lm_head"),
+    )
+
+
+def init_random(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+    """Random normal(0, scale) weights, norms at their neutral value. For tests and benchmarks."""
+    shapes = param_shapes(cfg)
+    keys = jax.random.split(key, len(shapes))
+    flat = {}
+    for k, (name, shape) in zip(keys, sorted(shapes.items())):
+        if name.endswith("norm"):
+            flat[name] = jnp.full(shape, 1.0 - cfg.norm_weight_offset, dtype)
+        else:
+            flat[name] = (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+    return params_from_flat(flat)
