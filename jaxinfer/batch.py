@@ -1,0 +1,104 @@
+"""Host-side construction of a step's device inputs from the scheduler's rows (numpy only).
+
+Shapes are padded to power-of-two buckets: decode rows Td, prefill tokens Tp, prefill rows Bp and
+block-table width M. The bucket tuple is the compilation key, so the number of compilations is at
+most the product of the bucket counts (``bucket_count``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxinfer.kv_cache import NULL_PAGE
+from jaxinfer.paged_attention import AttentionMetadata
+from jaxinfer.scheduler import ScheduleOutput
+from jaxinfer.step import StepBatch
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum); 0 stays 0."""
+    if n <= 0:
+        return 0
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def bucket_sizes(maximum: int, minimum: int = 1) -> list[int]:
+    """All bucket values up to ``next_pow2(maximum)``, 0 included."""
+    out, b = [0], minimum
+    while b < next_pow2(maximum, minimum):
+        out.append(b)
+        b *= 2
+    out.append(next_pow2(maximum, minimum))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Padding buckets of a step. ``key`` is its compilation key."""
+
+    decode_rows: int  # Td
+    prefill_tokens: int  # Tp
+    prefill_rows: int  # Bp
+    pages_per_seq: int  # M
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.decode_rows, self.prefill_tokens, self.prefill_rows, self.pages_per_seq)
+
+
+MIN_PREFILL_TOKENS = 16
+
+
+def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int
+                     ) -> tuple[StepBatch, Buckets]:
+    """numpy StepBatch of the scheduled rows (each row's pages must already be allocated)."""
+    nd, rows_p = len(sched.decode), sched.prefill
+    tp_live = sum(r.num_new for r in rows_p)
+    max_pages = max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows)
+    bk = Buckets(
+        decode_rows=next_pow2(nd),
+        prefill_tokens=next_pow2(tp_live, MIN_PREFILL_TOKENS),
+        prefill_rows=next_pow2(len(rows_p)),
+        pages_per_seq=min(next_pow2(max_pages), next_pow2(max_pages_per_seq)),
+    )
+    td, tp, bp, m = bk.key
+    t, b = td + tp, td + bp
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slots = np.full(t, NULL_PAGE * page_size, np.int32)
+    seq_ids = np.full(t, -1, np.int32)
+    block_tables = np.full((b, m), NULL_PAGE, np.int32)
+    kv_lens = np.zeros(b, np.int32)
+    q_lens = np.zeros(b, np.int32)
+    q_lens[:td] = 1
+    logits_indices = np.zeros(b, np.int32)
+    tok = 0
+    for i, row in enumerate(sched.rows):
+        r = i if i < nd else td + (i - nd)
+        if i == nd:
+            tok = td
+        seq, n = row.seq, row.num_new
+        start = seq.num_computed
+        pos = np.arange(start, start + n, dtype=np.int32)
+        pages = np.asarray(seq.pages, np.int32)
+        tokens[tok:tok + n] = [seq.token_at(j) for j in range(start, start + n)]
+        positions[tok:tok + n] = pos
+        slots[tok:tok + n] = pages[pos // page_size] * page_size + pos % page_size
+        seq_ids[tok:tok + n] = r
+        block_tables[r, :len(pages)] = pages
+        kv_lens[r] = start + n
+        q_lens[r] = n
+        logits_indices[r] = tok + n - 1
+        tok += n
+    seq_ids[:td] = np.arange(td, dtype=np.int32)  # decode padding rows own their padding token
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    md = AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=block_tables,
+                           kv_lens=kv_lens, cu_q_lens=cu_q_lens, seq_ids=seq_ids, num_decode=td)
+    return StepBatch(tokens=tokens, md=md, logits_indices=logits_indices), bk
+
+
+def row_index(i: int, num_decode_live: int, td: int) -> int:
+    """Row of the i-th scheduled row in the padded batch (decode rows, then prefill rows)."""
+    return i if i < num_decode_live else td + (i - num_decode_live)

@@ -1,0 +1,269 @@
+"""Engine core: requests in, one device step at a time, outputs out.
+
+Owns the loaded model, the KV page pool, the scheduler and the per-request host state
+(detokenizer, stop checks, metrics). ``LLM`` (``jaxinfer.llm``) is the user-facing API over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jaxinfer.batch import build_step_batch, row_index
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import RequestError
+from jaxinfer.kv_cache import PageAllocator, init_kv_cache, kv_bytes_per_token
+from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from jaxinfer.paged_attention import ATTN_IMPLS
+from jaxinfer.params import Params
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
+from jaxinfer.scheduler import Scheduler, Sequence
+from jaxinfer.step import LogitsControls, jitted_step
+from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine.
+
+    Attributes:
+        max_model_len: longest sequence (prompt + output), tokens.
+        page_size: Z, tokens per KV page.
+        num_pages: P, pages in the pool (page 0 is reserved as the null page).
+        max_num_seqs: most sequences running at once (rows of a step).
+        max_num_batched_tokens: token budget of one step.
+        max_prefill_seqs: most prefill chunks in one step.
+        attn_impl: attention implementation, one of ``paged_attention.ATTN_IMPLS``.
+        seed: seed of the host RNG that draws seeds for requests without one.
+    """
+
+    max_model_len: int
+    page_size: int = 16
+    num_pages: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_prefill_seqs: int = 8
+    attn_impl: str = "xla"
+    seed: int = 0
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    text: str = ""  # visible output text (after stop-string cuts)
+    emitted: int = 0  # characters of text already streamed
+
+
+def default_num_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, kv_cache_bytes: int) -> int:
+    """Pages for every row at full length, capped by a memory budget in bytes."""
+    page_bytes = kv_bytes_per_token(cfg, dtype) * ecfg.page_size
+    wanted = ecfg.max_num_seqs * ecfg.max_pages_per_seq + 1
+    return int(max(2, min(wanted, kv_cache_bytes // page_bytes)))
+
+
+class Engine:
+    """Continuous-batching engine over one model.
+
+    Raises:
+        ValueError: at construction when the pool cannot hold one sequence of ``max_model_len``
+            tokens (the message says how many pages are needed), or ``attn_impl`` is unknown.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig):
+        if ecfg.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={ecfg.attn_impl!r} is not available; supported: {ATTN_IMPLS}")
+        need = ecfg.max_pages_per_seq + 1
+        if ecfg.num_pages < need:
+            raise ValueError(
+                f"KV pool too small: {ecfg.num_pages} pages of {ecfg.page_size} tokens cannot hold "
+                f"one sequence of max_model_len={ecfg.max_model_len}; need at least {need} pages "
+                f"({ecfg.max_pages_per_seq} + 1 reserved). Raise kv_pages or lower max_model_len."
+            )
+        if ecfg.max_num_batched_tokens < ecfg.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={ecfg.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={ecfg.max_num_seqs} (every running sequence decodes each step)"
+            )
+        self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
+        self.kv = init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, params.embed.dtype)
+        self.allocator = PageAllocator(ecfg.num_pages)
+        self.scheduler = Scheduler(self.allocator, ecfg.page_size, ecfg.max_num_seqs,
+                                   ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
+        self._rng = np.random.default_rng(ecfg.seed)
+        self._requests: dict[str, _Request] = {}
+        self._step = jitted_step()
+        self.compile_keys: set[tuple] = set()
+        self.num_steps = 0
+        self.stop_ids = set(tokenizer.eos_ids)
+
+    @property
+    def num_compilations(self) -> int:
+        """Distinct step shapes compiled so far by this engine (bounded by the buckets)."""
+        return len(self.compile_keys)
+
+    # ---------------------------------------------------------------- requests
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError when a request cannot run."""
+        if len(prompt_ids) == 0:
+            raise RequestError("prompt has zero tokens (empty prompt on a tokenizer that adds no BOS)")
+        if len(prompt_ids) >= self.ecfg.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len={self.ecfg.max_model_len} "
+                "leaves no room to generate (prompt must be shorter than max_model_len)"
+            )
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})"
+            )
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise RequestError(f"logprobs={params.logprobs} > {MAX_LOGPROBS}")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        """Queues a validated request (call ``validate`` first)."""
+        if request_id in self._requests:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        seq = Sequence(request_id, [int(t) for t in prompt_ids], params, draw_seed(params, self._rng))
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
+        self._requests[request_id] = _Request(seq, prompt, detok)
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- the step
+
+    def _controls(self, rows, b: int) -> LogitsControls | None:
+        def needs(seq: Sequence) -> bool:
+            p = seq.params
+            in_min = len(seq.output_ids) < p.min_tokens
+            return (in_min or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                    or p.frequency_penalty != 0.0)
+
+        if not any(needs(r.seq) for r, _ in rows):
+            return None
+        v = self.cfg.vocab_size
+        prompt_mask = np.zeros((b, v), bool)
+        counts = np.zeros((b, v), np.int32)
+        banned = np.zeros((b, v), bool)
+        for row, r in rows:
+            seq = row.seq
+            prompt_mask[r, seq.prompt_ids] = True
+            np.add.at(counts[r], np.asarray(seq.output_ids, np.int64), 1)
+            if len(seq.output_ids) < seq.params.min_tokens:
+                stops = list(seq.params.stop_token_ids)
+                if not seq.params.ignore_eos:
+                    stops += list(self.stop_ids)
+                banned[r, [t for t in stops if 0 <= t < v]] = True
+        return LogitsControls(prompt_mask, counts, banned)
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns the outputs of requests that got new tokens or
+        finished (their state so far, with ``delta_text``)."""
+        sched = self.scheduler.schedule()
+        if not sched.rows:
+            raise RuntimeError("scheduler produced an empty step while requests are pending")
+        batch, bk = build_step_batch(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
+        td, nd = bk.decode_rows, len(sched.decode)
+        b = td + bk.prefill_rows
+        rows = [(row, row_index(i, nd, td)) for i, row in enumerate(sched.rows)]
+        params_rows = [SamplingParams(temperature=0.0)] * b
+        seeds, steps = [0] * b, [0] * b
+        for row, r in rows:
+            params_rows[r] = row.seq.params
+            seeds[r] = row.seq.seed
+            steps[r] = len(row.seq.output_ids)
+        st = SamplingTensors.from_params(params_rows, seeds, steps, pad_to=b)
+        controls = self._controls(rows, b)
+        want_lp = any(row.seq.params.logprobs is not None for row, _ in rows)
+        num_lp = MAX_LOGPROBS if want_lp else 0
+        self.compile_keys.add((bk.key, controls is not None, num_lp))
+        self.kv, out = self._step(self.params, self.kv, batch, st, controls, cfg=self.cfg,
+                                  num_logprobs=num_lp, attn_impl=self.ecfg.attn_impl)
+        tokens = np.asarray(out.tokens)
+        lps = np.asarray(out.logprobs)
+        top_ids, top_lps = (np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if num_lp else (None, None)
+        now = time.perf_counter()
+        self.num_steps += 1
+        results = []
+        for row, r in rows:
+            seq = row.seq
+            seq.num_computed += row.num_new
+            if seq.num_computed < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end: nothing sampled
+            lp = None
+            if seq.params.logprobs is not None:
+                n = seq.params.logprobs
+                lp = TokenLogprob(int(tokens[r]), float(lps[r]),
+                                  [(int(i), float(x)) for i, x in zip(top_ids[r, :n], top_lps[r, :n])])
+            results.append(self._append(seq, int(tokens[r]), lp, now))
+        return results
+
+    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
+        req = self._requests[seq.request_id]
+        p = seq.params
+        seq.output_ids.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        reason = None
+        if tok in self.stop_ids and not p.ignore_eos:
+            reason, seq.stop_reason = "stop", None
+        elif tok in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", tok
+        else:
+            new_start = len(req.text)
+            req.text += req.detok.add(tok)
+            if p.stop and len(seq.output_ids) >= p.min_tokens:
+                cut = find_stop_string(req.text, new_start, p.stop, p.include_stop_str_in_output)
+                if cut is not None:
+                    if p.include_stop_str_in_output:
+                        stop = max((s for s in p.stop if req.text[:cut].endswith(s)), key=len)
+                    else:
+                        stop = max((s for s in p.stop if req.text.startswith(s, cut)), key=len)
+                    req.text = req.text[:cut]
+                    reason, seq.stop_reason = "stop", stop
+        if reason is None:
+            if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
+                reason = "length"
+            elif seq.num_tokens >= self.ecfg.max_model_len:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._output(req)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        finished = seq.finish_reason is not None
+        visible = len(req.text) if finished else max(req.emitted, len(req.text) - seq.params.stop_buffer_length)
+        delta = req.text[req.emitted:visible]
+        req.emitted = visible
+        n_out = len(seq.output_ids)
+        m = RequestMetrics(prompt_tokens=len(seq.prompt_ids), completion_tokens=n_out,
+                           num_preemptions=seq.num_preemptions)
+        if seq.first_token_time is not None:
+            m.ttft_s = seq.first_token_time - seq.arrival_time
+            m.tpot_s = (seq.last_token_time - seq.first_token_time) / (n_out - 1) if n_out > 1 else 0.0
+            m.e2e_s = seq.last_token_time - seq.arrival_time
+        out = RequestOutput(
+            request_id=seq.request_id, prompt=req.prompt, prompt_token_ids=seq.prompt_ids,
+            text=req.text[:visible], token_ids=list(seq.output_ids), finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            metrics=m, delta_text=delta,
+        )
+        if finished:
+            del self._requests[seq.request_id]
+        return out
+

@@ -1,0 +1,117 @@
+"""Paged KV cache: the device-side page pool (a pytree) and the host-side page allocator.
+
+Layout (PagedAttention, Kwon et al. 2023; the per-layer layout of jax's Pallas paged_attention):
+``k_pages, v_pages: [L, K, P, Z, H]``. A sequence owns a list of page ids (its block table); token
+``i`` of a sequence lives in page ``block_table[i // Z]`` at offset ``i % Z``, i.e. at the flat slot
+``block_table[i // Z] * Z + i % Z`` (its slot mapping). Page 0 is reserved as the null page: padding
+tokens write there and padded block-table entries point there, so no real page is ever touched by
+padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+NULL_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The page pool of every layer.
+
+    Attributes:
+        k_pages: [L, K, P, Z, H] keys (RoPE applied).
+        v_pages: [L, K, P, Z, H] values.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[3]
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
+    """A zeroed pool of ``num_pages`` pages of ``page_size`` tokens (page 0 is the null page)."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """Bytes of K and V of one token over all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def write_kv(
+    cache: KVCache,
+    layer: jax.Array,  # i32[]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # i32[T]
+) -> KVCache:
+    """Writes the K/V of T tokens of one layer at their slots (in place under donation)."""
+    z = cache.page_size
+    page, offset = slot_mapping // z, slot_mapping % z
+    return KVCache(
+        cache.k_pages.at[layer, :, page, offset].set(k.astype(cache.k_pages.dtype)),
+        cache.v_pages.at[layer, :, page, offset].set(v.astype(cache.v_pages.dtype)),
+    )
+
+
+class OutOfPagesError(RuntimeError):
+    """The allocator has fewer free pages than asked for (the scheduler preempts on this)."""
+
+
+class PageAllocator:
+    """Host-side free list of pages with per-page reference counts.
+
+    Reference counts let a page be shared (prefix sharing); a page returns to the free list when
+    its count drops to zero. Page 0 is never handed out.
+    """
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is reserved)")
+        self.num_pages = num_pages
+        self.refcounts = np.zeros(num_pages, np.int32)
+        self.refcounts[NULL_PAGE] = 1
+        # A stack: pages freed last are reused first (their contents are warm in cache).
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Hands out ``n`` pages (refcount 1). Raises OutOfPagesError, allocating nothing, if
+        fewer than ``n`` are free."""
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self.refcounts[pages] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """Adds a reference to each of ``pages`` (a second owner of a shared prefix)."""
+        self.refcounts[pages] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drops one reference from each of ``pages``; pages reaching zero become free."""
+        for p in pages:
+            if p == NULL_PAGE or self.refcounts[p] <= 0:
+                raise ValueError(f"page {p} is not allocated")
+            self.refcounts[p] -= 1
+            if self.refcounts[p] == 0:
+                self._free.append(p)

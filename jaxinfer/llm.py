@@ -1,0 +1,187 @@
+"""``LLM``: the Python API (pleasant in a notebook), in the shape of vLLM's ``LLM`` class.
+
+    llm = LLM("../shared/models/stories260K")
+    outs = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].text)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import jax
+
+from jaxinfer.engine import Engine, EngineConfig, default_num_pages
+from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling import SamplingParams
+
+PromptLike = str | Sequence[int] | dict
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache (default ``~/.cache/jaxinfer/xla``, or
+    ``$JAXINFER_CACHE_DIR``); ``JAXINFER_COMPILATION_CACHE=0`` disables it. Returns the path."""
+    if os.environ.get("JAXINFER_COMPILATION_CACHE", "1") == "0":
+        return None
+    if path is None:
+        base = os.environ.get("JAXINFER_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer"
+        path = Path(base) / "xla"
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return str(path)
+
+
+class LLM:
+    """A loaded model with its engine.
+
+    Args:
+        model: a Hugging Face model directory, a llama2.c checkpoint (file or directory), see
+            ``jaxinfer.load``.
+        dtype: "float32" (default; the fast dtype on CPU, where bfloat16 matmuls convert weights
+            every step) or "bfloat16" (the usual choice on TPU/GPU).
+        max_model_len: longest prompt + output in tokens (default: the model's context length).
+        kv_pages: pages in the KV pool (default: every row at full length, capped by
+            ``kv_cache_memory_gb``).
+        page_size: tokens per KV page.
+        max_num_seqs: most sequences decoded together.
+        max_num_batched_tokens: token budget per step (default max(512, max_num_seqs)).
+        attn_impl: attention implementation ("xla").
+        kv_cache_memory_gb: memory budget of the default pool, GiB.
+        tokenizer: tokenizer path overriding the one found beside the model.
+        seed: seeds the draws of per-request seeds for requests without one.
+
+    Raises:
+        CheckpointError / TokenizerError: the model cannot be loaded (message names the file).
+        ValueError: the KV pool cannot hold one sequence of ``max_model_len`` tokens.
+    """
+
+    def __init__(self, model: str | os.PathLike, *, dtype: str = "float32",
+                 max_model_len: int | None = None, kv_pages: int | None = None,
+                 page_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int | None = None, attn_impl: str = "xla",
+                 kv_cache_memory_gb: float = 2.0, tokenizer: str | None = None, seed: int = 0,
+                 compilation_cache: bool = True):
+        from jaxinfer.loaders import load
+
+        if compilation_cache:
+            enable_compilation_cache()
+        loaded = load(model, dtype=dtype, tokenizer=tokenizer)
+        self.model_path = str(model)
+        self.config, self.params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
+        max_model_len = max_model_len or self.config.max_position_embeddings
+        ecfg = EngineConfig(
+            max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
+            attn_impl=attn_impl, seed=seed,
+        )
+        if kv_pages is None:
+            kv_pages = default_num_pages(self.config, ecfg, self.params.embed.dtype,
+                                         int(kv_cache_memory_gb * 2**30))
+        self.engine = Engine(self.config, self.params, self.tokenizer,
+                             EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages}))
+        self._next_id = 0
+
+    @property
+    def num_compilations(self) -> int:
+        return self.engine.num_compilations
+
+    # ---------------------------------------------------------------- prompts
+
+    def encode_prompt(self, prompt: PromptLike) -> tuple[list[int], str | None]:
+        """Token ids (and text) of a prompt: a string, a list of token ids, or a dict with
+        ``"prompt"``, ``"prompt_token_ids"`` or ``"messages"`` (chat). Raises RequestError."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise RequestError("prompt_token_ids must be a list of integers")
+                return list(ids), None
+            if "messages" in prompt:
+                text = self.tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True)
+                return self.tokenizer.encode(text, add_special_tokens=False), text
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise RequestError("prompt must be a string")
+                return self.tokenizer.encode(prompt["prompt"]), prompt["prompt"]
+            raise RequestError("a request needs one of 'prompt', 'prompt_token_ids', 'messages'")
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return list(prompt), None
+        raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
+
+    # ---------------------------------------------------------------- generation
+
+    def generate_stream(self, prompts: PromptLike | Iterable[PromptLike],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        request_ids: Sequence[str] | None = None) -> Iterator[RequestOutput]:
+        """Yields a ``RequestOutput`` each time a request gets new tokens (``delta_text`` holds the
+        new text) and once when it finishes. A request that fails validation yields one output
+        with ``error`` set; the others go on."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        if request_ids is None:
+            request_ids = [str(self._next_id + i) for i in range(len(prompts))]
+            self._next_id += len(prompts)
+        eng = self.engine
+        for rid, prompt, sp in zip(request_ids, prompts, sampling_params):
+            text = prompt if isinstance(prompt, str) else None
+            try:
+                ids, text = self.encode_prompt(prompt)
+                eng.validate(ids, sp)
+                eng.add_request(str(rid), ids, sp, prompt=text)
+            except JaxinferError as e:
+                yield RequestOutput(request_id=str(rid), prompt=text, prompt_token_ids=[],
+                                    finish_reason="error", error=str(e))
+        while eng.has_unfinished():
+            yield from eng.step()
+
+    def generate(self, prompts: PromptLike | Iterable[PromptLike],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generates for every prompt; returns the finished outputs in the prompts' order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        ids = [f"gen-{self._next_id}-{i}" for i in range(len(prompts))]
+        self._next_id += 1
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts), desc="prompts", unit="req")
+        t0, n_tok = time.perf_counter(), 0
+        for out in self.generate_stream(prompts, sampling_params, request_ids=ids):
+            if out.finished:
+                done[out.request_id] = out
+                n_tok += len(out.token_ids)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{n_tok / max(time.perf_counter() - t0, 1e-9):.1f}")
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
+        list of conversations, through the tokenizer's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)

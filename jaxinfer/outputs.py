@@ -1,0 +1,93 @@
+"""What the engine returns per request: text, token ids, finish reason, logprobs and metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Per-request timings (seconds) and token counts.
+
+    Attributes:
+        ttft_s: time to first token, from the request's arrival.
+        tpot_s: mean time per output token after the first (0 with one token).
+        e2e_s: arrival to finish.
+        prompt_tokens, completion_tokens: token counts.
+        num_preemptions: times the sequence was preempted and recomputed.
+    """
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_preemptions: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """Log-probability of a generated token under the model's raw distribution, with the top-n
+    alternatives (``top``: list of (token id, logprob), best first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """Result of one request (or, when streaming, its state so far).
+
+    Attributes:
+        request_id: the caller's id (or its index in the batch as a string).
+        prompt: the prompt text when one was given.
+        prompt_token_ids: the tokens the model saw.
+        text: generated text (stop string removed unless asked to include it).
+        token_ids: generated token ids (a stop token id included).
+        finish_reason: "stop", "length", "error", or None while running.
+        stop_reason: the stop string or stop token id that ended it, if any.
+        logprobs: one ``TokenLogprob`` per generated token when requested, else None.
+        metrics: timings and counts.
+        error: why the request failed (finish_reason "error"), else None.
+        delta_text: text added since the previous streamed output (streaming only).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
+    error: str | None = None
+    delta_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_record(self) -> dict:
+        """The JSONL record the CLI writes."""
+        if self.error is not None:
+            return {"id": self.request_id, "error": self.error, "finish_reason": "error"}
+        rec = {
+            "id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "usage": {
+                "prompt_tokens": self.metrics.prompt_tokens,
+                "completion_tokens": self.metrics.completion_tokens,
+            },
+            "metrics": self.metrics.to_dict(),
+        }
+        if self.logprobs is not None:
+            rec["logprobs"] = [dataclasses.asdict(lp) for lp in self.logprobs]
+        return rec

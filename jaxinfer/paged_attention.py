@@ -1,0 +1,145 @@
+"""Ragged paged attention, pure-XLA reference, and the per-step attention metadata pytree.
+
+One engine step attends a flat ragged batch of T query tokens against the paged KV cache. Rows
+(sequences) are ordered decode first: rows ``[0, num_decode)`` have exactly one query token each
+(tokens ``[0, num_decode)``); the remaining rows are prefill chunks whose tokens follow,
+concatenated without padding between them (``cu_q_lens``). Padding rows/tokens sit at the end of
+each region, have ``kv_len == 0`` and write to the null page.
+
+The decode region attends each token only to its own sequence's pages (``[T, S]`` scores), so a
+decode-only step never pays for prefill. The prefill region attends its tokens to the pages of all
+prefill rows at once with a segment mask (``[T, B * S]`` scores). The Pallas kernels
+(``kernels_pallas/``) plug in behind ``attn_impl`` with the same metadata.
+
+Sources: vLLM PagedAttention (Kwon et al. 2023); jax's
+``pallas/ops/tpu/ragged_paged_attention`` (metadata names: cu_q_lens, kv_lens, page indices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.attention import masked_softmax_av, window_mask
+from jaxinfer.kv_cache import KVCache, write_kv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of a ragged step sits. Shapes are padded to buckets.
+
+    Attributes:
+        positions: i32[T] position of each token in its sequence.
+        slot_mapping: i32[T] flat KV slot (page * Z + offset) each token's K/V is written to.
+        block_tables: i32[B, M] page ids of each row's sequence (null page beyond its length).
+        kv_lens: i32[B] tokens in each row's KV cache after this step's writes (0 for padding).
+        cu_q_lens: i32[B + 1] cumulative query tokens per row (row b owns tokens
+            ``[cu_q_lens[b], cu_q_lens[b + 1])``).
+        seq_ids: i32[T] row of each token (padding tokens: a padding row).
+        num_decode: static number of decode rows (= decode tokens) at the front, padding included.
+    """
+
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    cu_q_lens: jax.Array
+    seq_ids: jax.Array
+    num_decode: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+
+def _gather_pages(pages: jax.Array, layer, block_tables: jax.Array) -> jax.Array:
+    """Pages [K, P, Z, H] (or [L, K, P, Z, H] with ``layer``), i32[B, M] -> [K, B, M * Z, H].
+
+    Indexing the layer inside the same gather avoids copying the layer's whole pool.
+    """
+    kh, _, z, h = pages.shape[-4:]
+    b, m = block_tables.shape
+    if layer is None:
+        return pages[:, block_tables].reshape(kh, b, m * z, h)
+    g = pages[layer, :, block_tables]  # [B, M, K, Z, H]
+    return g.transpose(2, 0, 1, 3, 4).reshape(kh, b, m * z, h)
+
+
+def ragged_paged_attention_xla(
+    q: jax.Array,  # [T, N, H]
+    k_pages: jax.Array,  # [K, P, Z, H], or [L, K, P, Z, H] with layer
+    v_pages: jax.Array,  # [K, P, Z, H], or [L, K, P, Z, H] with layer
+    md: AttentionMetadata,
+    window: jax.Array,  # i32[]
+    *,
+    scale: float,
+    softcap: float | None = None,
+    layer: jax.Array | None = None,  # i32[]
+) -> jax.Array:
+    """Causal attention of a ragged batch over the paged KV cache. Output f32[T, N, H].
+
+    The K/V of this step's tokens must already be written to the pages. Sliding window
+    (``window > 0``): a query at position i sees keys at j with ``i - j < window``.
+    """
+    t, n, h = q.shape
+    kh = k_pages.shape[-4]
+    g = n // kh
+    td = md.num_decode
+    outs = []
+    if td:
+        qd = q[:td].reshape(td, kh, g, h)
+        kd = _gather_pages(k_pages, layer, md.block_tables[:td])  # [K, Td, S, H]
+        vd = _gather_pages(v_pages, layer, md.block_tables[:td])
+        s = kd.shape[2]
+        kv_pos = jnp.arange(s, dtype=jnp.int32)[None, :]
+        q_pos = md.positions[:td, None]
+        mask = (kv_pos < md.kv_lens[:td, None]) & window_mask(q_pos, kv_pos, window)
+        scores = jnp.einsum("TKGH,KTSH->TKGS", qd, kd, preferred_element_type=jnp.float32)
+        out = masked_softmax_av(
+            scores, mask[:, None, None, :],
+            lambda p: jnp.einsum("TKGS,KTSH->TKGH", p, vd.astype(jnp.float32)),
+            scale=scale, softcap=softcap,
+        )
+        outs.append(out.reshape(td, n, h))
+    tp = t - td
+    if tp:
+        bt = md.block_tables[td:]
+        bp, m = bt.shape
+        qp = q[td:].reshape(tp, kh, g, h)
+        kp = _gather_pages(k_pages, layer, bt)  # [K, Bp, S, H]
+        vp = _gather_pages(v_pages, layer, bt)
+        s = kp.shape[2]
+        kp, vp = kp.reshape(kh, bp * s, h), vp.reshape(kh, bp * s, h)
+        kv_row = jnp.repeat(jnp.arange(bp, dtype=jnp.int32), s)[None, :]
+        kv_pos = jnp.tile(jnp.arange(s, dtype=jnp.int32), bp)[None, :]
+        q_row = md.seq_ids[td:, None] - td
+        q_pos = md.positions[td:, None]
+        kv_len = md.kv_lens[td:][kv_row]
+        mask = (q_row == kv_row) & (kv_pos < kv_len) & window_mask(q_pos, kv_pos, window)
+        scores = jnp.einsum("TKGH,KXH->TKGX", qp, kp, preferred_element_type=jnp.float32)
+        out = masked_softmax_av(
+            scores, mask[:, None, None, :],
+            lambda p: jnp.einsum("TKGX,KXH->TKGH", p, vp.astype(jnp.float32)),
+            scale=scale, softcap=softcap,
+        )
+        outs.append(out.reshape(tp, n, h))
+    return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+
+ATTN_IMPLS = ("xla",)
+
+
+def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
+    """An ``AttnFn`` for ``model.forward`` over a ``KVCache``: writes this step's K/V at
+    ``md.slot_mapping`` then attends. Raises ValueError for an unknown ``attn_impl``."""
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl={attn_impl!r} is not available; supported: {ATTN_IMPLS}")
+
+    def attn(q, k, v, cache: KVCache, layer, window):
+        cache = write_kv(cache, layer, k, v, md.slot_mapping)
+        out = ragged_paged_attention_xla(
+            q, cache.k_pages, cache.v_pages, md, window,
+            scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, layer=layer,
+        )
+        return out, cache
+
+    return attn

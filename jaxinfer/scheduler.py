@@ -1,0 +1,182 @@
+"""Continuous-batching scheduler (host side): waiting queue, running set, token budget, chunked
+prefill, page allocation and preemption by recomputation.
+
+Each call to ``schedule`` picks the rows of the next step: every running sequence in decode gets
+one token; unfinished prefills continue in chunks; waiting sequences join while the token budget,
+the row limit and the free pages allow. When a running sequence needs a page and none is free,
+the newest running sequence is preempted: its pages are freed and it goes back to the front of
+the waiting queue, to be recomputed (prompt + output so far) later. Sampling keys depend only on
+(seed, output index), so a preempted sequence's output is the same as if it had never been.
+
+Source: vLLM's scheduler (recompute preemption, chunked prefill, token budget).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+
+from jaxinfer.kv_cache import OutOfPagesError, PageAllocator
+from jaxinfer.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request's state. ``all_ids = prompt_ids + output_ids``; ``num_computed`` of them have
+    their K/V in the cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+    logprobs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    seq: Sequence
+    num_new: int  # query tokens of this row in the step (1 for decode)
+
+
+@dataclasses.dataclass
+class ScheduleOutput:
+    decode: list[ScheduledRow]
+    prefill: list[ScheduledRow]
+    preempted: list[Sequence]
+
+    @property
+    def rows(self) -> list[ScheduledRow]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new for r in self.rows)
+
+
+class Scheduler:
+    """Host scheduler over a ``PageAllocator``.
+
+    Args:
+        allocator: the page pool's allocator.
+        page_size: Z, tokens per page.
+        max_num_seqs: most rows in one step.
+        max_num_batched_tokens: token budget of one step (decode tokens count one each).
+        max_prefill_seqs: most prefill rows in one step (bounds the prefill attention's width).
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_prefill_seqs: int = 8):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_seqs = max_prefill_seqs
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        need = -(-num_tokens // self.page_size)
+        return max(0, need - len(seq.pages))
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Gives ``seq`` pages for ``num_tokens`` tokens; False (nothing allocated) if short."""
+        n = self._pages_needed(seq, num_tokens)
+        if n == 0:
+            return True
+        try:
+            seq.pages.extend(self.allocator.allocate(n))
+        except OutOfPagesError:
+            return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Marks ``seq`` finished and frees its pages at once."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def schedule(self) -> ScheduleOutput:
+        """Chooses the rows of the next step (decode rows first)."""
+        budget = self.max_num_batched_tokens
+        decode, prefill, preempted = [], [], []
+        scheduled: set[int] = set()
+        for seq in list(self.running):  # oldest first
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            remaining = seq.num_tokens - seq.num_computed
+            is_prefill = remaining > 1
+            if budget <= 0 or (is_prefill and len(prefill) >= self.max_prefill_seqs):
+                continue
+            n = min(remaining, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            scheduled.add(id(seq))
+            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))
+            budget -= n
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(prefill) < self.max_prefill_seqs):
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed
+            n = min(remaining, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break  # admit nobody until pages are freed
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.add(id(seq))
+            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))
+            budget -= n
+        return ScheduleOutput(decode, prefill, preempted)
