@@ -1,0 +1,1 @@
+from jaxinfer.loaders import LoadedModel, load

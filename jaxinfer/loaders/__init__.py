@@ -1,0 +1,175 @@
+"""Checkpoint loading: one entry point, ``load``, that recognises the format of a path.
+
+Supported formats:
+- a Hugging Face model directory (``config.json`` + safetensors), via ``jaxinfer.loaders.hf``;
+- a llama2.c checkpoint ``.bin`` file (versions 0, 1, 2), or a directory holding exactly one,
+  via ``jaxinfer.loaders.llama2c``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError
+from jaxinfer.params import Params
+
+if TYPE_CHECKING:
+    from jaxinfer.tokenizer import Tokenizer
+
+SUPPORTED_FORMATS = (
+    "a Hugging Face model directory (config.json + *.safetensors); "
+    "a llama2.c checkpoint .bin file (version 0, 1 or 2); "
+    "a directory holding exactly one llama2.c checkpoint .bin"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run.
+
+    Attributes:
+        config: the architecture.
+        params: the weights.
+        tokenizer: the tokenizer found beside the checkpoint (or given), or None when there is
+            none.
+        path: the checkpoint path that was loaded (the directory or the .bin file).
+    """
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Tokenizer | None
+    path: Path
+
+
+def _resolve_dtype(dtype):
+    import jax.numpy as jnp
+
+    if isinstance(dtype, str):
+        try:
+            return jnp.dtype(dtype)
+        except TypeError as e:
+            raise ValueError(
+                f"dtype {dtype!r} is not a dtype; use e.g. 'float32' or 'bfloat16'"
+            ) from e
+    return dtype
+
+
+def _llama2c_bins(directory: Path) -> tuple[list[Path], list[Path]]:
+    """(checkpoint .bin files, other .bin files) of a directory, sorted."""
+    from jaxinfer.loaders.llama2c import is_llama2c_checkpoint_file
+
+    ckpts, others = [], []
+    for f in sorted(directory.glob("*.bin")):
+        (ckpts if f.is_file() and is_llama2c_checkpoint_file(f) else others).append(f)
+    return ckpts, others
+
+
+def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
+    """Recognises a checkpoint: returns ("hf", directory) or ("llama2c", .bin file).
+
+    Raises:
+        CheckpointError: the path does not exist or holds no supported checkpoint (the message
+            says what was found and which formats are supported).
+    """
+    from jaxinfer.loaders.llama2c import is_llama2c_checkpoint_file, is_llama2c_tokenizer_file
+
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory; supported: {SUPPORTED_FORMATS}")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return "hf", p
+        ckpts, others = _llama2c_bins(p)
+        if len(ckpts) == 1:
+            return "llama2c", ckpts[0]
+        if len(ckpts) > 1:
+            raise CheckpointError(
+                f"{p}: directory holds {len(ckpts)} llama2.c checkpoints "
+                f"({', '.join(f.name for f in ckpts)}); pass the .bin file to load"
+            )
+        found = sorted(f.name for f in p.iterdir())
+        shown = ", ".join(found[:20]) + (", ..." if len(found) > 20 else "")
+        raise CheckpointError(
+            f"{p}: no checkpoint found: no config.json and no llama2.c checkpoint .bin "
+            f"(directory holds: {shown or 'nothing'}); supported: {SUPPORTED_FORMATS}"
+        )
+    if is_llama2c_checkpoint_file(p):
+        return "llama2c", p
+    if is_llama2c_tokenizer_file(p):
+        raise CheckpointError(
+            f"{p}: this is a llama2.c tokenizer file, not a checkpoint; "
+            f"supported: {SUPPORTED_FORMATS}"
+        )
+    raise CheckpointError(
+        f"{p}: unrecognised file ({p.stat().st_size} bytes, neither a llama2.c checkpoint "
+        f"header nor a model directory); supported: {SUPPORTED_FORMATS}"
+    )
+
+
+def load(
+    path: str | os.PathLike,
+    dtype="float32",
+    tokenizer: str | os.PathLike | None = None,
+) -> LoadedModel:
+    """Loads a checkpoint of any supported format, with its tokenizer.
+
+    Args:
+        path: a Hugging Face model directory, a llama2.c checkpoint ``.bin`` or a directory
+            holding exactly one llama2.c checkpoint.
+        dtype: weight dtype, a name (``"float32"``, ``"bfloat16"``) or a jnp dtype.
+        tokenizer: a tokenizer file or directory overriding the one found beside the checkpoint
+            (the checkpoint's directory is searched when ``path`` is a file).
+
+    Returns:
+        LoadedModel with ``tokenizer`` None when no tokenizer was given and none is beside the
+        checkpoint.
+
+    Raises:
+        CheckpointError: unrecognised path or damaged checkpoint.
+        TokenizerError: the tokenizer given explicitly cannot be loaded, or does not match the
+            model's vocabulary.
+    """
+    dtype = _resolve_dtype(dtype)
+    fmt, ckpt = detect_format(path)
+    if fmt == "hf":
+        from jaxinfer.loaders.hf import load_hf
+
+        cfg, params = load_hf(ckpt, dtype)
+        tok_dir = ckpt
+    else:
+        from jaxinfer.loaders.llama2c import load_llama2c
+
+        cfg, params = load_llama2c(ckpt, dtype)
+        tok_dir = ckpt.parent
+    tok = _load_tokenizer(tokenizer, tok_dir, cfg)
+    return LoadedModel(config=cfg, params=params, tokenizer=tok, path=Path(path))
+
+
+def _load_tokenizer(explicit, tok_dir: Path, cfg: ModelConfig):
+    from jaxinfer.errors import TokenizerError
+    from jaxinfer.tokenizer import load_tokenizer
+
+    if explicit is not None:
+        return load_tokenizer(explicit, vocab_size=cfg.vocab_size)
+    try:
+        return load_tokenizer(tok_dir, vocab_size=cfg.vocab_size)
+    except TokenizerError:
+        if _has_tokenizer_files(tok_dir):
+            raise  # a tokenizer is there but broken: say so rather than return None
+        return None
+
+
+def _has_tokenizer_files(d: Path) -> bool:
+    from jaxinfer.loaders.llama2c import is_llama2c_tokenizer_file
+
+    names = ("tokenizer.json", "tokenizer.model", "tok512.model")
+    if any((d / n).is_file() for n in names) or any(d.glob("*.model")):
+        return True
+    return any(is_llama2c_tokenizer_file(f) for f in d.glob("*.bin"))
+
+
+__all__ = ["LoadedModel", "SUPPORTED_FORMATS", "detect_format", "load"]
