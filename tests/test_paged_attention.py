@@ -1,0 +1,103 @@
+"""Ragged paged attention (XLA reference) == dense causal attention, over random ragged batches."""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+from jaxinfer.kv_cache import NULL_PAGE
+from jaxinfer.paged_attention import AttentionMetadata, ragged_paged_attention_xla
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def dense_reference(q, k, v, q_pos, scale, window, softcap):
+    """Numpy float64 attention of one sequence: q [Tq, N, H] at positions q_pos, over k/v [S, K, H]."""
+    n, kh = q.shape[1], k.shape[1]
+    g = n // kh
+    k = np.repeat(k, g, axis=1)
+    v = np.repeat(v, g, axis=1)
+    s = np.einsum("tnh,snh->nts", q, k) * scale
+    if softcap:
+        s = np.tanh(s / softcap) * softcap
+    kv_pos = np.arange(k.shape[0])
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    if window:
+        mask &= q_pos[:, None] - kv_pos[None, :] < window
+    s = np.where(mask[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("nts,snh->tnh", p, v)
+
+
+def make_batch(rng, page_size, num_kv_heads, head_dim, seqs, num_pages=64, dtype=np.float32):
+    """seqs: list of (kv_len, q_len); decode rows (q_len 1) must come first.
+
+    Returns pages, metadata, per-sequence full K/V, and the row order."""
+    k_pages = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(dtype)
+    v_pages = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(dtype)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    nd = sum(1 for _, ql in seqs if ql == 1)
+    td = 1 << max(nd - 1, 0).bit_length() if nd else 0
+    prefill = [s for s in seqs if s[1] > 1]
+    bp = 1 << max(len(prefill) - 1, 0).bit_length() if prefill else 0
+    tp_live = sum(ql for _, ql in prefill)
+    tp = max(16, 1 << max(tp_live - 1, 0).bit_length()) if prefill else 0
+    max_pages = max(-(-kl // page_size) for kl, _ in seqs)
+    m = 1 << max(max_pages - 1, 0).bit_length()
+    t, b = td + tp, td + bp
+    positions = np.zeros(t, np.int32)
+    slots = np.zeros(t, np.int32)
+    seq_ids = np.full(t, -1, np.int32)
+    seq_ids[:td] = np.arange(td)
+    block_tables = np.full((b, m), NULL_PAGE, np.int32)
+    kv_lens = np.zeros(b, np.int32)
+    q_lens = np.zeros(b, np.int32)
+    q_lens[:td] = 1
+    rows, tok = [], 0
+    for i, (kl, ql) in enumerate(seqs):
+        r = i if i < nd else td + i - nd
+        if i == nd:
+            tok = td
+        pages = [free.pop() for _ in range(-(-kl // page_size))]
+        block_tables[r, : len(pages)] = pages
+        kv_lens[r], q_lens[r] = kl, ql
+        pos = np.arange(kl - ql, kl)
+        positions[tok : tok + ql] = pos
+        slots[tok : tok + ql] = np.asarray(pages)[pos // page_size] * page_size + pos % page_size
+        seq_ids[tok : tok + ql] = r
+        kpos = np.arange(kl)
+        full_k = k_pages[:, np.asarray(pages)[kpos // page_size], kpos % page_size]  # [K, S, H]
+        full_v = v_pages[:, np.asarray(pages)[kpos // page_size], kpos % page_size]
+        rows.append((tok, ql, pos, full_k.transpose(1, 0, 2), full_v.transpose(1, 0, 2)))
+        tok += ql
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    md = AttentionMetadata(positions, slots, block_tables, kv_lens, cu, seq_ids, num_decode=td)
+    return k_pages, v_pages, md, rows, t
+
+
+MATRIX = [(d, z, g, 0, None) for d in (jnp.float32, jnp.bfloat16) for z in (4, 8, 16) for g in (1, 2, 4)]
+MATRIX += [(jnp.float32, 8, 2, 5, None), (jnp.float32, 4, 4, 9, None), (jnp.float32, 8, 2, 0, 30.0),
+           (jnp.bfloat16, 8, 2, 5, 30.0)]
+
+
+@pytest.mark.parametrize("dtype,page_size,gqa,window,softcap", MATRIX)
+def test_paged_equals_dense(dtype, page_size, gqa, window, softcap):
+    rng = np.random.default_rng(page_size * 100 + gqa * 10 + window)
+    kh, h = 2, 16
+    n = kh * gqa
+    # decode rows (length 1, page-boundary lengths, long), then prefill chunks (whole prompts and
+    # later chunks of a prompt whose earlier part is already cached).
+    seqs = [(1, 1), (page_size, 1), (page_size * 3 + 1, 1), (2 * page_size, 2 * page_size),
+            (page_size + 3, 5), (7, 7)]
+    k_pages, v_pages, md, rows, t = make_batch(rng, page_size, kh, h, seqs)
+    q = rng.standard_normal((t, n, h)).astype(np.float32)
+    scale = h**-0.5
+    cast = lambda x: jnp.asarray(x).astype(dtype)
+    out = ragged_paged_attention_xla(
+        cast(q), cast(k_pages), cast(v_pages), md, jnp.int32(window), scale=scale, softcap=softcap
+    )
+    out = np.asarray(out, np.float64)
+    f = lambda x: np.asarray(cast(x), np.float64)  # the reference sees the same rounded inputs
+    for tok, ql, pos, fk, fv in rows:
+        ref = dense_reference(f(q[tok : tok + ql]), f(fk), f(fv), pos, scale, window, softcap)
+        np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[dtype])
