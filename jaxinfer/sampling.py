@@ -1,0 +1,282 @@
+"""Device side of sampling: per-row penalties, temperature, min-p / top-k / top-p, seeded draws.
+
+Pure JAX with static shapes, meant to run inside the jitted engine step. Semantics follow vLLM's v1
+sampler (``vllm/v1/sample/sampler.py``, ``vllm/v1/sample/ops/topk_topp_sampler.py``, the min-p
+logits processor in ``vllm/v1/sample/logits_processor/builtin.py`` and ``apply_penalties`` in
+``vllm/model_executor/layers/utils.py``). The host side (`SamplingParams`, stop strings) is in
+`jaxinfer.sampling_params`; its public names are re-exported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.sampling_params import (
+    MAX_LOGPROBS,
+    SAMPLING_EPS,
+    SamplingParams,
+    draw_seed,
+    find_stop_string,
+)
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "SAMPLING_EPS",
+    "SampleOutput",
+    "SamplingParams",
+    "SamplingTensors",
+    "apply_penalties",
+    "draw_seed",
+    "find_stop_string",
+    "processed_logits",
+    "row_keys",
+    "sample",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters of a batch of B rows, padded to a bucket size.
+
+    Attributes:
+        temperature: f32[B]; 0 = greedy (the host normalises < `SAMPLING_EPS` to 0).
+        top_k: i32[B]; 0 = off.
+        top_p: f32[B]; 1 = off.
+        min_p: f32[B]; 0 = off.
+        repetition_penalty: f32[B]; 1 = off.
+        presence_penalty: f32[B]; 0 = off.
+        frequency_penalty: f32[B]; 0 = off.
+        seeds: u32[B] the request's seed (low 32 bits).
+        steps: i32[B] index, within the request's output, of the token being sampled; the
+            counter folded into the row's PRNG key (see `row_keys`).
+    """
+
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+    min_p: jax.Array  # f32[B]
+    repetition_penalty: jax.Array  # f32[B]
+    presence_penalty: jax.Array  # f32[B]
+    frequency_penalty: jax.Array  # f32[B]
+    seeds: jax.Array  # u32[B]
+    steps: jax.Array  # i32[B]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        steps: Sequence[int],
+        pad_to: int,
+    ) -> SamplingTensors:
+        """Host-side (numpy) tensors for `params`, padded to B = `pad_to` rows.
+
+        Padding rows are neutral: greedy, every filter and penalty off, seed 0, step 0.
+
+        Args:
+            params: one `SamplingParams` per live row, in row order.
+            seeds: the seed of each row: its request's `seed`, or one the engine drew for it
+                (`draw_seed`); reduced modulo 2**32.
+            steps: for each row, how many output tokens its request already has.
+            pad_to: B, the bucket size; >= len(params).
+
+        Raises:
+            ValueError: if the three sequences differ in length or do not fit in `pad_to`.
+        """
+        n = len(params)
+        if len(seeds) != n or len(steps) != n:
+            raise ValueError(
+                f"from_params: got {n} params, {len(seeds)} seeds and {len(steps)} steps; "
+                "expected one of each per row"
+            )
+        if n > pad_to:
+            raise ValueError(f"from_params: {n} rows do not fit in pad_to={pad_to}")
+
+        def col(values, neutral, dtype):
+            out = np.full((pad_to,), neutral, dtype=dtype)
+            out[:n] = np.asarray(list(values), dtype=dtype) if n else out[:0]
+            return out
+
+        return cls(
+            temperature=col((p.temperature for p in params), 0.0, np.float32),
+            top_k=col((p.top_k for p in params), 0, np.int32),
+            top_p=col((p.top_p for p in params), 1.0, np.float32),
+            min_p=col((p.min_p for p in params), 0.0, np.float32),
+            repetition_penalty=col((p.repetition_penalty for p in params), 1.0, np.float32),
+            presence_penalty=col((p.presence_penalty for p in params), 0.0, np.float32),
+            frequency_penalty=col((p.frequency_penalty for p in params), 0.0, np.float32),
+            seeds=col((int(s) & 0xFFFFFFFF for s in seeds), 0, np.uint32),
+            steps=col((int(s) for s in steps), 0, np.int32),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    """What `sample` returns for B rows.
+
+    Attributes:
+        tokens: i32[B] sampled token ids.
+        logprobs: f32[B] logprob of each sampled token.
+        top_ids: i32[B, n] ids of the n most likely tokens, most likely first (n = num_logprobs).
+        top_logprobs: f32[B, n] their logprobs, descending.
+    """
+
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B]
+    top_ids: jax.Array  # i32[B, n]
+    top_logprobs: jax.Array  # f32[B, n]
+
+
+def apply_penalties(
+    logits: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array, st: SamplingTensors
+) -> jax.Array:
+    """Repetition, frequency and presence penalties, as vLLM's ``apply_penalties``.
+
+    For each row: a token seen in the prompt or the output has its logit divided by
+    repetition_penalty when positive, multiplied by it otherwise (CTRL, Keskar et al. 2019); then
+    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over output tokens
+    (OpenAI API semantics). Neutral values (1, 0, 0) leave the logits unchanged.
+
+    Args:
+        logits: f32[B, V].
+        prompt_mask: bool[B, V] tokens present in the row's prompt.
+        output_counts: i32[B, V] occurrences of each token in the row's output so far.
+        st: the batch's sampling tensors.
+
+    Returns:
+        f32[B, V] penalised logits.
+    """
+    logits = logits.astype(jnp.float32)
+    in_output = output_counts > 0  # bool[B, V]
+    rep = jnp.where(prompt_mask | in_output, st.repetition_penalty[:, None], 1.0)  # f32[B, V]
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - st.frequency_penalty[:, None] * output_counts.astype(jnp.float32)
+    logits = logits - st.presence_penalty[:, None] * in_output.astype(jnp.float32)
+    return logits
+
+
+def processed_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Temperature-scaled logits with the tokens min-p, top-k and top-p exclude set to -inf.
+
+    The order is vLLM v1's: temperature, then min-p (keep p >= min_p * max p, p = softmax of the
+    scaled logits), then top-k, then top-p over the distribution renormalised after top-k. One
+    descending sort per row serves top-k and top-p; both cut by *value*, so every token whose
+    logit equals the boundary one is kept: top-k keeps all ties of the k-th largest value (as
+    vLLM, which masks ``logits < kth``), and top-p keeps the smallest most-likely-first prefix
+    whose probability sums to >= top_p plus any token tied with its last one. The kept set thus
+    never depends on token ids (vLLM's unstable sort breaks top-p ties arbitrarily). The most
+    likely token is always kept. Greedy rows (temperature 0) are scaled by 1; `sample` takes
+    their argmax from the unscaled logits anyway.
+
+    Args:
+        logits: f32[B, V] (penalties already applied).
+        st: the batch's sampling tensors.
+
+    Returns:
+        f32[B, V]; softmax of it is the distribution `sample` draws from for non-greedy rows.
+    """
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    neg_inf = jnp.float32(-jnp.inf)
+    temp = jnp.where(st.temperature < SAMPLING_EPS, 1.0, st.temperature)  # f32[B]
+    x = logits / temp[:, None]  # f32[B, V]
+
+    # min-p, relative to the most likely token.
+    probs = jax.nn.softmax(x, axis=-1)
+    p_max = jnp.max(probs, axis=-1, keepdims=True)
+    x = jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)
+
+    # top-k: threshold at the k-th largest value.
+    s = -jnp.sort(-x, axis=-1)  # f32[B, V] descending
+    k = jnp.where((st.top_k <= 0) | (st.top_k > V), V, st.top_k)  # i32[B]
+    thr_k = jnp.take_along_axis(s, (k - 1)[:, None], axis=-1)  # f32[B, 1]
+    s = jnp.where(s >= thr_k, s, neg_inf)
+
+    # top-p: a token is kept when the mass of the tokens sorted before it is < top_p.
+    ps = jax.nn.softmax(s, axis=-1)
+    mass_before = jnp.concatenate(  # f32[B, V], exclusive cumulative sum
+        [jnp.zeros_like(ps[:, :1]), jnp.cumsum(ps, axis=-1)[:, :-1]], axis=-1
+    )
+    keep = (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # i32[B], a prefix since mass_before rises
+    thr_p = jnp.take_along_axis(s, (n_keep - 1)[:, None], axis=-1)  # f32[B, 1]
+
+    return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, neg_inf)
+
+
+def row_keys(st: SamplingTensors) -> jax.Array:
+    """key[B]: row b's PRNG key, ``fold_in(key(seeds[b]), steps[b])``.
+
+    A row's draw depends only on its own seed and step, never on its position in the batch or
+    the other rows, so a seeded request gives the same tokens alone or in any batch.
+    """
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(
+        st.seeds, st.steps
+    )
+
+
+def sample(
+    logits: jax.Array,
+    st: SamplingTensors,
+    *,
+    num_logprobs: int = 0,
+    logprob_logits: jax.Array | None = None,
+) -> SampleOutput:
+    """Samples one token per row.
+
+    Non-greedy rows draw from softmax(`processed_logits`) by the Gumbel-max trick, with Gumbel
+    noise from the row's own key (`row_keys`); vLLM draws the equivalent ``argmax(p / q)``,
+    q ~ Exp(1). Greedy rows (temperature 0) take the argmax of `logits` (lowest id on ties).
+
+    Returned logprobs are ``log_softmax(logits)`` of the logits given here, before temperature
+    and filtering (vLLM's default ``logprobs_mode="raw_logprobs"``). vLLM computes them before
+    the penalties; a caller that applies `apply_penalties` first and wants exactly that passes
+    the unpenalised logits as `logprob_logits`.
+
+    Args:
+        logits: f32[B, V] (bf16 is upcast), penalties already applied.
+        st: the batch's sampling tensors.
+        num_logprobs: static; n, how many top logprobs to return per row (0 = none). Use the
+            batch's largest `SamplingParams.logprobs` and slice per row on the host.
+        logprob_logits: optional f32[B, V] to compute the returned logprobs from instead.
+
+    Returns:
+        `SampleOutput` with tokens i32[B], logprobs f32[B], top_ids i32[B, n],
+        top_logprobs f32[B, n].
+
+    Raises:
+        ValueError: if num_logprobs is negative or larger than V.
+    """
+    logits = logits.astype(jnp.float32)
+    B, V = logits.shape
+    if not 0 <= num_logprobs <= V:
+        raise ValueError(f"sample: num_logprobs must be in [0, {V}], got {num_logprobs}")
+
+    x = processed_logits(logits, st)  # f32[B, V]
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(row_keys(st))
+    random_tokens = jnp.argmax(x + gumbel, axis=-1)
+    greedy_tokens = jnp.argmax(logits, axis=-1)
+    tokens = jnp.where(st.temperature < SAMPLING_EPS, greedy_tokens, random_tokens)
+    tokens = tokens.astype(jnp.int32)  # i32[B]
+
+    lp_src = logits if logprob_logits is None else logprob_logits.astype(jnp.float32)
+    lp = jax.nn.log_softmax(lp_src, axis=-1)  # f32[B, V]
+    token_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    if num_logprobs > 0:
+        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
+    else:
+        top_lp = jnp.zeros((B, 0), jnp.float32)
+        top_ids = jnp.zeros((B, 0), jnp.int32)
+    return SampleOutput(
+        tokens=tokens,
+        logprobs=token_lp,
+        top_ids=top_ids.astype(jnp.int32),
+        top_logprobs=top_lp,
+    )
