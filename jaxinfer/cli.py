@@ -1,0 +1,574 @@
+"""The command line: ``jaxinfer generate`` runs a file of prompts through a model into a JSONL file.
+
+    jaxinfer generate --model ../shared/models/stories260K --prompts examples/prompts.jsonl \\
+        --out out.jsonl --temperature 0
+
+Input: JSONL records ``{"id": ..., "prompt" | "messages" | "prompt_token_ids": ..., <sampling
+fields>}`` or plain text, one prompt per line. Output: one JSONL record per prompt
+(``RequestOutput.to_record()`` or an error record), written and flushed as each prompt finishes.
+A rerun with the same ``--out`` skips the ids already there (resume after a crash or Ctrl-C).
+stdout carries one JSON summary object; progress, messages and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.sampling_params import SamplingParams
+
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+DUPLICATE_PREFIX = "duplicate id"
+"""Error records of repeated input ids start with this; resume tells them from the first one's."""
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A bad command line or unreadable file: one line on stderr, exit code 2."""
+
+
+@dataclasses.dataclass
+class Job:
+    """One input record: ``prompt`` (for ``LLM.encode_prompt``) and its merged sampling fields,
+    or ``error`` (the message of its error record)."""
+
+    id: str
+    line: int  # 1-based line number in the prompts file
+    prompt: str | dict | None = None
+    sampling: dict | None = None
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------- arguments
+
+
+def _sampling_defaults() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="jaxinfer", description="jaxinfer: LLM inference in JAX.", formatter_class=fmt
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    g = sub.add_parser(
+        "generate",
+        formatter_class=fmt,
+        help="generate completions for a file of prompts into a JSONL file",
+        description=(
+            "Generate a completion for every prompt in --prompts and write one JSONL record per "
+            "prompt to --out as it finishes. Rerunning with the same --out resumes: ids already "
+            "in the file (results and error records alike) are skipped."
+        ),
+    )
+    io = g.add_argument_group("input and output")
+    io.add_argument(
+        "--model",
+        required=True,
+        help="model: a Hugging Face directory or a llama2.c checkpoint (file or dir)",
+    )
+    io.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        help=(
+            "prompts file: JSONL ({'id', 'prompt'|'messages'|'prompt_token_ids', sampling "
+            "fields}; read as JSONL when it ends in .jsonl or every non-empty line is a JSON "
+            "object) or plain text, one prompt per line. Ids default to the 0-based line number."
+        ),
+    )
+    io.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output JSONL file; appended to, ids already present are skipped",
+    )
+    io.add_argument(
+        "--tokenizer", default=None, help="tokenizer file overriding the one found beside the model"
+    )
+
+    e = g.add_argument_group("engine")
+    e.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weight and KV cache dtype: float32 is the fast dtype on CPU, bfloat16 is for TPU/GPU",
+    )
+    e.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (None: the model's context length)",
+    )
+    e.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        help="pages in the KV pool (None: every sequence at full length, up to 2 GiB)",
+    )
+    e.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded together")
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step (None: max(512, max-num-seqs))",
+    )
+    e.add_argument("--attn-impl", default="xla", help="attention implementation")
+    e.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed: draws the seeds of requests that have none",
+    )
+
+    d = _sampling_defaults()
+    s = g.add_argument_group(
+        "sampling defaults (SamplingParams fields; a JSONL record's own fields override them)"
+    )
+    s.add_argument(
+        "--temperature",
+        type=float,
+        default=d["temperature"],
+        help="sampling temperature (1.0 as vLLM); --temperature 0 for greedy",
+    )
+    s.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus mass; 1 = off")
+    s.add_argument("--top-k", type=int, default=d["top_k"], help="top-k; 0 or -1 = off")
+    s.add_argument("--min-p", type=float, default=d["min_p"], help="min-p; 0 = off")
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=d["repetition_penalty"],
+        help="repetition penalty; 1 = off",
+    )
+    s.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=d["presence_penalty"],
+        help="presence penalty in [-2, 2]",
+    )
+    s.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=d["frequency_penalty"],
+        help="frequency penalty in [-2, 2]",
+    )
+    s.add_argument(
+        "--max-tokens", type=int, default=d["max_tokens"], help="most tokens generated per prompt"
+    )
+    s.add_argument(
+        "--min-tokens",
+        type=int,
+        default=d["min_tokens"],
+        help="EOS and stop token ids cannot end a prompt before this many tokens",
+    )
+    s.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        help="stop string (repeatable); the text is cut before it",
+    )
+    s.add_argument(
+        "--stop-token-ids",
+        type=int,
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="ID",
+        help="token ids that end generation (repeatable)",
+    )
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    s.add_argument(
+        "--logprobs",
+        type=int,
+        default=d["logprobs"],
+        help="also return the n most likely tokens' logprobs per token",
+    )
+    s.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=d["seed"],
+        help="per-request seed of prompts without their own 'seed' (None: drawn "
+        "from the engine seed)",
+    )
+
+    o = g.add_argument_group("display")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no messages on stderr except errors",
+    )
+    return parser
+
+
+def sampling_defaults_from_args(args: argparse.Namespace) -> dict:
+    """The command line's sampling defaults as a SamplingParams dict (raises UsageError)."""
+    d = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "max_tokens": args.max_tokens,
+        "min_tokens": args.min_tokens,
+        "stop": list(args.stop or []),
+        "stop_token_ids": list(args.stop_token_ids or []),
+        "ignore_eos": args.ignore_eos,
+        "logprobs": args.logprobs,
+        "seed": args.sampling_seed,
+    }
+    try:
+        SamplingParams.from_dict(d)
+    except RequestError as e:
+        raise UsageError(f"invalid sampling flags: {e}") from None
+    return d
+
+
+# ------------------------------------------------------------------------- input
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def read_jobs(path: Path, defaults: dict) -> tuple[list[Job], bool]:
+    """The prompts file as jobs (bad records become jobs with ``error``); also whether it was
+    read as JSONL. Raises UsageError when the file cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read prompts file {path}: {e}") from None
+    lines = text.splitlines()
+    nonempty = [ln for ln in lines if ln.strip()]
+    is_jsonl = path.suffix == ".jsonl" or (bool(nonempty) and all(map(_is_json_object, nonempty)))
+    jobs = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        if is_jsonl:
+            jobs.append(_parse_record(line, i, defaults))
+        else:
+            jobs.append(Job(id=str(i), line=i + 1, prompt=line, sampling=defaults))
+    return jobs, is_jsonl
+
+
+def _parse_record(line: str, index: int, defaults: dict) -> Job:
+    n = index + 1
+    job = Job(id=str(index), line=n)
+    try:
+        rec = json.loads(line)
+    except ValueError as e:
+        job.error = f"line {n}: not valid JSON ({e})"
+        return job
+    if not isinstance(rec, dict):
+        job.error = f"line {n}: expected a JSON object, got {type(rec).__name__}"
+        return job
+    if "id" in rec:
+        rid = rec.pop("id")
+        if isinstance(rid, bool) or not isinstance(rid, str | int):
+            job.error = f"line {n}: id must be a string or an integer, got {rid!r}"
+            return job
+        job.id = str(rid)
+    given = [k for k in PROMPT_KEYS if k in rec]
+    if len(given) != 1:
+        job.error = f"line {n}: a record needs exactly one of {', '.join(PROMPT_KEYS)}" + (
+            f", got {', '.join(given)}" if given else ""
+        )
+        return job
+    key = given[0]
+    value = rec.pop(key)
+    if key == "prompt" and not isinstance(value, str):
+        job.error = f"line {n}: prompt must be a string, got {type(value).__name__}"
+    elif key != "prompt" and not isinstance(value, list):
+        job.error = f"line {n}: {key} must be a list, got {type(value).__name__}"
+    elif len(value) == 0:
+        job.error = f"line {n}: empty {key}"
+    if job.error:
+        return job
+    job.prompt = value if key == "prompt" else {key: value}
+    merged = {**defaults, **rec}
+    try:
+        SamplingParams.from_dict(merged)
+    except RequestError as e:
+        job.error = f"line {n}: {e}"
+        return job
+    job.sampling = merged
+    return job
+
+
+# ------------------------------------------------------------------------- resume
+
+
+@dataclasses.dataclass
+class Done:
+    """Ids found in an existing output file."""
+
+    ids: set[str] = dataclasses.field(default_factory=set)  # a result or a first-id error
+    duplicates: dict[str, int] = dataclasses.field(default_factory=dict)  # duplicate-id errors
+    truncated: bool = False  # a partial last line was cut away
+
+
+def read_done(path: Path, warn) -> Done:
+    """Reads the ids of an existing output file; cuts away a partial last line (a crash in the
+    middle of a write). Raises UsageError when the file cannot be read or written."""
+    done = Done()
+    if not path.exists():
+        return done
+    try:
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            with open(path, "r+b") as f:
+                f.truncate(keep)
+            data = data[:keep]
+            done.truncated = True
+    except OSError as e:
+        raise UsageError(f"cannot read output file {path}: {e}") from None
+    for n, raw in enumerate(data.splitlines(), 1):
+        try:
+            rec = json.loads(raw)
+            rid = rec["id"]
+        except (ValueError, TypeError, KeyError):
+            if raw.strip():
+                warn(f"{path} line {n} is not a record with an id; left as is")
+            continue
+        rid = str(rid)
+        err = rec.get("error")
+        if isinstance(err, str) and err.startswith(DUPLICATE_PREFIX):
+            done.duplicates[rid] = done.duplicates.get(rid, 0) + 1
+        else:
+            done.ids.add(rid)
+    return done
+
+
+def plan(jobs: list[Job], done: Done) -> tuple[list[Job], list[Job], int]:
+    """(jobs to generate, error jobs to write, number skipped as already in the output file).
+
+    A repeated id becomes an error job (unless that error record is already written)."""
+    seen: dict[str, int] = {}
+    dups_written = dict(done.duplicates)
+    run, errors, skipped = [], [], 0
+    for job in jobs:
+        if job.id in seen:
+            if dups_written.get(job.id, 0) > 0:
+                dups_written[job.id] -= 1
+                skipped += 1
+                continue
+            first = seen[job.id]
+            job.error = f"{DUPLICATE_PREFIX} {job.id!r} on line {job.line} (first on line {first})"
+            errors.append(job)
+            continue
+        seen[job.id] = job.line
+        if job.id in done.ids:
+            skipped += 1
+        elif job.error is not None:
+            errors.append(job)
+        else:
+            run.append(job)
+    return run, errors, skipped
+
+
+# ------------------------------------------------------------------------- the run
+
+
+def _write(f: TextIO, record: dict) -> None:
+    f.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write: a line is whole or absent
+    f.flush()
+
+
+def _error_record(job: Job) -> dict:
+    return {"id": job.id, "error": job.error, "finish_reason": "error"}
+
+
+def _load_llm(args: argparse.Namespace):
+    from jaxinfer.llm import LLM
+
+    try:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            kv_pages=args.kv_pages,
+            page_size=args.page_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            attn_impl=args.attn_impl,
+            tokenizer=args.tokenizer,
+            seed=args.seed,
+        )
+    except (JaxinferError, OSError, ValueError) as e:
+        raise UsageError(f"cannot load model {args.model}: {e}") from None
+    if llm.tokenizer is None:
+        raise UsageError(f"no tokenizer found beside {args.model}; pass --tokenizer")
+    return llm
+
+
+def _encode(llm, job: Job) -> list[int] | None:
+    """Token ids of a job's prompt, checked against the engine; on failure sets ``job.error``."""
+    try:
+        ids, _ = llm.encode_prompt(job.prompt)
+        llm.engine.validate(ids, SamplingParams.from_dict(job.sampling))
+        return ids
+    except (JaxinferError, ValueError, TypeError, KeyError) as e:
+        job.error = f"line {job.line}: {e}"
+        return None
+
+
+def _generate(llm, run: list[tuple[Job, list[int]]], f: TextIO, stats: dict, bar) -> None:
+    """Generates ``run`` (jobs with their prompt token ids); writes each record (and counts it
+    in ``stats``) as its prompt finishes."""
+    prompts = [{"prompt_token_ids": ids} for _, ids in run]
+    params = [SamplingParams.from_dict(j.sampling) for j, _ in run]
+    t0 = time.perf_counter()
+    for out in llm.generate_stream(prompts, params, request_ids=[j.id for j, _ in run]):
+        if not out.finished:
+            continue
+        _write(f, out.to_record())
+        if out.error is not None:
+            stats["errors"] += 1
+        else:
+            stats["completed"] += 1
+            stats["prompt_tokens"] += out.metrics.prompt_tokens
+            stats["completion_tokens"] += out.metrics.completion_tokens
+        if bar is not None:
+            bar.update(1)
+            rate = stats["completion_tokens"] / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{rate:.1f} tok/s")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    quiet = args.quiet
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(f"jaxinfer: {msg}", file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    defaults = sampling_defaults_from_args(args)
+    if not args.prompts.is_file():
+        raise UsageError(f"prompts file {args.prompts} does not exist or is not a file")
+    if not Path(args.model).exists():
+        raise UsageError(f"model {args.model} does not exist")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_file():
+        raise UsageError(f"tokenizer {args.tokenizer} does not exist or is not a file")
+    out_path: Path = args.out
+    if out_path.exists() and (out_path.is_dir() or out_path.resolve() == args.prompts.resolve()):
+        raise UsageError(f"--out {out_path} is a directory or the prompts file itself")
+    if not out_path.parent.is_dir():
+        raise UsageError(f"directory of --out {out_path} does not exist")
+    jobs, _ = read_jobs(args.prompts, defaults)
+    done = read_done(out_path, say)
+    if done.truncated:
+        say(f"{out_path}: cut away a partial last line (interrupted write)")
+    run, errors, skipped = plan(jobs, done)
+
+    llm = _load_llm(args) if run else None
+    ids_run = []
+    for job in run:
+        ids = _encode(llm, job)
+        if ids is None:
+            errors.append(job)
+        else:
+            ids_run.append((job, ids))
+    if skipped:
+        say(f"{skipped} prompt(s) already in {out_path}; skipping them")
+
+    stats = {
+        "prompts": len(jobs),
+        "completed": 0,
+        "errors": 0,
+        "skipped": skipped,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+    }
+    bar = None
+    if ids_run and not (args.no_progress or quiet):
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=len(ids_run), desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True
+        )
+    interrupted = False
+    t_gen = time.perf_counter()
+    try:
+        with open(out_path, "a", encoding="utf-8") as f:
+            try:
+                for job in errors:
+                    _write(f, _error_record(job))
+                    stats["errors"] += 1
+                if ids_run:
+                    _generate(llm, ids_run, f, stats, bar)
+            except KeyboardInterrupt:
+                interrupted = True
+    except OSError as e:
+        raise UsageError(f"cannot write output file {out_path}: {e}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    gen_s = time.perf_counter() - t_gen
+    summary = {
+        **stats,
+        "wall_s": round(time.perf_counter() - t_start, 3),
+        "generate_s": round(gen_s, 3),
+        "throughput_tok_s": round(stats["completion_tokens"] / gen_s, 2) if gen_s > 0 else 0.0,
+        "compilations": llm.num_compilations if llm is not None else 0,
+        "preemptions": llm.engine.scheduler.num_preemptions if llm is not None else 0,
+        "interrupted": interrupted,
+        "out": str(out_path),
+    }
+    if interrupted:
+        n = stats["completed"] + stats["errors"]
+        print(
+            f"jaxinfer: interrupted; {n} record(s) written to {out_path} in this run "
+            f"({n + skipped} of {len(jobs)} in all). Rerun the same command to resume.",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        say(
+            f"{stats['completed']} completed, {stats['errors']} error(s), {skipped} skipped; "
+            f"{stats['prompt_tokens']} tokens in, {stats['completion_tokens']} out; "
+            f"{summary['wall_s']:.1f} s wall, {summary['throughput_tok_s']:.1f} output tok/s; "
+            f"{summary['compilations']} compilation(s), {summary['preemptions']} preemption(s)"
+        )
+    print(json.dumps(summary), flush=True)
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jaxinfer`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return int(e.code or 0)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        parser.error(f"unknown command {args.command!r}")
+    except UsageError as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # before any output was opened (loading, compiling)
+        print("jaxinfer: interrupted before writing anything", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
