@@ -48,7 +48,10 @@ class Buckets:
         return (self.decode_rows, self.prefill_tokens, self.prefill_rows, self.pages_per_seq)
 
 
-MIN_PREFILL_TOKENS = 16
+# Bucket floors: tiny buckets save little padding but each costs a compilation.
+MIN_DECODE_ROWS = 4
+MIN_PREFILL_TOKENS = 32
+MIN_PAGES_PER_SEQ = 4
 
 
 def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int
@@ -58,13 +61,14 @@ def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: i
     tp_live = sum(r.num_new for r in rows_p)
     max_pages = max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows)
     bk = Buckets(
-        decode_rows=next_pow2(nd),
+        decode_rows=next_pow2(nd, MIN_DECODE_ROWS),
         prefill_tokens=next_pow2(tp_live, MIN_PREFILL_TOKENS),
         prefill_rows=next_pow2(len(rows_p)),
-        pages_per_seq=min(next_pow2(max_pages), next_pow2(max_pages_per_seq)),
+        pages_per_seq=min(next_pow2(max_pages, MIN_PAGES_PER_SEQ), next_pow2(max_pages_per_seq)),
     )
     td, tp, bp, m = bk.key
     t, b = td + tp, td + bp
+    # Sampled rows are padded to a power of two so sampling compiles once per size.
     tokens = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
     slots = np.full(t, NULL_PAGE * page_size, np.int32)
@@ -73,10 +77,10 @@ def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: i
     kv_lens = np.zeros(b, np.int32)
     q_lens = np.zeros(b, np.int32)
     q_lens[:td] = 1
-    logits_indices = np.zeros(b, np.int32)
+    logits_indices = np.zeros(next_pow2(b), np.int32)
     tok = 0
     for i, row in enumerate(sched.rows):
-        r = i if i < nd else td + (i - nd)
+        r = row_index(i, nd, td)
         if i == nd:
             tok = td
         seq, n = row.seq, row.num_new

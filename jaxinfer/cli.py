@@ -296,7 +296,9 @@ def _parse_record(line: str, index: int, defaults: dict) -> Job:
         job.error = f"line {n}: prompt must be a string, got {type(value).__name__}"
     elif key != "prompt" and not isinstance(value, list):
         job.error = f"line {n}: {key} must be a list, got {type(value).__name__}"
-    elif len(value) == 0:
+    elif key != "prompt" and len(value) == 0:
+        # Empty prompt *text* is valid when the tokenizer adds BOS (llama2.c's unconditional
+        # start); the engine rejects a request that ends up with zero tokens.
         job.error = f"line {n}: empty {key}"
     if job.error:
         return job

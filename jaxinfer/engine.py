@@ -20,7 +20,7 @@ from jaxinfer.paged_attention import ATTN_IMPLS
 from jaxinfer.params import Params
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence
-from jaxinfer.step import LogitsControls, jitted_step
+from jaxinfer.step import LogitsControls, jitted_forward_step, jitted_sample_step
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -99,14 +99,16 @@ class Engine:
                                    ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
         self._rng = np.random.default_rng(ecfg.seed)
         self._requests: dict[str, _Request] = {}
-        self._step = jitted_step()
+        self._forward = jitted_forward_step()
+        self._sample = jitted_sample_step()
         self.compile_keys: set[tuple] = set()
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
 
     @property
     def num_compilations(self) -> int:
-        """Distinct step shapes compiled so far by this engine (bounded by the buckets)."""
+        """Distinct device functions compiled so far by this engine: forward steps (one per bucket
+        tuple) plus sampling steps (one per row count and option set); bounded by the buckets."""
         return len(self.compile_keys)
 
     # ---------------------------------------------------------------- requests
@@ -175,7 +177,7 @@ class Engine:
             raise RuntimeError("scheduler produced an empty step while requests are pending")
         batch, bk = build_step_batch(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
         td, nd = bk.decode_rows, len(sched.decode)
-        b = td + bk.prefill_rows
+        b = len(batch.logits_indices)
         rows = [(row, row_index(i, nd, td)) for i, row in enumerate(sched.rows)]
         params_rows = [SamplingParams(temperature=0.0)] * b
         seeds, steps = [0] * b, [0] * b
@@ -187,9 +189,11 @@ class Engine:
         controls = self._controls(rows, b)
         want_lp = any(row.seq.params.logprobs is not None for row, _ in rows)
         num_lp = MAX_LOGPROBS if want_lp else 0
-        self.compile_keys.add((bk.key, controls is not None, num_lp))
-        self.kv, out = self._step(self.params, self.kv, batch, st, controls, cfg=self.cfg,
-                                  num_logprobs=num_lp, attn_impl=self.ecfg.attn_impl)
+        self.compile_keys.add(("forward", bk.key))
+        self.compile_keys.add(("sample", b, controls is not None, num_lp))
+        self.kv, logits = self._forward(self.params, self.kv, batch, cfg=self.cfg,
+                                        attn_impl=self.ecfg.attn_impl)
+        out = self._sample(logits, st, controls, num_logprobs=num_lp)
         tokens = np.asarray(out.tokens)
         lps = np.asarray(out.logprobs)
         top_ids, top_lps = (np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if num_lp else (None, None)

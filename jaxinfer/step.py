@@ -1,8 +1,8 @@
 """The engine's device step: one jitted function over a ragged batch of prefill and decode tokens.
 
-``step`` embeds the flat token axis, runs every layer (writing K/V into the donated page pool and
-attending through the paged attention), computes logits only at each row's last token, applies
-penalties and samples on device. Host code (``jaxinfer.batch``) builds the ``StepBatch``; shapes
+``forward_step`` embeds the flat token axis, runs every layer (writing K/V into the donated page
+pool and attending through the paged attention) and computes logits only at each row's last
+token; ``sample_step`` applies penalties and samples on device (the logits never leave it). Host code (``jaxinfer.batch``) builds the ``StepBatch``; shapes
 are padded to power-of-two buckets so the number of compilations is bounded.
 """
 
@@ -30,7 +30,8 @@ class StepBatch:
     Attributes:
         tokens: i32[T] input token ids, decode tokens first, then prefill chunks, then padding.
         md: attention metadata (positions, slot mapping, block tables, lengths).
-        logits_indices: i32[B] index into T of each row's last token (its logits are sampled).
+        logits_indices: i32[B'] index into T of each row's last token (its logits are sampled);
+            B' >= B is the row count rounded up to a power of two (extra entries are padding).
     """
 
     tokens: jax.Array
@@ -54,45 +55,67 @@ class LogitsControls:
     banned: jax.Array
 
 
-def step(
+def forward_step(
     params: Params,
     kv: KVCache,
     batch: StepBatch,
-    sampling: SamplingTensors,
-    controls: LogitsControls | None,
     *,
     cfg: ModelConfig,
-    num_logprobs: int = 0,
     attn_impl: str = "xla",
-) -> tuple[KVCache, SampleOutput]:
-    """One forward + sampling step.
+) -> tuple[KVCache, jax.Array]:
+    """The model part of a step: forward over the ragged batch, logits of each row's last token.
 
     Args:
         params: model weights.
         kv: the page pool; donated and returned updated.
         batch: tokens and metadata, see ``StepBatch``.
-        sampling: per-row sampling parameters, B rows.
-        controls: penalty inputs and banned tokens, or None when no row needs them.
         cfg: architecture (static).
-        num_logprobs: top-n logprobs to return per row (static; 0 = none).
         attn_impl: attention implementation (static), see ``paged_attention.ATTN_IMPLS``.
 
     Returns:
-        (updated KV cache, sampled tokens i32[B] with their logprobs).
+        (updated KV cache, logits f32[B, V]).
     """
     hidden, kv = forward(
         params, cfg, batch.tokens, batch.md.positions, kv, paged_attn_fn(cfg, batch.md, attn_impl)
     )
-    logits = compute_logits(params, cfg, hidden[batch.logits_indices])
+    return kv, compute_logits(params, cfg, hidden[batch.logits_indices])
+
+
+def sample_step(
+    logits: jax.Array,
+    sampling: SamplingTensors,
+    controls: LogitsControls | None,
+    *,
+    num_logprobs: int = 0,
+) -> SampleOutput:
+    """The sampling part of a step: penalties, banned tokens, then ``sampling.sample``.
+
+    Compiled apart from ``forward_step`` so its compilations depend only on B (and on whether
+    controls/logprobs are present), not on the token and page buckets.
+
+    Args:
+        logits: f32[B, V] raw logits.
+        sampling: per-row sampling parameters, B rows.
+        controls: penalty inputs and banned tokens, or None when no row needs them.
+        num_logprobs: top-n logprobs to return per row (static; 0 = none).
+
+    Returns:
+        Sampled tokens i32[B] with logprobs of the raw distribution (vLLM's raw logprobs).
+    """
     raw_logits = logits
     if controls is not None:
         logits = apply_penalties(logits, controls.prompt_mask, controls.output_counts, sampling)
         logits = jnp.where(controls.banned, -jnp.inf, logits)
-    return kv, sample(logits, sampling, num_logprobs=num_logprobs, logprob_logits=raw_logits)
+    return sample(logits, sampling, num_logprobs=num_logprobs, logprob_logits=raw_logits)
 
 
 @functools.cache
-def jitted_step():
-    """The jitted ``step`` (one per process; its compilation cache is keyed by shapes)."""
-    return jax.jit(step, static_argnames=("cfg", "num_logprobs", "attn_impl"),
-                   donate_argnames=("kv",))
+def jitted_forward_step():
+    """The jitted ``forward_step`` (one per process; compilations keyed by shapes)."""
+    return jax.jit(forward_step, static_argnames=("cfg", "attn_impl"), donate_argnames=("kv",))
+
+
+@functools.cache
+def jitted_sample_step():
+    """The jitted ``sample_step``."""
+    return jax.jit(sample_step, static_argnames=("num_logprobs",))

@@ -72,8 +72,8 @@ def test_greedy_matches_llama2c_reference(tmp_path, capsys):
     records, prompt_ids = [], {}
     for i, c in enumerate(cases):
         ids = tok.encode(c["prompt"])  # BOS first
-        # An empty prompt is an error record in the CLI; run.c's empty prompt is BOS alone.
-        rec = {"prompt": c["prompt"]} if c["prompt"] else {"prompt_token_ids": ids}
+        # Empty prompt text is BOS alone on this tokenizer (run.c's unconditional start).
+        rec = {"prompt": c["prompt"]}
         rec.update(id=f"ref{i}", max_tokens=c["max_steps"] - (len(ids) - 1), stop_token_ids=[BOS])
         records.append(rec)
         prompt_ids[f"ref{i}"] = ids
@@ -100,7 +100,7 @@ def test_bad_records_become_error_records_and_the_rest_complete(tmp_path, capsys
         "{not json",
         {"id": "b", "prompt": "Tom", "temprature": 0.5},  # unknown sampling key
         {"id": "c", "prompt": "Tom", "top_p": 2.0},
-        {"id": "d", "prompt": ""},
+        {"id": "d", "prompt_token_ids": []},
         {"id": "e", "prompt_token_ids": [BOS] + [300] * 300},  # longer than max_model_len
         {"id": "a", "prompt": "Lily"},  # duplicate id
         {"prompt": "Lily wanted to", "max_tokens": 3},  # id = 0-based line number

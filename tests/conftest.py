@@ -1,0 +1,28 @@
+"""Shared test fixtures: the location of ../shared (real models) and a stories260K engine."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+STORIES = SHARED / "models" / "stories260K"
+
+
+def stories_reference() -> list[dict]:
+    return json.loads((STORIES / "greedy_reference.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not STORIES.is_dir():
+        pytest.skip(f"{STORIES} not found (set JAXINFER_SHARED to the shared/ folder)")
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def stories_llm(stories_dir):
+    from jaxinfer.llm import LLM
+
+    return LLM(stories_dir, max_num_seqs=32, compilation_cache=False)
