@@ -1,1 +1,8 @@
+"""jaxinfer: a JAX/XLA inference engine for large language models."""
+
+from jaxinfer.llm import LLM
 from jaxinfer.loaders import LoadedModel, load
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LoadedModel", "RequestOutput", "SamplingParams", "load"]
