@@ -162,18 +162,63 @@ def apply_penalties(
     return logits
 
 
+def _sortable_keys(x: jax.Array) -> jax.Array:
+    """i32 keys whose order is the float order of `x` (-0.0 and +0.0 share a key).
+
+    A float's bits read as int32 are ordered for non-negative floats and reversed for negative
+    ones, so negative bit patterns get their 31 low bits flipped: ``key(a) >= key(b)`` iff
+    ``a >= b`` for non-NaN `a`, `b` (-inf is the smallest key but one).
+    """
+    x = jnp.where(x == 0, jnp.float32(0), x)  # -0.0 == +0.0 as floats: one key
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+_NO_CUT = np.iinfo(np.int32).min  # the smallest key: every key is >= it
+
+
+def _largest_key(pred, batch: int) -> jax.Array:
+    """i32[B]: per row, the largest key t with pred(t) true, found bit by bit in 32 steps.
+
+    `pred` maps i32[B] candidate keys to bool[B] and must be monotone (true up to some t, false
+    above). A row whose pred is false for every key gets `_NO_CUT` (nothing is cut). The search
+    builds t + 2**31 as a u32 from the top bit down (no overflow), so it is exact in 32 steps.
+    """
+
+    def to_key(u):
+        return jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
+
+    def step(i, u):
+        cand = u | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+        return jnp.where(pred(to_key(cand)), cand, u)
+
+    return to_key(jax.lax.fori_loop(0, 32, step, jnp.zeros((batch,), jnp.uint32)))
+
+
 def processed_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Temperature-scaled logits with the tokens min-p, top-k and top-p exclude set to -inf.
 
     The order is vLLM v1's: temperature, then min-p (keep p >= min_p * max p, p = softmax of the
-    scaled logits), then top-k, then top-p over the distribution renormalised after top-k. One
-    descending sort per row serves top-k and top-p; both cut by *value*, so every token whose
-    logit equals the boundary one is kept: top-k keeps all ties of the k-th largest value (as
-    vLLM, which masks ``logits < kth``), and top-p keeps the smallest most-likely-first prefix
-    whose probability sums to >= top_p plus any token tied with its last one. The kept set thus
-    never depends on token ids (vLLM's unstable sort breaks top-p ties arbitrarily). The most
-    likely token is always kept. Greedy rows (temperature 0) are scaled by 1; `sample` takes
-    their argmax from the unscaled logits anyway.
+    scaled logits), then top-k, then top-p over the distribution renormalised after top-k. Both
+    top-k and top-p cut by *value*, so every token whose logit equals the boundary one is kept:
+    top-k keeps all ties of the k-th largest value (as vLLM, which masks ``logits < kth``), and
+    top-p keeps the smallest most-likely-first prefix whose probability sums to >= top_p plus
+    any token tied with its last one. The kept set thus never depends on token ids (vLLM's
+    unstable sort breaks top-p ties arbitrarily). The most likely token is always kept; top_k
+    <= 0 or >= V, top_p >= 1 and min_p = 0 are off. Greedy rows (temperature 0) are scaled by 1;
+    `sample` takes their argmax from the unscaled logits anyway.
+
+    Method (no sort): each scaled logit gets an i32 key ordered as the floats (`_sortable_keys`),
+    and each cut is a threshold key found by a 32-step bitwise bisection (`_largest_key`), each
+    step one masked reduction over [B, V]:
+      * top-k: the largest key t with ``count(key >= t) >= k``, i.e. the k-th largest value.
+      * top-p: the largest key t with ``sum(p[key >= t]) >= top_p`` (p: the softmax after top-k),
+        i.e. the value of the first most-likely-first group of tied tokens at which the mass
+        reaches top_p, which is the prefix rule above. If rounding leaves the total mass
+        below top_p, nothing is cut (as the prefix rule). The masked sums replace the former
+        sorted cumulative sum; they are plain f32 reductions, so a top_p within a few ulps of a
+        prefix mass may fall on the other side than a cumsum would have put it.
+    Each filter is skipped (`lax.cond`) when no row of the batch uses it.
 
     Args:
         logits: f32[B, V] (penalties already applied).
@@ -183,32 +228,45 @@ def processed_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
         f32[B, V]; softmax of it is the distribution `sample` draws from for non-greedy rows.
     """
     logits = logits.astype(jnp.float32)
-    V = logits.shape[-1]
+    B, V = logits.shape
     neg_inf = jnp.float32(-jnp.inf)
     temp = jnp.where(st.temperature < SAMPLING_EPS, 1.0, st.temperature)  # f32[B]
     x = logits / temp[:, None]  # f32[B, V]
 
     # min-p, relative to the most likely token.
-    probs = jax.nn.softmax(x, axis=-1)
-    p_max = jnp.max(probs, axis=-1, keepdims=True)
-    x = jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)
+    def min_p(x):
+        probs = jax.nn.softmax(x, axis=-1)
+        p_max = jnp.max(probs, axis=-1, keepdims=True)
+        return jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)
 
-    # top-k: threshold at the k-th largest value.
-    s = -jnp.sort(-x, axis=-1)  # f32[B, V] descending
+    x = jax.lax.cond(jnp.any(st.min_p > 0), min_p, lambda x: x, x)
+    keys = _sortable_keys(x)  # i32[B, V]
+    no_cut = jnp.full((B,), _NO_CUT, jnp.int32)
+
+    # top-k: the largest key t with at least k keys >= t is the k-th largest value.
+    # Counted in f32 (exact below 2**24 tokens), which XLA CPU reduces faster than int32.
     k = jnp.where((st.top_k <= 0) | (st.top_k > V), V, st.top_k)  # i32[B]
-    thr_k = jnp.take_along_axis(s, (k - 1)[:, None], axis=-1)  # f32[B, 1]
-    s = jnp.where(s >= thr_k, s, neg_inf)
 
-    # top-p: a token is kept when the mass of the tokens sorted before it is < top_p.
-    ps = jax.nn.softmax(s, axis=-1)
-    mass_before = jnp.concatenate(  # f32[B, V], exclusive cumulative sum
-        [jnp.zeros_like(ps[:, :1]), jnp.cumsum(ps, axis=-1)[:, :-1]], axis=-1
-    )
-    keep = (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
-    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # i32[B], a prefix since mass_before rises
-    thr_p = jnp.take_along_axis(s, (n_keep - 1)[:, None], axis=-1)  # f32[B, 1]
+    def top_k(_):
+        def enough(t):
+            return jnp.sum((keys >= t[:, None]).astype(jnp.float32), axis=-1) >= k
 
-    return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, neg_inf)
+        return _largest_key(enough, B)
+
+    thr_k = jax.lax.cond(jnp.any(k < V), top_k, lambda _: no_cut, None)  # i32[B]
+
+    # top-p: the largest key t whose tokens at or above it hold >= top_p of the mass.
+    def top_p(_):
+        ps = jax.nn.softmax(jnp.where(keys >= thr_k[:, None], x, neg_inf), axis=-1)
+
+        def enough(t):
+            return jnp.sum(jnp.where(keys >= t[:, None], ps, 0.0), axis=-1) >= st.top_p
+
+        return jnp.where(st.top_p >= 1.0, no_cut, _largest_key(enough, B))
+
+    thr_p = jax.lax.cond(jnp.any(st.top_p < 1.0), top_p, lambda _: no_cut, None)  # i32[B]
+
+    return jnp.where(keys >= jnp.maximum(thr_k, thr_p)[:, None], x, neg_inf)
 
 
 def row_keys(st: SamplingTensors) -> jax.Array:
@@ -259,12 +317,17 @@ def sample(
     if not 0 <= num_logprobs <= V:
         raise ValueError(f"sample: num_logprobs must be in [0, {V}], got {num_logprobs}")
 
-    x = processed_logits(logits, st)  # f32[B, V]
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(row_keys(st))
-    random_tokens = jnp.argmax(x + gumbel, axis=-1)
-    greedy_tokens = jnp.argmax(logits, axis=-1)
-    tokens = jnp.where(st.temperature < SAMPLING_EPS, greedy_tokens, random_tokens)
-    tokens = tokens.astype(jnp.int32)  # i32[B]
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def random_rows(_):
+        x = processed_logits(logits, st)  # f32[B, V]
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(row_keys(st))
+        random_tokens = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(st.temperature < SAMPLING_EPS, greedy_tokens, random_tokens)
+
+    # An all-greedy batch (the common batch job) skips the sort and the random draws.
+    all_greedy = jnp.all(st.temperature < SAMPLING_EPS)
+    tokens = jax.lax.cond(all_greedy, lambda _: greedy_tokens, random_rows, None)  # i32[B]
 
     lp_src = logits if logprob_logits is None else logprob_logits.astype(jnp.float32)
     lp = jax.nn.log_softmax(lp_src, axis=-1)  # f32[B, V]

@@ -14,6 +14,7 @@ import pytest
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling import (
     MAX_LOGPROBS,
+    SAMPLING_EPS,
     SamplingParams,
     SamplingTensors,
     apply_penalties,
@@ -115,6 +116,80 @@ def test_filters_batch_rows_independent():
     st = tensors([SamplingParams(), SamplingParams(top_p=0.5), SamplingParams(top_k=1)], pad_to=4)
     x = np.asarray(processed_jit(jnp.concatenate([logits, logits[:1]]), st))
     assert [set(np.flatnonzero(np.isfinite(r))) for r in x[:3]] == [{0, 1, 2, 3}, {0, 1}, {0}]
+
+
+def _processed_logits_sorted(logits, st):
+    """Reference: the former sort-based `processed_logits` (one descending sort per row)."""
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    neg_inf = jnp.float32(-jnp.inf)
+    temp = jnp.where(st.temperature < SAMPLING_EPS, 1.0, st.temperature)  # f32[B]
+    x = logits / temp[:, None]  # f32[B, V]
+
+    # min-p, relative to the most likely token.
+    probs = jax.nn.softmax(x, axis=-1)
+    p_max = jnp.max(probs, axis=-1, keepdims=True)
+    x = jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)
+
+    # top-k: threshold at the k-th largest value.
+    s = -jnp.sort(-x, axis=-1)  # f32[B, V] descending
+    k = jnp.where((st.top_k <= 0) | (st.top_k > V), V, st.top_k)  # i32[B]
+    thr_k = jnp.take_along_axis(s, (k - 1)[:, None], axis=-1)  # f32[B, 1]
+    s = jnp.where(s >= thr_k, s, neg_inf)
+
+    # top-p: a token is kept when the mass of the tokens sorted before it is < top_p.
+    ps = jax.nn.softmax(s, axis=-1)
+    mass_before = jnp.concatenate(  # f32[B, V], exclusive cumulative sum
+        [jnp.zeros_like(ps[:, :1]), jnp.cumsum(ps, axis=-1)[:, :-1]], axis=-1
+    )
+    keep = (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # i32[B], a prefix since mass_before rises
+    thr_p = jnp.take_along_axis(s, (n_keep - 1)[:, None], axis=-1)  # f32[B, 1]
+
+    return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, neg_inf)
+
+
+sorted_jit = jax.jit(_processed_logits_sorted)
+
+
+def random_filter_batch(rng, B, V):
+    """Logits and per-row params stressing the filters: ties, -inf, extreme temperatures."""
+    kind = rng.integers(0, 4, size=B)
+    logits = rng.normal(size=(B, V)) * rng.choice([0.1, 1.0, 5.0, 30.0], size=(B, 1))
+    small_set = rng.choice([-3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0], size=(B, V))
+    logits = np.where((kind == 1)[:, None], small_set, logits)  # many ties
+    logits = np.where((kind == 2)[:, None], rng.integers(0, 3, size=(B, V)), logits)  # 3 values
+    logits = np.where((kind == 3)[:, None], 0.0, logits)  # all tied (then some -inf)
+    n_inf = rng.integers(0, V, size=B) * (rng.random(B) < 0.5)
+    for b in range(B):
+        logits[b, rng.permutation(V)[: n_inf[b]]] = -np.inf
+    ks = [0, 0, 1, 2, 3, V // 2, V - 1, V, V + 5]
+    params = [
+        SamplingParams(
+            temperature=float(rng.choice([1e-4, 1e-2, 0.3, 1.0, 2.0, 100.0, 1e4])),
+            top_k=int(rng.choice(ks)),
+            top_p=float(rng.choice([1e-6, 0.5, 0.9, 0.999, 1.0, 1.0])),
+            min_p=float(rng.choice([0.0, 0.0, 0.0, 1e-3, 0.2])),
+        )
+        for _ in range(B)
+    ]
+    return jnp.asarray(logits.astype(np.float32)), tensors(params)
+
+
+@pytest.mark.parametrize("V", [2, 7, 64, 512])
+def test_processed_logits_matches_sort_reference(V):
+    """The sort-free filters keep exactly the support of the former sort-based implementation."""
+    rng = np.random.default_rng(V)
+    B = 64
+    for _ in range(30):
+        logits, st = random_filter_batch(rng, B, V)
+        new = np.asarray(processed_jit(logits, st))
+        ref = np.asarray(sorted_jit(logits, st))
+        np.testing.assert_array_equal(np.isfinite(new), np.isfinite(ref))
+        np.testing.assert_array_equal(new[np.isfinite(new)], ref[np.isfinite(ref)])
+    # Batches where no row uses a filter take the skip branches.
+    off = tensors([SamplingParams(temperature=0.7)] * B)
+    np.testing.assert_array_equal(processed_jit(logits, off), sorted_jit(logits, off))
 
 
 def test_filtered_frequencies_match_renormalised_distribution():
