@@ -20,6 +20,7 @@ from jaxinfer.paged_attention import ATTN_IMPLS
 from jaxinfer.params import Params
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence
+from jaxinfer.sharding import to_host
 from jaxinfer.step import LogitsControls, jitted_forward_step, jitted_sample_step
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -77,7 +78,8 @@ class Engine:
             tokens (the message says how many pages are needed), or ``attn_impl`` is unknown.
     """
 
-    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig):
+    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
+                 mesh=None):
         if ecfg.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={ecfg.attn_impl!r} is not available; supported: {ATTN_IMPLS}")
         need = ecfg.max_pages_per_seq + 1
@@ -93,13 +95,20 @@ class Engine:
                 f"max_num_seqs={ecfg.max_num_seqs} (every running sequence decodes each step)"
             )
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
-        self.kv = init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, params.embed.dtype)
+        self.mesh = mesh  # a jax.sharding.Mesh the params are sharded over (None: one device)
+        if mesh is None:
+            self.kv = init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, params.embed.dtype)
+            self._forward = jitted_forward_step()
+        else:
+            from jaxinfer.sharding import sharded_kv_cache, step_out_shardings
+
+            self.kv = sharded_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, params.embed.dtype, mesh)
+            self._forward = jitted_forward_step(out_shardings=step_out_shardings(mesh))
         self.allocator = PageAllocator(ecfg.num_pages)
         self.scheduler = Scheduler(self.allocator, ecfg.page_size, ecfg.max_num_seqs,
                                    ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
         self._rng = np.random.default_rng(ecfg.seed)
         self._requests: dict[str, _Request] = {}
-        self._forward = jitted_forward_step()
         self._sample = jitted_sample_step()
         self.compile_keys: set[tuple] = set()
         self.num_steps = 0
@@ -194,9 +203,9 @@ class Engine:
         self.kv, logits = self._forward(self.params, self.kv, batch, cfg=self.cfg,
                                         attn_impl=self.ecfg.attn_impl)
         out = self._sample(logits, st, controls, num_logprobs=num_lp)
-        tokens = np.asarray(out.tokens)
-        lps = np.asarray(out.logprobs)
-        top_ids, top_lps = (np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if num_lp else (None, None)
+        tokens = to_host(out.tokens)
+        lps = to_host(out.logprobs)
+        top_ids, top_lps = (to_host(out.top_ids), to_host(out.top_logprobs)) if num_lp else (None, None)
         now = time.perf_counter()
         self.num_steps += 1
         results = []

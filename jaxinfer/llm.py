@@ -54,10 +54,18 @@ class LLM:
         kv_cache_memory_gb: memory budget of the default pool, GiB.
         tokenizer: tokenizer path overriding the one found beside the model.
         seed: seeds the draws of per-request seeds for requests without one.
+        tensor_parallel_size: devices each model copy is split over (heads, MLP width,
+            vocabulary; see ``jaxinfer.sharding``). Default: all devices when the weights do not
+            fit one device's memory, else 1.
+        data_parallel_size: engine replicas (each over its own ``tensor_parallel_size`` devices);
+            ``generate`` splits the prompts between them and merges the outputs in order.
+            Default 1.
 
     Raises:
         CheckpointError / TokenizerError: the model cannot be loaded (message names the file).
         ValueError: the KV pool cannot hold one sequence of ``max_model_len`` tokens.
+        ShardingError: the model cannot be split over ``tensor_parallel_size`` devices, or there
+            are fewer than tensor x data parallel devices (the message names the numbers).
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str = "float32",
@@ -65,30 +73,40 @@ class LLM:
                  page_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, attn_impl: str = "xla",
                  kv_cache_memory_gb: float = 2.0, tokenizer: str | None = None, seed: int = 0,
-                 compilation_cache: bool = True):
+                 compilation_cache: bool = True, tensor_parallel_size: int | None = None,
+                 data_parallel_size: int | None = None):
         from jaxinfer.loaders import load
+        from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
 
         if compilation_cache:
             enable_compilation_cache()
-        loaded = load(model, dtype=dtype, tokenizer=tokenizer)
+        placer = ShardedPlacer(tensor_parallel_size, data_parallel_size)
+        loaded = load(model, dtype=dtype, tokenizer=tokenizer, place=placer)
         self.model_path = str(model)
         self.config, self.params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
+        self.mesh, self.sharding_plan = placer.mesh, placer.plan
+        run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
         max_model_len = max_model_len or self.config.max_position_embeddings
         ecfg = EngineConfig(
             max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
             attn_impl=attn_impl, seed=seed,
         )
-        if kv_pages is None:
-            kv_pages = default_num_pages(self.config, ecfg, self.params.embed.dtype,
-                                         int(kv_cache_memory_gb * 2**30))
-        self.engine = Engine(self.config, self.params, self.tokenizer,
-                             EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages}))
+        if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
+            kv_pages = default_num_pages(run_cfg, ecfg, self.params.embed.dtype,
+                                         int(kv_cache_memory_gb * 2**30) * placer.plan.tp)
+        ecfg = EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages})
+        if self.mesh is None:
+            self.engines = [Engine(run_cfg, self.params, self.tokenizer, ecfg)]
+        else:
+            self.engines = [Engine(run_cfg, replica_view(self.params, m), self.tokenizer, ecfg,
+                                   mesh=m) for m in replica_meshes(self.mesh)]
+        self.engine = self.engines[0]
         self._next_id = 0
 
     @property
     def num_compilations(self) -> int:
-        return self.engine.num_compilations
+        return sum(e.num_compilations for e in self.engines)
 
     # ---------------------------------------------------------------- prompts
 
@@ -137,8 +155,9 @@ class LLM:
         if request_ids is None:
             request_ids = [str(self._next_id + i) for i in range(len(prompts))]
             self._next_id += len(prompts)
-        eng = self.engine
-        for rid, prompt, sp in zip(request_ids, prompts, sampling_params):
+        engines = self.engines  # data parallel: prompt i goes to replica i % dp
+        for i, (rid, prompt, sp) in enumerate(zip(request_ids, prompts, sampling_params)):
+            eng = engines[i % len(engines)]
             text = prompt if isinstance(prompt, str) else None
             try:
                 ids, text = self.encode_prompt(prompt)
@@ -147,8 +166,10 @@ class LLM:
             except JaxinferError as e:
                 yield RequestOutput(request_id=str(rid), prompt=text, prompt_token_ids=[],
                                     finish_reason="error", error=str(e))
-        while eng.has_unfinished():
-            yield from eng.step()
+        while any(e.has_unfinished() for e in engines):  # replicas step in turn
+            for eng in engines:
+                if eng.has_unfinished():
+                    yield from eng.step()
 
     def generate(self, prompts: PromptLike | Iterable[PromptLike],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -110,9 +110,14 @@ def sample_step(
 
 
 @functools.cache
-def jitted_forward_step():
-    """The jitted ``forward_step`` (one per process; compilations keyed by shapes)."""
-    return jax.jit(forward_step, static_argnames=("cfg", "attn_impl"), donate_argnames=("kv",))
+def jitted_forward_step(out_shardings=None):
+    """The jitted ``forward_step`` (one per process and ``out_shardings``; compilations keyed by
+    shapes). Under a mesh, ``out_shardings`` = (KV pool sharding, replicated logits sharding), see
+    ``sharding.step_out_shardings``; the params' own (committed) shardings fix the inputs'."""
+    if out_shardings is None:
+        return jax.jit(forward_step, static_argnames=("cfg", "attn_impl"), donate_argnames=("kv",))
+    return jax.jit(forward_step, static_argnames=("cfg", "attn_impl"), donate_argnames=("kv",),
+                   out_shardings=out_shardings)
 
 
 @functools.cache

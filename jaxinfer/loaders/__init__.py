@@ -114,6 +114,7 @@ def load(
     path: str | os.PathLike,
     dtype="float32",
     tokenizer: str | os.PathLike | None = None,
+    place=None,
 ) -> LoadedModel:
     """Loads a checkpoint of any supported format, with its tokenizer.
 
@@ -123,6 +124,8 @@ def load(
         dtype: weight dtype, a name (``"float32"``, ``"bfloat16"``) or a jnp dtype.
         tokenizer: a tokenizer file or directory overriding the one found beside the checkpoint
             (the checkpoint's directory is searched when ``path`` is a file).
+        place: optional ``place(cfg, field, x: np.ndarray) -> jax.Array`` putting each host
+            tensor on devices (e.g. ``jaxinfer.sharding.ShardedPlacer``, which shards it).
 
     Returns:
         LoadedModel with ``tokenizer`` None when no tokenizer was given and none is beside the
@@ -138,12 +141,12 @@ def load(
     if fmt == "hf":
         from jaxinfer.loaders.hf import load_hf
 
-        cfg, params = load_hf(ckpt, dtype)
+        cfg, params = load_hf(ckpt, dtype, place=place)
         tok_dir = ckpt
     else:
         from jaxinfer.loaders.llama2c import load_llama2c
 
-        cfg, params = load_llama2c(ckpt, dtype)
+        cfg, params = load_llama2c(ckpt, dtype, place=place)
         tok_dir = ckpt.parent
     tok = _load_tokenizer(tokenizer, tok_dir, cfg)
     return LoadedModel(config=cfg, params=params, tokenizer=tok, path=Path(path))

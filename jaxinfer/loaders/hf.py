@@ -522,7 +522,7 @@ def _prefixes(names: set[str], family_config: dict) -> tuple[str, str]:
     return "model.", "lm_head.weight"
 
 
-def load_hf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[ModelConfig, Params]:
     """Loads a Hugging Face checkpoint directory.
 
     Args:
@@ -530,6 +530,9 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Pa
             ``model.safetensors.index.json`` + shards. Tensors may be f32, f16 or bf16.
         dtype: dtype of the returned Params (float32, bfloat16 or float16); each tensor is cast with
             round-to-nearest-even, as ``torch.Tensor.to``.
+        place: optional ``place(cfg, field, x: np.ndarray) -> jax.Array`` that puts each host
+            tensor on devices (``jaxinfer.sharding.ShardedPlacer`` shards it); default
+            ``jnp.asarray``.
 
     Returns:
         (config, params). When ``lm_head.weight`` is absent the head is tied to the embedding even
@@ -584,6 +587,6 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Pa
             else:
                 out[...] = x
             del x
-        flat[field] = jnp.asarray(out)
+        flat[field] = place(cfg, field, out) if place is not None else jnp.asarray(out)
         del out
     return cfg, params_from_flat(flat)

@@ -296,12 +296,13 @@ def config_from_header(h: Llama2cHeader) -> ModelConfig:
     )
 
 
-def load_llama2c(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+def load_llama2c(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[ModelConfig, Params]:
     """Loads a llama2.c checkpoint (version 0, 1 or 2) into the engine's layout.
 
     Args:
         path: the ``.bin`` checkpoint file.
         dtype: dtype of the returned weights (Q8_0 weights are dequantized first).
+        place: optional ``place(cfg, field, x: np.ndarray) -> jax.Array`` hook, as in ``load_hf``.
 
     Returns:
         (config, params): wq f32[L, D, N, H], wk/wv [L, D, K, H] (wq, wk rows permuted to the
@@ -332,6 +333,10 @@ def load_llama2c(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfi
     }
     if not h.shared_classifier:
         flat["lm_head"] = t["wcls"].T
+    if place is not None:
+        np_dtype = np.dtype(dtype)
+        flat = {k: place(cfg, k, np.ascontiguousarray(v, np_dtype)) for k, v in flat.items()}
+        return cfg, params_from_flat(flat)
     flat = {k: jnp.asarray(np.ascontiguousarray(v), dtype=dtype) for k, v in flat.items()}
     return cfg, params_from_flat(flat)
 
