@@ -144,8 +144,12 @@ def forward(
             mlp = rms_norm(mlp, lp.post_mlp_norm, eps, off)
         return (x + mlp, cache), None
 
-    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(layer_fn, (x, cache), (params.layers, layers, windows))
+    if isinstance(params.layers, tuple):  # unstacked (params.unstack_layers): unrolled loop
+        for i, lp in enumerate(params.layers):
+            (x, cache), _ = layer_fn((x, cache), (lp, jnp.int32(i), windows[i]))
+    else:
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(layer_fn, (x, cache), (params.layers, layers, windows))
     return rms_norm(x, params.final_norm, eps, off), cache
 
 
