@@ -15,6 +15,10 @@ class RequestMetrics:
         e2e_s: arrival to finish.
         prompt_tokens, completion_tokens: token counts.
         num_preemptions: times the sequence was preempted and recomputed.
+        spec_rounds: speculative rounds the request took part in (0 without speculation).
+        acceptance_rate: accepted / proposed draft tokens (None without speculation).
+        mean_accepted_tokens: accepted draft tokens per round (None without speculation); each
+            round also emits one token of the target's own.
     """
 
     ttft_s: float | None = None
@@ -23,6 +27,9 @@ class RequestMetrics:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     num_preemptions: int = 0
+    spec_rounds: int = 0
+    acceptance_rate: float | None = None
+    mean_accepted_tokens: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,249 @@
+"""``SpecEngine``: the continuous-batching engine with speculative rounds (host side).
+
+Each ``step`` is one round: the scheduler admits and chunks prefills as usual; every decode row
+becomes a verify row of 1 + r query tokens (r <= R drafts, fewer near max_tokens/max_model_len,
+when the pool is short, or when the n-gram lookup finds less), for which pages are allocated up
+front; the jitted round (``round.spec_round``) drafts, verifies and accepts; then each row's
+emitted tokens are appended one by one with the usual stop checks, and ``num_computed`` advances by
+1 + accepted only, which rolls back the KV length of rejected positions (their pages stay
+allocated and are overwritten by the next round).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxinfer.batch import MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.kv_cache import NULL_PAGE, OutOfPagesError, init_kv_cache
+from jaxinfer.outputs import RequestOutput, TokenLogprob
+from jaxinfer.paged_attention import AttentionMetadata
+from jaxinfer.params import Params
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors
+from jaxinfer.scheduler import ScheduledRow, Sequence
+from jaxinfer.speculative.config import SpecConfig
+from jaxinfer.speculative.drafters import DraftHeads, ngram_propose
+from jaxinfer.speculative.round import SpecBatch, jitted_spec_round
+from jaxinfer.tokenizer import Tokenizer
+
+MIN_ROWS = 4
+
+
+def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: list[ScheduledRow],
+                     page_size: int, max_pages_per_seq: int, num_spec: int) -> SpecBatch:
+    """numpy ``SpecBatch`` of the verify rows ``(seq, host drafts, num drafts)`` and prefill rows.
+
+    Every row sits in the multi-token ("prefill") region of the attention (``num_decode = 0``).
+    T, B and M are padded to powers of two (floors ``MIN_PREFILL_TOKENS``, ``MIN_ROWS``,
+    ``MIN_PAGES_PER_SEQ``); the pages of every row must already be allocated.
+    """
+    r_max = num_spec
+    spans = [(seq, seq.num_computed, 1 + r) for seq, _, r in verify]
+    spans += [(row.seq, row.seq.num_computed, row.num_new) for row in prefill]
+    t_live = sum(n for _, _, n in spans)
+    max_pages = max(-(-(start + n) // page_size) for _, start, n in spans)
+    t = next_pow2(t_live, MIN_PREFILL_TOKENS)
+    b = next_pow2(len(spans), MIN_ROWS)
+    m = min(next_pow2(max_pages, MIN_PAGES_PER_SEQ), next_pow2(max_pages_per_seq))
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slots = np.full(t, NULL_PAGE * page_size, np.int32)
+    seq_ids = np.full(t, -1, np.int32)
+    block_tables = np.full((b, m), NULL_PAGE, np.int32)
+    kv_lens = np.zeros(b, np.int32)
+    q_lens = np.zeros(b, np.int32)
+    logits_indices = np.zeros((b, r_max + 1), np.int32)
+    drafts = np.zeros((b, r_max), np.int32)
+    draft_index = np.full((b, r_max), t, np.int32)
+    num_drafts = np.zeros(b, np.int32)
+    last_pos = np.zeros(b, np.int32)
+    min_left = np.zeros(b, np.int32)
+    tok = 0
+    for i, (seq, start, n) in enumerate(spans):
+        pos = np.arange(start, start + n, dtype=np.int32)
+        pages = np.asarray(seq.pages, np.int32)
+        if i < len(verify):
+            host_drafts, r = verify[i][1], verify[i][2]
+            tokens[tok] = seq.token_at(start)
+            tokens[tok + 1: tok + 1 + len(host_drafts[:r])] = host_drafts[:r]
+            drafts[i, :len(host_drafts[:r])] = host_drafts[:r]
+            draft_index[i, :r] = tok + 1 + np.arange(r)
+            num_drafts[i] = r
+            last_pos[i] = start
+            min_left[i] = seq.params.min_tokens - len(seq.output_ids)
+        else:
+            tokens[tok:tok + n] = [seq.token_at(k) for k in range(start, start + n)]
+            min_left[i] = seq.params.min_tokens - len(seq.output_ids)
+        positions[tok:tok + n] = pos
+        slots[tok:tok + n] = pages[pos // page_size] * page_size + pos % page_size
+        seq_ids[tok:tok + n] = i
+        block_tables[i, :len(pages)] = pages[:m]
+        kv_lens[i] = start + n
+        q_lens[i] = n
+        if i < len(verify):  # query j of a verify row scores draft j + 1 (clamped past r)
+            logits_indices[i] = tok + np.minimum(np.arange(r_max + 1), n - 1)
+        else:  # a prefill row samples (at most) one token, after its last query token
+            logits_indices[i] = tok + n - 1
+        tok += n
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    md = AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=block_tables,
+                           kv_lens=kv_lens, cu_q_lens=cu_q_lens, seq_ids=seq_ids, num_decode=0)
+    return SpecBatch(tokens=tokens, md=md, logits_indices=logits_indices, drafts=drafts,
+                     draft_index=draft_index, num_drafts=num_drafts, last_pos=last_pos,
+                     min_tokens_left=min_left)
+
+
+class SpecEngine(Engine):
+    """``Engine`` whose steps are speculative rounds.
+
+    Args:
+        cfg, params, tokenizer, ecfg: as ``Engine``.
+        spec: the drafter and R.
+        draft_cfg, draft_params: the draft model (method "draft-model"); its vocabulary must be
+            the target's. Its paged KV cache uses the target's page ids (one allocator, two pools).
+        heads: the Medusa heads (method "heads").
+
+    Raises:
+        ValueError: a missing or mismatched drafter for ``spec.method``.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
+                 spec: SpecConfig, draft_cfg: ModelConfig | None = None,
+                 draft_params: Params | None = None, heads: DraftHeads | None = None):
+        super().__init__(cfg, params, tokenizer, ecfg)
+        self.spec = spec
+        self.draft_cfg, self.draft_params, self.draft_kv = None, None, None
+        if spec.method == "draft-model":
+            if draft_params is None or draft_cfg is None:
+                raise ValueError("speculative='draft-model' needs a draft model (draft_model=...)")
+            if draft_cfg.vocab_size != cfg.vocab_size:
+                raise ValueError(f"draft vocab_size={draft_cfg.vocab_size} != target {cfg.vocab_size}")
+            self.draft_cfg, self.draft_params = draft_cfg, draft_params
+            self.draft_kv = init_kv_cache(draft_cfg, ecfg.num_pages, ecfg.page_size,
+                                          draft_params.embed.dtype)
+        elif spec.method == "heads":
+            if heads is None:
+                raise ValueError("speculative='heads' needs draft heads (draft_heads=PATH)")
+            self.draft_params = heads
+        self._round = jitted_spec_round()
+        self._stats: dict[str, list[int]] = {}  # request id -> [rounds, drafted, accepted]
+        self._pending: dict[str, list[int]] = {}  # heads: next round's drafts per request
+
+    # ---------------------------------------------------------------- drafts on the host
+
+    def _budget(self, seq: Sequence) -> int:
+        """Drafts this row may take: R, fewer near max_tokens / max_model_len."""
+        r = self.spec.num_speculative_tokens
+        p = seq.params
+        if p.max_tokens is not None:
+            r = min(r, p.max_tokens - len(seq.output_ids) - 1)
+        r = min(r, self.ecfg.max_model_len - seq.num_tokens)
+        return max(r, 0)
+
+    def _host_drafts(self, seq: Sequence, r: int) -> list[int]:
+        if self.spec.method == "ngram":
+            toks = np.asarray(seq.prompt_ids + seq.output_ids, np.int32)
+            return ngram_propose(toks, r, self.spec.ngram_max, self.spec.ngram_min)
+        if self.spec.method == "heads":
+            return self._pending.get(seq.request_id, [])[:r]
+        return []
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Pages for ``num_tokens`` tokens of ``seq``; False (nothing allocated) when short."""
+        need = -(-num_tokens // self.ecfg.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        try:
+            seq.pages.extend(self.allocator.allocate(need))
+        except OutOfPagesError:
+            return False
+        return True
+
+    # ---------------------------------------------------------------- the round
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one speculative round; returns outputs of requests with new tokens (a request
+        may appear once per emitted token, each with its ``delta_text``)."""
+        sched = self.scheduler.schedule()
+        if not sched.rows:
+            raise RuntimeError("scheduler produced an empty step while requests are pending")
+        verify = []
+        for row in sched.decode:
+            seq = row.seq
+            r = self._budget(seq)
+            drafts: list[int] = []
+            if r and self.spec.method != "draft-model":
+                drafts = self._host_drafts(seq, r)
+                r = len(drafts)
+            if r and not self._reserve(seq, seq.num_computed + 1 + r):
+                r, drafts = 0, []
+            verify.append((seq, drafts, r))
+        batch = build_spec_batch(verify, sched.prefill, self.ecfg.page_size,
+                                 self.ecfg.max_pages_per_seq, self.spec.num_speculative_tokens)
+        b = batch.num_drafts.shape[0]
+        seqs = [s for s, _, _ in verify] + [row.seq for row in sched.prefill]
+        params_rows = [SamplingParams(temperature=0.0)] * b
+        seeds, steps = [0] * b, [0] * b
+        for i, seq in enumerate(seqs):
+            params_rows[i], seeds[i], steps[i] = seq.params, seq.seed, len(seq.output_ids)
+        st = SamplingTensors.from_params(params_rows, seeds, steps, pad_to=b)
+        rows = [(ScheduledRow(seq, 0), i) for i, seq in enumerate(seqs)]
+        controls = self._controls(rows, b)
+        want_lp = any(seq.params.logprobs is not None for seq in seqs)
+        num_lp = MAX_LOGPROBS if want_lp else 0
+        key = (batch.tokens.shape[0], b, batch.md.block_tables.shape[1])
+        self.compile_keys.add(("spec_round", key, controls is not None, num_lp))
+        self.kv, self.draft_kv, out = self._round(
+            self.params, self.kv, self.draft_params, self.draft_kv, batch, st, controls,
+            cfg=self.cfg, dcfg=self.draft_cfg, method=self.spec.method,
+            num_spec=self.spec.num_speculative_tokens, attn_impl=self.ecfg.attn_impl,
+            num_logprobs=num_lp)
+        tokens, n_acc = np.asarray(out.tokens), np.asarray(out.num_accepted)
+        lps = np.asarray(out.logprobs)
+        top_ids, top_lps = (np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if num_lp else (None, None)
+        next_drafts = np.asarray(out.next_drafts)
+        now = time.perf_counter()
+        self.num_steps += 1
+        results = []
+        for i, seq in enumerate(seqs):
+            if i < len(verify):
+                r = verify[i][2]
+                n_emit = int(n_acc[i]) + 1
+                seq.num_computed += n_emit  # the last token + accepted drafts; rejected: rolled back
+                st_i = self._stats.setdefault(seq.request_id, [0, 0, 0])
+                st_i[0] += 1
+                st_i[1] += r
+                st_i[2] += int(n_acc[i])
+            else:
+                seq.num_computed += sched.prefill[i - len(verify)].num_new
+                if seq.num_computed < seq.num_tokens:
+                    continue  # a prefill chunk that does not reach the end: nothing sampled
+                n_emit = 1
+            if self.spec.method == "heads":
+                self._pending[seq.request_id] = [int(x) for x in next_drafts[i]]
+            for j in range(n_emit):
+                lp = None
+                if seq.params.logprobs is not None:
+                    k = seq.params.logprobs
+                    lp = TokenLogprob(int(tokens[i, j]), float(lps[i, j]),
+                                      [(int(a), float(x)) for a, x in zip(top_ids[i, j, :k], top_lps[i, j, :k])])
+                o = self._append(seq, int(tokens[i, j]), lp, now)
+                self._fill_metrics(o)
+                results.append(o)
+                if seq.finish_reason is not None:
+                    self._stats.pop(seq.request_id, None)
+                    self._pending.pop(seq.request_id, None)
+                    break
+        return results
+
+    def _fill_metrics(self, out: RequestOutput) -> None:
+        s = self._stats.get(out.request_id)
+        if s is None or s[0] == 0:
+            return
+        m = out.metrics
+        m.spec_rounds = s[0]
+        m.acceptance_rate = s[2] / s[1] if s[1] else 0.0
+        m.mean_accepted_tokens = s[2] / s[0]
