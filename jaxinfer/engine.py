@@ -38,6 +38,8 @@ class EngineConfig:
         max_prefill_seqs: most prefill chunks in one step.
         attn_impl: attention implementation, one of ``paged_attention.ATTN_IMPLS``.
         seed: seed of the host RNG that draws seeds for requests without one.
+        kv_cache_dtype: "auto" (the params' float dtype) or "int8" (int8 pages with per-token,
+            per-head f32 scales; ``jaxinfer.quant.kv``).
     """
 
     max_model_len: int
@@ -48,6 +50,7 @@ class EngineConfig:
     max_prefill_seqs: int = 8
     attn_impl: str = "xla"
     seed: int = 0
+    kv_cache_dtype: str = "auto"
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -61,6 +64,16 @@ class _Request:
     detok: IncrementalDetokenizer
     text: str = ""  # visible output text (after stop-string cuts)
     emitted: int = 0  # characters of text already streamed
+
+
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def kv_cache_dtype(ecfg: EngineConfig, params: Params):
+    """The KV page dtype: int8, or the params' float dtype for "auto". Raises ValueError."""
+    if ecfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={ecfg.kv_cache_dtype!r}; supported: {KV_CACHE_DTYPES}")
+    return np.dtype(np.int8) if ecfg.kv_cache_dtype == "int8" else params.embed.dtype
 
 
 def default_num_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, kv_cache_bytes: int) -> int:
@@ -82,6 +95,12 @@ class Engine:
                  mesh=None):
         if ecfg.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={ecfg.attn_impl!r} is not available; supported: {ATTN_IMPLS}")
+        kv_dtype = kv_cache_dtype(ecfg, params)
+        if kv_dtype == np.int8 and ecfg.attn_impl != "xla":
+            raise ValueError(f"attn_impl={ecfg.attn_impl!r} with kv_cache_dtype='int8' is not "
+                             "supported (the Pallas kernels read float pages); use attn_impl='xla'")
+        if kv_dtype == np.int8 and mesh is not None:
+            raise ValueError("kv_cache_dtype='int8' with a sharded engine is not supported yet")
         need = ecfg.max_pages_per_seq + 1
         if ecfg.num_pages < need:
             raise ValueError(
@@ -97,7 +116,7 @@ class Engine:
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.mesh = mesh  # a jax.sharding.Mesh the params are sharded over (None: one device)
         if mesh is None:
-            self.kv = init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, params.embed.dtype)
+            self.kv = init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, kv_dtype)
             self._forward = jitted_forward_step()
         else:
             from jaxinfer.sharding import sharded_kv_cache, step_out_shardings

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.quant.kv import quantize_kv
 
 NULL_PAGE = 0
 
@@ -27,12 +28,16 @@ class KVCache:
     """The page pool of every layer.
 
     Attributes:
-        k_pages: [L, K, P, Z, H] keys (RoPE applied).
+        k_pages: [L, K, P, Z, H] keys (RoPE applied); int8 for an int8 cache.
         v_pages: [L, K, P, Z, H] values.
+        k_scales, v_scales: f32[L, K, P, Z] per-token, per-head scales of an int8 cache
+            (``jaxinfer.quant.kv``), None for a float cache.
     """
 
     k_pages: jax.Array
     v_pages: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -44,14 +49,21 @@ class KVCache:
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
-    """A zeroed pool of ``num_pages`` pages of ``page_size`` tokens (page 0 is the null page)."""
+    """A zeroed pool of ``num_pages`` pages of ``page_size`` tokens (page 0 is the null page).
+    ``dtype`` int8 makes an int8 cache with per-token, per-head f32 scales."""
     shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    if jnp.dtype(dtype) == jnp.int8:
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                       jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32))
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """Bytes of K and V of one token over all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    """Bytes of K and V of one token over all layers (int8: values plus one f32 scale per head)."""
+    per_head = cfg.head_dim * jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype) == jnp.int8:
+        per_head += 4
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 def write_kv(
@@ -64,6 +76,14 @@ def write_kv(
     """Writes the K/V of T tokens of one layer at their slots (in place under donation)."""
     z = cache.page_size
     page, offset = slot_mapping // z, slot_mapping % z
+    if cache.k_scales is not None:  # int8 cache: quantize per token and head
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        return KVCache(
+            cache.k_pages.at[layer, :, page, offset].set(kq),
+            cache.v_pages.at[layer, :, page, offset].set(vq),
+            cache.k_scales.at[layer, :, page, offset].set(ks),
+            cache.v_scales.at[layer, :, page, offset].set(vs),
+        )
     return KVCache(
         cache.k_pages.at[layer, :, page, offset].set(k.astype(cache.k_pages.dtype)),
         cache.v_pages.at[layer, :, page, offset].set(v.astype(cache.v_pages.dtype)),

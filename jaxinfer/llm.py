@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 
 from jaxinfer.engine import Engine, EngineConfig, default_num_pages
+from jaxinfer.engine import kv_cache_dtype as resolve_kv_dtype
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
@@ -66,6 +67,11 @@ class LLM:
         ValueError: the KV pool cannot hold one sequence of ``max_model_len`` tokens.
         ShardingError: the model cannot be split over ``tensor_parallel_size`` devices, or there
             are fewer than tensor x data parallel devices (the message names the numbers).
+
+    Quantization (``jaxinfer.quant``): ``quantization`` None / "none" (weights as loaded),
+    "int8" (weight-only int8, w8a16) or "w8a8" (int8 weights and per-token int8 activations);
+    a quantized checkpoint (``jaxinfer quantize``) loads int8 without it. ``kv_cache_dtype``
+    "auto" (the weights' float dtype) or "int8" (per-token, per-head scales).
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str = "float32",
@@ -74,7 +80,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, attn_impl: str = "xla",
                  kv_cache_memory_gb: float = 2.0, tokenizer: str | None = None, seed: int = 0,
                  compilation_cache: bool = True, tensor_parallel_size: int | None = None,
-                 data_parallel_size: int | None = None):
+                 data_parallel_size: int | None = None, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         from jaxinfer.loaders import load
         from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
 
@@ -84,16 +91,22 @@ class LLM:
         loaded = load(model, dtype=dtype, tokenizer=tokenizer, place=placer)
         self.model_path = str(model)
         self.config, self.params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
+        if quantization not in (None, "none"):
+            from jaxinfer.quant.tensor import apply_quantization
+
+            if placer.mesh is not None:
+                raise ValueError("quantization with tensor/data parallel is not supported yet")
+            self.params = apply_quantization(self.params, quantization)
         self.mesh, self.sharding_plan = placer.mesh, placer.plan
         run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
         max_model_len = max_model_len or self.config.max_position_embeddings
         ecfg = EngineConfig(
             max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
-            attn_impl=attn_impl, seed=seed,
+            attn_impl=attn_impl, seed=seed, kv_cache_dtype=kv_cache_dtype,
         )
         if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
-            kv_pages = default_num_pages(run_cfg, ecfg, self.params.embed.dtype,
+            kv_pages = default_num_pages(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params),
                                          int(kv_cache_memory_gb * 2**30) * placer.plan.tp)
         ecfg = EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages})
         if self.mesh is None:

@@ -21,6 +21,8 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.params import LayerParams, Params
+from jaxinfer.quant.matmul import qlinear
+from jaxinfer.quant.tensor import QTensor
 
 Cache = TypeVar("Cache")
 
@@ -50,8 +52,13 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array
     return w * xf.astype(x.dtype)  # Llama: cast, then scale in the weight dtype.
 
 
-def linear(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """Projection ``einsum(spec, x, w)`` accumulated in float32, returned in x's dtype."""
+def linear(x: jax.Array, w: jax.Array | QTensor, spec: str) -> jax.Array:
+    """Projection ``einsum(spec, x, w)`` accumulated in float32, returned in x's dtype.
+
+    An int8 ``QTensor`` weight runs the quantized matmul of its mode (``jaxinfer.quant.matmul``).
+    """
+    if isinstance(w, QTensor):
+        return qlinear(x, w, spec)
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -155,12 +162,11 @@ def forward(
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Output logits f32[B, V] of hidden states [B, D] (final softcap applied when configured)."""
+    # Accumulated in float32 and rounded to the params' dtype, as the reference rounds its logits.
     if params.lm_head is None:
-        logits = jnp.einsum("BD,VD->BV", hidden, params.embed, preferred_element_type=jnp.float32)
+        logits = linear(hidden, params.embed, "BD,VD->BV").astype(jnp.float32)
     else:
-        logits = jnp.einsum("BD,DV->BV", hidden, params.lm_head, preferred_element_type=jnp.float32)
-    if params.embed.dtype != jnp.float32:  # match the reference, which rounds logits to its dtype
-        logits = logits.astype(params.embed.dtype).astype(jnp.float32)
+        logits = linear(hidden, params.lm_head, "BD,DV->BV").astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         cap = cfg.final_logit_softcap
         logits = jnp.tanh(logits / cap) * cap

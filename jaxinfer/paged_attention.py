@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxinfer.attention import masked_softmax_av, window_mask
 from jaxinfer.kv_cache import KVCache, write_kv
+from jaxinfer.quant.kv import dequantize_kv
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +65,13 @@ def _gather_pages(pages: jax.Array, layer, block_tables: jax.Array) -> jax.Array
     return g.transpose(2, 0, 1, 3, 4).reshape(kh, b, m * z, h)
 
 
+def _gather_scales(scales: jax.Array | None, layer, block_tables: jax.Array) -> jax.Array | None:
+    """int8-cache scales [L, K, P, Z] (or [K, P, Z] without ``layer``), i32[B, M] -> [K, B, M * Z]."""
+    if scales is None:
+        return None
+    return _gather_pages(scales[..., None], layer, block_tables)[..., 0]
+
+
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, P, Z, H], or [L, K, P, Z, H] with layer
@@ -74,8 +82,12 @@ def ragged_paged_attention_xla(
     scale: float,
     softcap: float | None = None,
     layer: jax.Array | None = None,  # i32[]
+    k_scales: jax.Array | None = None,  # f32[K, P, Z], or [L, K, P, Z] with layer; int8 cache
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over the paged KV cache. Output f32[T, N, H].
+
+    An int8 cache (``k_scales``/``v_scales`` given) is dequantized after the page gather.
 
     The K/V of this step's tokens must already be written to the pages. Sliding window
     (``window > 0``): a query at position i sees keys at j with ``i - j < window``.
@@ -89,6 +101,8 @@ def ragged_paged_attention_xla(
         qd = q[:td].reshape(td, kh, g, h)
         kd = _gather_pages(k_pages, layer, md.block_tables[:td])  # [K, Td, S, H]
         vd = _gather_pages(v_pages, layer, md.block_tables[:td])
+        kd = dequantize_kv(kd, _gather_scales(k_scales, layer, md.block_tables[:td]))
+        vd = dequantize_kv(vd, _gather_scales(v_scales, layer, md.block_tables[:td]))
         s = kd.shape[2]
         kv_pos = jnp.arange(s, dtype=jnp.int32)[None, :]
         q_pos = md.positions[:td, None]
@@ -107,6 +121,8 @@ def ragged_paged_attention_xla(
         qp = q[td:].reshape(tp, kh, g, h)
         kp = _gather_pages(k_pages, layer, bt)  # [K, Bp, S, H]
         vp = _gather_pages(v_pages, layer, bt)
+        kp = dequantize_kv(kp, _gather_scales(k_scales, layer, bt))
+        vp = dequantize_kv(vp, _gather_scales(v_scales, layer, bt))
         s = kp.shape[2]
         kp, vp = kp.reshape(kh, bp * s, h), vp.reshape(kh, bp * s, h)
         kv_row = jnp.repeat(jnp.arange(bp, dtype=jnp.int32), s)[None, :]
@@ -139,6 +155,7 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
         out = ragged_paged_attention_xla(
             q, cache.k_pages, cache.v_pages, md, window,
             scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, layer=layer,
+            k_scales=cache.k_scales, v_scales=cache.v_scales,
         )
         return out, cache
 

@@ -3,7 +3,9 @@
 Supported formats:
 - a Hugging Face model directory (``config.json`` + safetensors), via ``jaxinfer.loaders.hf``;
 - a llama2.c checkpoint ``.bin`` file (versions 0, 1, 2), or a directory holding exactly one,
-  via ``jaxinfer.loaders.llama2c``.
+  via ``jaxinfer.loaders.llama2c``;
+- a quantized checkpoint directory written by ``jaxinfer quantize`` (``jaxinfer_quant.json``),
+  via ``jaxinfer.quant.checkpoint``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ if TYPE_CHECKING:
 SUPPORTED_FORMATS = (
     "a Hugging Face model directory (config.json + *.safetensors); "
     "a llama2.c checkpoint .bin file (version 0, 1 or 2); "
-    "a directory holding exactly one llama2.c checkpoint .bin"
+    "a directory holding exactly one llama2.c checkpoint .bin; "
+    "a quantized checkpoint directory (jaxinfer_quant.json, from `jaxinfer quantize`)"
 )
 
 
@@ -81,6 +84,8 @@ def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory; supported: {SUPPORTED_FORMATS}")
     if p.is_dir():
+        if (p / "jaxinfer_quant.json").is_file():  # before config.json, which it may also hold
+            return "quantized", p
         if (p / "config.json").is_file():
             return "hf", p
         ckpts, others = _llama2c_bins(p)
@@ -142,6 +147,11 @@ def load(
         from jaxinfer.loaders.hf import load_hf
 
         cfg, params = load_hf(ckpt, dtype, place=place)
+        tok_dir = ckpt
+    elif fmt == "quantized":
+        from jaxinfer.quant.checkpoint import load_quantized
+
+        cfg, params = load_quantized(ckpt, dtype, place=place)
         tok_dir = ckpt
     else:
         from jaxinfer.loaders.llama2c import load_llama2c

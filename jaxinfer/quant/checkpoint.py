@@ -1,0 +1,239 @@
+"""Saving and loading quantized params with orbax-checkpoint (``jaxinfer quantize``).
+
+A quantized checkpoint is a directory:
+
+- ``jaxinfer_quant.json``: format name and version, the ``ModelConfig``, the quantization mode,
+  which weights are quantized, every array's shape and dtype, and the source checkpoint's
+  identity (path, size and sha256 of each file it was read from);
+- ``params/``: an orbax PyTree checkpoint of the flat arrays (``"layers.wq.values"``,
+  ``"layers.wq.scales"``, ``"embed"``, ...), one zarr array directory each (OCDBT off, so a
+  missing or damaged array is named by its own directory);
+- the source's tokenizer files, copied, so ``jaxinfer.load(DIR)`` finds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.errors import CheckpointError
+from jaxinfer.params import LayerParams, Params
+from jaxinfer.quant.tensor import MODES, QTensor, quant_mode
+
+METADATA_FILE = "jaxinfer_quant.json"
+FORMAT_NAME = "jaxinfer-quantized"
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+def _flatten(params: Params) -> tuple[dict[str, jax.Array], dict[str, int]]:
+    """({"embed": a, "layers.wq.values": v, "layers.wq.scales": s, ...}, {field: num_in})."""
+    if isinstance(params.layers, tuple):
+        raise ValueError("save stacked params (before unstack_layers)")
+    flat, quantized = {}, {}
+    fields = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
+    fields.update({f"layers.{f.name}": getattr(params.layers, f.name)
+                   for f in dataclasses.fields(LayerParams)})
+    for name, x in fields.items():
+        if x is None:
+            continue
+        if isinstance(x, QTensor):
+            flat[f"{name}.values"], flat[f"{name}.scales"] = x.values, x.scales
+            quantized[name] = x.num_in
+        else:
+            flat[name] = x
+    return flat, quantized
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def source_identity(path: str | os.PathLike) -> dict:
+    """Path and (name, bytes, sha256) of each weight/config file of a source checkpoint."""
+    from jaxinfer.loaders import detect_format
+
+    fmt, ckpt = detect_format(path)
+    if fmt == "hf":
+        files = sorted([ckpt / "config.json", *ckpt.glob("*.safetensors"),
+                        *ckpt.glob("*.safetensors.index.json")])
+    elif fmt == "llama2c":
+        files = [ckpt]
+    else:
+        files = [ckpt / METADATA_FILE]
+    return {
+        "path": str(Path(path).resolve()),
+        "format": fmt,
+        "files": [{"name": f.name, "bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files],
+    }
+
+
+def _config_to_json(cfg: ModelConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["layer_windows"] = list(cfg.layer_windows)
+    return d
+
+
+def _config_from_json(d: dict) -> ModelConfig:
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["layer_windows"] = tuple(d.get("layer_windows", ()))
+    return ModelConfig(**d)
+
+
+def _copy_tokenizer(src: str | os.PathLike, out: Path) -> list[str]:
+    from jaxinfer.loaders import detect_format
+    from jaxinfer.loaders.llama2c import is_llama2c_tokenizer_file
+
+    fmt, ckpt = detect_format(src)
+    d = ckpt if ckpt.is_dir() else ckpt.parent
+    names = [n for n in TOKENIZER_FILES if (d / n).is_file()]
+    names += [f.name for f in d.glob("*.model") if f.name not in names]
+    names += [f.name for f in d.glob("*.bin") if is_llama2c_tokenizer_file(f)]
+    if fmt == "hf":  # the tokenizer reads special-token ids from config.json too
+        names.append("config.json")
+    for n in names:
+        shutil.copyfile(d / n, out / n)
+    return names
+
+
+def save_quantized(out: str | os.PathLike, cfg: ModelConfig, params: Params,
+                   source: str | os.PathLike | None = None, *, embed: bool = False,
+                   lm_head: bool = False) -> Path:
+    """Writes quantized ``params`` to directory ``out`` (created; must not hold a checkpoint).
+
+    Args:
+        out: output directory.
+        cfg: the model's architecture.
+        params: quantized params (``quantize``).
+        source: the checkpoint they were made from: its identity is recorded and its tokenizer
+            files are copied.
+        embed, lm_head: recorded as given to ``quantize``.
+
+    Raises:
+        ValueError: params are not quantized, or ``out`` already holds a checkpoint.
+    """
+    import orbax.checkpoint as ocp
+
+    mode = quant_mode(params)
+    if mode is None:
+        raise ValueError("params are not quantized; call jaxinfer.quant.quantize first")
+    out = Path(out).resolve()
+    if (out / METADATA_FILE).exists() or (out / "params").exists():
+        raise ValueError(f"{out} already holds a checkpoint; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    flat, quantized = _flatten(params)
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "quantization": mode,
+        "embed": embed,
+        "lm_head": lm_head,
+        "dtype": str(jnp.dtype(params.embed.dtype)),
+        "config": _config_to_json(cfg),
+        "quantized": quantized,
+        "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in flat.items()},
+        "source": source_identity(source) if source is not None else None,
+        "tokenizer_files": _copy_tokenizer(source, out) if source is not None else [],
+    }
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+    ckptr.save(out / "params", args=ocp.args.PyTreeSave(flat))
+    (out / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    return out
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The checked metadata of a quantized checkpoint directory. Raises CheckpointError."""
+    f = Path(path) / METADATA_FILE
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: cannot read quantized-checkpoint metadata: {e}") from None
+    if meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{f}: format {meta.get('format')!r}, expected {FORMAT_NAME!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{f}: format_version {meta.get('format_version')!r} is not supported by this "
+            f"jaxinfer (reads version {FORMAT_VERSION}); re-run `jaxinfer quantize` on the source"
+        )
+    if meta.get("quantization") not in MODES:
+        raise CheckpointError(f"{f}: quantization {meta.get('quantization')!r}; supported: {MODES}")
+    for key in ("config", "arrays", "quantized", "dtype"):
+        if key not in meta:
+            raise CheckpointError(f"{f}: missing key {key!r}")
+    return meta
+
+
+def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[ModelConfig, Params]:
+    """Loads a ``save_quantized`` directory: int8 weights stay int8.
+
+    Args:
+        path: the checkpoint directory.
+        dtype: float dtype of activations and unquantized tensors (None: as saved).
+        place: the loaders' placement hook; only single-device placement is supported.
+
+    Raises:
+        CheckpointError: bad metadata (format, version, mode), or an array that is missing,
+            unreadable (truncated) or of the wrong shape/dtype -- the message names its file.
+        ValueError: ``place`` asks for a multi-device mesh.
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(path)
+    meta = read_metadata(path)
+    try:
+        cfg = _config_from_json(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / METADATA_FILE}: bad config: {e}") from None
+    if place is not None and hasattr(place, "setup"):
+        place.setup(cfg, np.dtype(meta["dtype"]))
+        if getattr(place, "mesh", None) is not None:
+            raise ValueError("quantized checkpoints load on one device; tensor/data parallel "
+                             "int8 is not supported yet")
+    pdir = path / "params"
+    for name in meta["arrays"]:
+        adir = pdir / name
+        if not (adir / ".zarray").is_file() or not any(adir.glob("[0-9]*")):
+            raise CheckpointError(f"{adir}: array {name!r} is missing from the checkpoint")
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+    try:
+        flat = ckptr.restore(pdir.resolve())
+    except Exception as e:  # orbax/tensorstore raise many types; name the directory either way
+        raise CheckpointError(f"{pdir}: cannot read the arrays: {type(e).__name__}: {e}") from None
+    for name, spec in meta["arrays"].items():
+        x = flat.get(name)
+        if x is None:
+            raise CheckpointError(f"{pdir / name}: array {name!r} is missing")
+        if list(x.shape) != spec["shape"] or str(x.dtype) != spec["dtype"]:
+            raise CheckpointError(
+                f"{pdir / name}: {x.dtype}{list(x.shape)}, metadata says {spec['dtype']}{spec['shape']}"
+            )
+    act = "int8" if meta["quantization"] == "w8a8" else "float"
+    fdtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(meta["dtype"])
+
+    def field(name):
+        if name in meta["quantized"]:
+            return QTensor(flat[f"{name}.values"], flat[f"{name}.scales"],
+                           int(meta["quantized"][name]), act, fdtype)
+        x = flat.get(name)
+        return None if x is None else x.astype(fdtype)
+
+    layers = LayerParams(**{f.name: field(f"layers.{f.name}") for f in dataclasses.fields(LayerParams)})
+    params = Params(embed=field("embed"), layers=layers, final_norm=field("final_norm"),
+                    lm_head=field("lm_head"))
+    return cfg, params

@@ -1,0 +1,144 @@
+"""The quantized projection behind ``model.linear``: w8a16 and w8a8 matmuls, one formulation per
+backend and batch regime.
+
+Formulations of ``y[R, O] = x[R, I] . q[O, I] * s[O]`` (R rows = flattened T or B axis):
+
+- ``"reduce_or"`` (XLA CPU, few rows): ``sum(q.astype(f32)[:, None, :] * x[None], axis=-1).T *
+  s``. XLA CPU fuses the int8 -> f32 convert, the multiply and the row reduction into one loop
+  that reads the int8 weight once (the R outputs of a weight row are adjacent, so the row is
+  still in cache for all of them): a decode step streams 1 byte per weight. ``"reduce"`` (one 2-D
+  reduction per row) and ``"reduce_ro"`` (output [R, O]) are the variants measured against it. Every dot-based formulation
+  (dequantize then dot, dot then scale, int8 x int8 -> int32 ``dot_general``) makes XLA CPU write
+  a float copy of the weight first and ran ~5x slower than float32 at batch 1 (issue 6).
+- ``"dot"`` (XLA CPU, many rows): convert the weight to float, one dot (the conversion is paid
+  once per step and shared by all rows, so it is compute-bound like float32).
+- ``"int_dot"``: w8a8's integer ``dot_general`` (int8 x int8, ``preferred_element_type=int32``),
+  rescaled by ``s_x[r] * s[o]`` -- the AQT scheme, and the TPU/GPU path (MXU / tensor-core int8).
+  On TPU/GPU w8a16 uses ``"dot"``: there XLA fuses the convert into the matmul's operand load.
+
+w8a8 activations are quantized per row (token): ``s_x = max|x_r| / 127``, ``x_q = round(x / s_x)``.
+On CPU's ``"reduce"`` path the int8 products are summed in float32: equal to the int32 dot while
+partial sums stay below 2**24 (|x_q q| <= 127**2, so always for I <= 1040, and in practice far
+beyond since the signs cancel), otherwise within float32 rounding of it.
+
+Error bounds (tests/test_quant.py checks them), ``w = q * s`` the dequantized weight:
+- w8a16: ``y == x @ w`` up to float32 rounding of the sum (the weight error ``|W - w| <= s/2`` is
+  the quantization's, not the matmul's).
+- w8a8: ``|y[r, o] - (x @ w)[r, o]| <= s_x[r] / 2 * s[o] * sum_i |q[o, i]|`` plus float rounding,
+  since each ``|x[r, i] - x_q[r, i] s_x[r]| <= s_x[r] / 2``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.quant.tensor import QTensor
+
+FORMULATIONS = ("reduce", "reduce_or", "reduce_ro", "dot", "int_dot")
+CPU_REDUCE_MAX_ROWS = 8
+"""On CPU, row counts up to this use ``"reduce_or"`` (measured by scripts/bench_quant.py); the
+engine pads a batch-1 decode step to 4 rows (``batch.MIN_DECODE_ROWS``)."""
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row symmetric int8: (i8[R, I] values, f32[R, 1] scales) with ``x ~= values * scales``."""
+    xf = x.astype(jnp.float32)
+    sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0
+    xq = jnp.clip(jnp.round(xf / jnp.where(sx == 0, 1.0, sx)), -127, 127)
+    return xq.astype(jnp.int8), sx
+
+
+def choose_formulation(act: str, rows: int, backend: str | None = None) -> str:
+    """The formulation for ``rows`` rows (static) on ``backend`` (default: jax's default)."""
+    backend = backend or jax.default_backend()
+    if backend == "cpu" and rows <= CPU_REDUCE_MAX_ROWS:
+        return "reduce_or"
+    return "int_dot" if act == "int8" else "dot"
+
+
+def qmatmul_2d(
+    x: jax.Array,  # [R, I] float
+    values: jax.Array,  # i8[O, I]
+    scales: jax.Array,  # f32[O]
+    act: str,
+    formulation: str | None = None,
+) -> jax.Array:
+    """``x . dequant(values, scales)^T`` as f32[R, O]; see the module docstring for the modes."""
+    rows = x.shape[0]
+    formulation = formulation or choose_formulation(act, rows)
+    if act == "int8":
+        xq, sx = quantize_rows(x)
+    else:
+        xq, sx = x.astype(jnp.float32), None
+    if formulation.startswith("reduce"):
+        # Materialise x first: otherwise XLA fuses x's producer (norm, SiLU) into the reduction
+        # and recomputes it for every weight element.
+        xq = jax.lax.optimization_barrier(xq.astype(jnp.float32))
+    if formulation == "reduce":
+        wf = values.astype(jnp.float32)
+        xf = xq
+        # One 2-D row reduction per row: a rank-3 broadcast-reduce fuses worse on XLA CPU.
+        acc = jnp.stack([jnp.sum(xf[r][None, :] * wf, axis=-1) for r in range(rows)])
+    elif formulation == "reduce_or":
+        # Output [O, R]: the R outputs of one weight row are adjacent, so the row is read once.
+        wf = values.astype(jnp.float32)
+        acc = jnp.sum(wf[:, None, :] * xq.astype(jnp.float32)[None, :, :], axis=-1).T
+    elif formulation == "reduce_ro":
+        wf = values.astype(jnp.float32)
+        acc = jnp.sum(xq.astype(jnp.float32)[:, None, :] * wf[None, :, :], axis=-1)
+    elif formulation == "dot":
+        if act == "int8":
+            raise ValueError("formulation 'dot' is for w8a16; w8a8 uses 'int_dot' or 'reduce'")
+        acc = jax.lax.dot_general(
+            x, values.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    elif formulation == "int_dot":
+        if act != "int8":
+            raise ValueError("formulation 'int_dot' is for w8a8 (int8 activations)")
+        acc = jax.lax.dot_general(
+            xq, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32
+        ).astype(jnp.float32)
+    else:
+        raise ValueError(f"formulation {formulation!r}; supported: {FORMULATIONS}")
+    acc = acc * scales[None, :]
+    return acc * sx if sx is not None else acc
+
+
+def _parse(spec: str) -> tuple[str, str, str]:
+    lhs, out = spec.replace(" ", "").split("->")
+    xs, ws = lhs.split(",")
+    return xs, ws, out
+
+
+def qlinear(x: jax.Array, w: QTensor, spec: str, formulation: str | None = None) -> jax.Array:
+    """``einsum(spec, x, dequant(w))`` with ``w`` quantized, returned in x's dtype.
+
+    ``spec`` is written for the float weight's layout (e.g. ``"TD,DNH->TNH"``, ``"TNH,NHD->TD"``);
+    x must be ``[*rows, *contracted]`` with the contracted axes in the weight's order, and the
+    output ``[*rows, *weight outputs]`` -- true of every projection in ``model.forward``.
+
+    Raises:
+        ValueError: a spec of another shape.
+    """
+    xs, ws, out = _parse(spec)
+    contracted = "".join(c for c in ws if c in xs and c not in out)
+    w_out = "".join(c for c in ws if c not in contracted)
+    rows = xs[: len(xs) - len(contracted)]
+    if (len(contracted) != w.num_in or not xs.endswith(contracted) or out != rows + w_out):
+        raise ValueError(
+            f"quantized linear needs spec '<rows><in>,<in><out>-><rows><out>', got {spec!r}"
+        )
+    row_shape = x.shape[: len(rows)]
+    n_in = math.prod(x.shape[len(rows):])
+    out_shape = w.values.shape[: w.values.ndim - w.num_in]
+    y = qmatmul_2d(
+        x.reshape(math.prod(row_shape), n_in),
+        w.values.reshape(math.prod(out_shape), n_in),
+        w.scales.reshape(-1),
+        w.act,
+        formulation,
+    )
+    return y.reshape(row_shape + out_shape).astype(x.dtype)
