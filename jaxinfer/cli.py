@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -124,6 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one step (None: max(512, max-num-seqs))",
     )
     e.add_argument("--attn-impl", default="xla", help="attention implementation")
+    e.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="devices each model copy is split over (None: all devices when the weights do not "
+        "fit one device, else 1)",
+    )
+    e.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        help="engine replicas; the prompts are split between them (None: 1)",
+    )
+    e.add_argument(
+        "--multihost",
+        action="store_true",
+        help="call jax.distributed.initialize() (one process per host; process 0 writes --out); "
+        "automatic on multi-host TPU slices and with JAXINFER_MULTIHOST=1",
+    )
     e.add_argument(
         "--seed",
         type=int,
@@ -412,6 +432,8 @@ def _load_llm(args: argparse.Namespace):
             attn_impl=args.attn_impl,
             tokenizer=args.tokenizer,
             seed=args.seed,
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
         )
     except (JaxinferError, OSError, ValueError) as e:
         raise UsageError(f"cannot load model {args.model}: {e}") from None
@@ -479,6 +501,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         say(f"{out_path}: cut away a partial last line (interrupted write)")
     run, errors, skipped = plan(jobs, done)
 
+    from jaxinfer.sharding import initialize_multihost, is_output_host
+
+    if initialize_multihost(args.multihost) and not is_output_host():
+        out_path = Path(os.devnull)  # every host computes; process 0 writes
     llm = _load_llm(args) if run else None
     ids_run = []
     for job in run:

@@ -160,6 +160,40 @@ def scale_spec(plan: ShardingPlan, field: str) -> P:
     return P(*(spec[i] for i in keep))
 
 
+def qtensor_specs(plan: ShardingPlan, field: str, num_in: int) -> tuple[P, P]:
+    """(values spec, scales spec) of a ``quant.QTensor`` standing for ``field``: its values are
+    stored ``[*lead, *out, *in]`` (contracted axes last), so the float spec's axes are permuted
+    the same way; the scales ``[*lead, *out]`` follow the output channels (``scale_spec``)."""
+    name = field.split(".", 1)[-1]
+    nd = {"wq": 4, "wk": 4, "wv": 4, "wo": 4, "embed": 2, "lm_head": 2}.get(name, 3)
+    spec = (tuple(field_spec(plan, field)) + (None,) * nd)[:nd]  # float layout [*lead, *in, *out]
+    if name == "embed":  # quantized as embed.T [D, V]: in D, out V -> values [V, D] as embed
+        return P(*spec), P(spec[0])
+    lead = 1 if field.startswith("layers.") else 0
+    ins, outs = spec[lead:lead + num_in], spec[lead + num_in:]
+    return P(*spec[:lead], *outs, *ins), P(*spec[:lead], *outs)
+
+
+def shard_quantized(params: Params, plan: ShardingPlan, mesh: Mesh) -> Params:
+    """Re-lays the ``QTensor`` leaves of params quantized after sharded loading onto the mesh so
+    that values and scales shard consistently (``qtensor_specs``); float leaves are kept."""
+    from jaxinfer.quant.tensor import QTensor
+
+    def put(field: str, x):
+        if not isinstance(x, QTensor):
+            return x
+        vs, ss = qtensor_specs(plan, field, x.num_in)
+        return dataclasses.replace(
+            x, values=jax.device_put(x.values, NamedSharding(mesh, vs)),
+            scales=jax.device_put(x.scales, NamedSharding(mesh, ss)))
+
+    layers = {f.name: put(f"layers.{f.name}", getattr(params.layers, f.name))
+              for f in dataclasses.fields(params.layers)}
+    return dataclasses.replace(
+        params, embed=put("embed", params.embed), lm_head=put("lm_head", params.lm_head),
+        layers=dataclasses.replace(params.layers, **layers))
+
+
 def param_specs(plan: ShardingPlan, params: Params) -> Params:
     """A Params-shaped pytree of PartitionSpecs (None where the field is None)."""
     flat = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
@@ -373,6 +407,6 @@ def to_host(x: jax.Array) -> np.ndarray:
 __all__ = [
     "AXES", "KV_SPEC", "ShardedPlacer", "ShardingError", "ShardingPlan", "default_parallelism",
     "field_spec", "initialize_multihost", "is_output_host", "make_mesh", "param_specs",
-    "plan_sharding", "prepare", "replica_meshes", "replica_view", "scale_spec", "shard_params",
-    "sharded_kv_cache", "step_out_shardings", "to_host",
+    "plan_sharding", "prepare", "qtensor_specs", "replica_meshes", "replica_view", "scale_spec",
+    "shard_params", "shard_quantized", "sharded_kv_cache", "step_out_shardings", "to_host",
 ]
