@@ -115,8 +115,9 @@ class LLM:
             self.engines = [Engine(run_cfg, replica_view(self.params, m), self.tokenizer, ecfg,
                                    mesh=m) for m in replica_meshes(self.mesh)]
         self.engine = self.engines[0]
-        if self.mesh is None:  # the engine may hold the weights unstacked: drop the stacked copy
-            self.params = self.engine.params
+        # The engines may hold the weights unstacked: drop the stacked copy (with a mesh,
+        # ``params`` is then replica 0's).
+        self.params = self.engine.params
         self._next_id = 0
 
     @property
