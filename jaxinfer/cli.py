@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="call jax.distributed.initialize() (one process per host; process 0 writes --out); "
         "automatic on multi-host TPU slices and with JAXINFER_MULTIHOST=1",
     )
+    e.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"],
+                   help="int8 weights: int8 (weight-only, w8a16) or w8a8 (int8 activations too); "
+                   "a checkpoint from `jaxinfer quantize` is int8 already")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, "
+                   "per-head scales)")
     e.add_argument(
         "--seed",
         type=int,
@@ -228,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar and no messages on stderr except errors",
     )
+    from jaxinfer.quant.command import add_quantize_parser
+
+    add_quantize_parser(sub)
     return parser
 
 
@@ -430,6 +439,8 @@ def _load_llm(args: argparse.Namespace):
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attn_impl=args.attn_impl,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             tokenizer=args.tokenizer,
             seed=args.seed,
             tensor_parallel_size=args.tensor_parallel_size,
@@ -588,6 +599,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "quantize":
+            from jaxinfer.quant.command import cmd_quantize
+
+            try:
+                return cmd_quantize(args)
+            except (JaxinferError, OSError, ValueError) as e:
+                raise UsageError(f"cannot quantize {args.model}: {e}") from None
         parser.error(f"unknown command {args.command!r}")
     except UsageError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr, flush=True)
