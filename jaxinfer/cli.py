@@ -125,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one step (None: max(512, max-num-seqs))",
     )
     e.add_argument("--attn-impl", default="xla", help="attention implementation")
+    sd = g.add_argument_group("speculative decoding")
+    sd.add_argument("--speculative", default=None, choices=["draft-model", "ngram", "heads"],
+                    help="drafter: a smaller draft model, n-gram prompt lookup or Medusa heads")
+    sd.add_argument("--num-speculative-tokens", type=int, default=4,
+                    help="R, draft tokens proposed per sequence and round")
+    sd.add_argument("--draft-model", default=None,
+                    help="draft model: a checkpoint with the target's tokenizer, 'self' or "
+                    "'layers:N' (the target's first N layers)")
+    sd.add_argument("--draft-heads", default=None,
+                    help="directory of draft heads written by 'jaxinfer train-draft-heads'")
     e.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -234,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar and no messages on stderr except errors",
     )
+    from jaxinfer.speculative.train_heads import add_parser as add_train_draft_heads
+
+    add_train_draft_heads(sub, fmt)
     from jaxinfer.quant.command import add_quantize_parser
 
     add_quantize_parser(sub)
@@ -445,6 +458,10 @@ def _load_llm(args: argparse.Namespace):
             seed=args.seed,
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+            draft_heads=args.draft_heads,
         )
     except (JaxinferError, OSError, ValueError) as e:
         raise UsageError(f"cannot load model {args.model}: {e}") from None
@@ -599,6 +616,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "train-draft-heads":
+            from jaxinfer.speculative.train_heads import cmd_train_draft_heads
+
+            return cmd_train_draft_heads(args)
         if args.command == "quantize":
             from jaxinfer.quant.command import cmd_quantize
 

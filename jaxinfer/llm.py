@@ -61,6 +61,12 @@ class LLM:
         data_parallel_size: engine replicas (each over its own ``tensor_parallel_size`` devices);
             ``generate`` splits the prompts between them and merges the outputs in order.
             Default 1.
+        speculative: speculative decoding drafter, "draft-model", "ngram" or "heads" (None: off);
+            see ``jaxinfer.speculative``.
+        num_speculative_tokens: R, draft tokens per round.
+        draft_model: the draft model of "draft-model": a checkpoint path with the target's
+            tokenizer, "self" or "layers:N" (the target's first N layers).
+        draft_heads: directory of Medusa heads for "heads" (``jaxinfer train-draft-heads``).
 
     Raises:
         CheckpointError / TokenizerError: the model cannot be loaded (message names the file).
@@ -80,7 +86,9 @@ class LLM:
                  max_num_batched_tokens: int | None = None, attn_impl: str = "xla",
                  kv_cache_memory_gb: float = 2.0, tokenizer: str | None = None, seed: int = 0,
                  compilation_cache: bool = True, tensor_parallel_size: int | None = None,
-                 data_parallel_size: int | None = None, quantization: str | None = None,
+                 data_parallel_size: int | None = None, speculative: str | None = None,
+                 num_speculative_tokens: int = 4, draft_model: str | None = None,
+                 draft_heads: str | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto"):
         from jaxinfer.loaders import load
         from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
@@ -114,6 +122,11 @@ class LLM:
         else:
             self.engines = [Engine(run_cfg, replica_view(self.params, m), self.tokenizer, ecfg,
                                    mesh=m) for m in replica_meshes(self.mesh)]
+        if speculative is not None:
+            from jaxinfer.speculative.engine import make_spec_engine
+
+            self.engines = [make_spec_engine(e, speculative, num_speculative_tokens, draft_model,
+                                             draft_heads) for e in self.engines]
         self.engine = self.engines[0]
         # The engines may hold the weights unstacked: drop the stacked copy (with a mesh,
         # ``params`` is then replica 0's).

@@ -247,3 +247,29 @@ class SpecEngine(Engine):
         m.spec_rounds = s[0]
         m.acceptance_rate = s[2] / s[1] if s[1] else 0.0
         m.mean_accepted_tokens = s[2] / s[0]
+
+
+def make_spec_engine(engine: Engine, method: str, num_speculative_tokens: int,
+                     draft_model: str | None, draft_heads: str | None) -> SpecEngine:
+    """A ``SpecEngine`` over a built engine's model and sizes (``LLM(speculative=...)``).
+
+    Raises:
+        ValueError: bad method or R, a missing drafter path, a sharded engine, a draft that does
+            not fit the target.
+    """
+    from jaxinfer.speculative.drafters import load_draft_model, load_heads
+
+    if getattr(engine, "mesh", None) is not None:
+        raise ValueError("speculative decoding does not support sharded engines yet")
+    spec = SpecConfig(method, num_speculative_tokens)
+    kw = {}
+    if method == "draft-model":
+        if draft_model is None:
+            raise ValueError("speculative='draft-model' needs draft_model (a path, 'self' or 'layers:N')")
+        kw["draft_cfg"], kw["draft_params"] = load_draft_model(
+            draft_model, engine.cfg, engine.params, engine.params.embed.dtype)
+    elif method == "heads":
+        if draft_heads is None:
+            raise ValueError("speculative='heads' needs draft_heads (a directory from train-draft-heads)")
+        kw["heads"] = load_heads(draft_heads, engine.cfg)
+    return SpecEngine(engine.cfg, engine.params, engine.tokenizer, engine.ecfg, spec, **kw)

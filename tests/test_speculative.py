@@ -1,0 +1,280 @@
+"""Speculative decoding: exactness of the acceptance rule (chi-square tests that reject wrong
+rules), greedy speculative == greedy decoding for every drafter (alone, in mixed batches, with
+penalties) on stories260K and tiny random models, the n-gram proposer and the heads checkpoint."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.params import init_random
+from jaxinfer.sampling import SamplingParams, SamplingTensors, processed_logits
+from jaxinfer.speculative.config import SpecConfig
+from jaxinfer.speculative.drafters import (
+    init_heads,
+    load_draft_model,
+    load_heads,
+    ngram_propose,
+    save_heads,
+    truncated_draft,
+)
+from jaxinfer.speculative.engine import SpecEngine
+from jaxinfer.speculative.rejection import rejection_sample
+
+# ------------------------------------------------------------------ the rule on synthetic p / q
+
+V, R, N = 8, 2, 20_000
+ALPHA = 1e-3  # a correct rule fails one test in a thousand; wrong rules give p-values ~ 0
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
+    keep = probs > 0
+    if counts[~keep].sum():  # a token of probability 0 was emitted: certainly the wrong law
+        return 0.0
+    return float(stats.chisquare(counts[keep], probs[keep] * counts.sum()).pvalue)
+
+
+@functools.partial(jax.jit, static_argnames=("residual_from_p", "accept_always"))
+def one_round(q_r, tl_r, key, st_s, residual_from_p=False, accept_always=False):
+    """N rows: R drafts from q_r f32[R, V], target logits tl_r f32[R+1, V] (same for all)."""
+    d = jax.random.categorical(key, jnp.log(q_r), shape=(N, R))
+    probs = jnp.broadcast_to(q_r, (N, R, V))
+    logits = jnp.broadcast_to(tl_r, (N, R + 1, V))
+    return rejection_sample(logits, d.astype(jnp.int32), jnp.full((N,), R, jnp.int32), probs,
+                            st_s, residual_from_p=residual_from_p, accept_always=accept_always)
+
+
+def _synthetic(rule: dict, st_kw: dict):
+    """Two rounds of R=2 drafts over a position-independent 'model': p_j, q_j fixed per output
+    index. Returns (first tokens, 2-token ids x1 * V + x2, exact p(x1), exact p(x1, x2))."""
+    rng = np.random.default_rng(0)
+    tl = rng.normal(size=(R + 2, V)).astype(np.float32) * 1.5  # target logits per output index
+    dl = tl + rng.normal(size=(R + 2, V)).astype(np.float32) * 1.5  # a clearly different draft
+    st = SamplingTensors.from_params([SamplingParams(**st_kw)] * N, list(range(N)), [0] * N, N)
+    st = jax.tree.map(jnp.asarray, st)
+
+    def dist(logits, offset):  # softmax(processed_logits) of a [J, V] table at output index offset
+        s1 = jax.tree.map(lambda x: x[:1], st)
+        s1 = dataclasses.replace(s1, steps=s1.steps + offset)
+        return jax.nn.softmax(processed_logits(jnp.asarray(logits), jax.tree.map(
+            lambda x: jnp.repeat(x, logits.shape[0]), s1)), -1)
+
+    p = np.asarray(dist(tl, 0))
+    q = np.asarray(dist(dl, 0))
+
+    def at(start):  # a round whose rows begin at output index `start`
+        st_s = dataclasses.replace(st, steps=st.steps + start)
+        return map(np.asarray, one_round(jnp.asarray(q[start:start + R]),
+                                         jnp.asarray(tl[start:start + R + 1]),
+                                         jax.random.key(start + 100), st_s, **rule))
+
+    t1, n1 = at(0)
+    t2, _ = at(1)
+    second = np.where(n1 >= 1, t1[:, 1], t2[:, 0])  # a 1-token round 1 continues in round 2
+    pair = t1[:, 0] * V + second
+    return t1[:, 0], pair, p[0], (p[0][:, None] * p[1][None, :]).reshape(-1)
+
+
+RULES = {"correct": {}, "accept_always": {"accept_always": True},
+         "residual_from_p": {"residual_from_p": True}}
+SAMPLING = [dict(temperature=1.0), dict(temperature=0.8, top_k=5, min_p=0.02)]
+
+
+@pytest.mark.parametrize("st_kw", SAMPLING, ids=["t1", "t0.8_topk5_minp"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rejection_sampling_matches_target_distribution(rule, st_kw):
+    first, pair, p1, p12 = _synthetic(RULES[rule], st_kw)
+    pv1 = _chi2_pvalue(np.bincount(first, minlength=V), p1)
+    pv2 = _chi2_pvalue(np.bincount(pair, minlength=V * V), p12)
+    if rule == "correct":
+        assert pv1 > ALPHA and pv2 > ALPHA, (pv1, pv2)
+    else:  # the same test rejects a wrong rule (on the first token or on the pair)
+        assert min(pv1, pv2) < 1e-6, (rule, pv1, pv2)
+
+
+def test_greedy_rows_accept_while_draft_is_argmax():
+    logits = jnp.asarray([[[0, 5, 1], [3, 0, 1], [0, 0, 9]]] * 2, jnp.float32)  # argmax 1, 0, 2
+    drafts = jnp.asarray([[1, 0], [1, 2]], jnp.int32)
+    st = jax.tree.map(jnp.asarray, SamplingTensors.from_params(
+        [SamplingParams(temperature=0.0)] * 2, [0, 0], [0, 0], 2))
+    toks, n = rejection_sample(logits, drafts, jnp.asarray([2, 2]), None, st)
+    assert n.tolist() == [2, 1]
+    assert toks[0].tolist() == [1, 0, 2] and toks[1, :2].tolist() == [1, 0]
+
+
+# ------------------------------------------------------------------ end to end, tiny vocabulary
+
+
+class _IdTokenizer:
+    """Stand-in tokenizer of the tiny models: text is the ids."""
+
+    eos_ids = ()
+    bos_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def _tiny(vocab: int, seed: int, layers: int = 2, scale: float = 0.6):
+    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    return cfg, init_random(cfg, jax.random.key(seed), scale=scale)
+
+
+def _ecfg(max_num_seqs=64, max_model_len=32):
+    return EngineConfig(max_model_len=max_model_len, page_size=8, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max(256, max_num_seqs),
+                        num_pages=max_num_seqs * (max_model_len // 8 + 1) + 1)
+
+
+def _run(engine, prompts, params):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_end_to_end_sampling_distribution_with_a_different_draft_model():
+    """Tokens 2 and 3 of each request come from speculative rounds (token 1 from the prefill);
+    their joint distribution must be the target's, computed exactly by enumeration."""
+    from jaxinfer.dense import dense_logits
+
+    v, n = 8, 3000
+    cfg, params = _tiny(v, 0)
+    dcfg, dparams = _tiny(v, 1, layers=1)
+    prompt = [3, 5, 1]
+    seqs = np.asarray([[*prompt, a, b] for a in range(v) for b in range(v)], np.int32)
+    probs = np.asarray(jax.nn.softmax(dense_logits(params, cfg, jnp.asarray(seqs)), -1))
+    p1 = probs[::v, 2]  # p(x1 | prompt)           [V, V] by x1
+    p2 = probs[::v, 3]  # p(x2 | prompt, x1)        [V(x1), V]
+    p3 = probs[:, 4].reshape(v, v, v)  # p(x3 | prompt, x1, x2)
+    joint = np.einsum("a,ab,abc->bc", p1[0], p2, p3).reshape(-1)  # p(x2, x3)
+    q = np.asarray(jax.nn.softmax(dense_logits(dparams, dcfg, jnp.asarray(seqs)), -1))
+    assert np.abs(q - probs).max() > 0.3  # the draft is really different
+    eng = SpecEngine(cfg, params, _IdTokenizer(), _ecfg(), SpecConfig("draft-model", 2),
+                     draft_cfg=dcfg, draft_params=dparams)
+    outs = _run(eng, [prompt] * n, [SamplingParams(temperature=1.0, seed=i, max_tokens=3)
+                                    for i in range(n)])
+    toks = np.asarray([o.token_ids for o in outs])
+    pv = _chi2_pvalue(np.bincount(toks[:, 1] * v + toks[:, 2], minlength=v * v), joint)
+    assert pv > ALPHA, pv
+    rates = [o.metrics.acceptance_rate for o in outs]
+    assert all(r is not None for r in rates) and 0.05 < np.mean(rates) < 0.95
+
+
+# ------------------------------------------------------------------ greedy == greedy
+
+
+def _spec_kwargs(method, cfg, params, tmp_path=None):
+    if method == "draft-model:self":
+        return "draft-model", dict(zip(("draft_cfg", "draft_params"),
+                                       load_draft_model("self", cfg, params, jnp.float32)))
+    if method == "draft-model:layers":
+        return "draft-model", dict(zip(("draft_cfg", "draft_params"),
+                                       truncated_draft(cfg, params, max(1, cfg.num_layers // 2))))
+    if method == "heads":  # random heads: any proposal must leave greedy output unchanged
+        h = init_heads(params, 4)
+        h = dataclasses.replace(h, w=0.3 * jax.random.normal(jax.random.key(0), h.w.shape))
+        return "heads", dict(heads=h)
+    return method, {}
+
+
+METHODS = ["ngram", "draft-model:layers", "draft-model:self", "heads"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_speculative_equals_greedy_tiny_random(method):
+    cfg, params = _tiny(64, 3, layers=2, scale=0.4)
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 64, size=k))) for k in (3, 9, 1, 14, 5, 6)]
+    # repetitive prompts give the n-gram drafter something to find
+    prompts[2] = [7, 8, 9, 7, 8, 9, 7, 8]
+    params_rows = [SamplingParams(temperature=0.0, max_tokens=16 + i) for i in range(6)]
+    ecfg = _ecfg(max_num_seqs=8)
+    ref = _run(Engine(cfg, params, _IdTokenizer(), ecfg), prompts, params_rows)
+    m, kw = _spec_kwargs(method, cfg, params)
+    eng = SpecEngine(cfg, params, _IdTokenizer(), ecfg, SpecConfig(m, 3), **kw)
+    got = _run(eng, prompts, params_rows)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    alone = _run(eng, [prompts[1]], [params_rows[1]])[0]
+    assert alone.token_ids == ref[1].token_ids
+    if method == "draft-model:self":
+        assert all(o.metrics.acceptance_rate == 1.0 for o in got)
+
+
+STORY_PROMPTS = ["Once upon a time", "Lily", "The cat sat on the mat and looked at the big red ball.",
+                 "Tom had a toy car.", "Sam and Ben", "One day, a little bird"]
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir):
+    from jaxinfer.llm import LLM
+
+    return LLM(stories_dir, max_num_seqs=8, max_model_len=64, compilation_cache=False)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_speculative_equals_greedy_stories(stories, method):
+    llm = stories
+    base = llm.engines[0]
+    prompts = [llm.tokenizer.encode(p) for p in STORY_PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    pen = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3,
+                         frequency_penalty=0.2, min_tokens=5)
+    mixed = [greedy, greedy, SamplingParams(temperature=0.9, seed=1, max_tokens=25), pen,
+             SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=20), greedy]
+    ref = _run(base, prompts, mixed)
+    m, kw = _spec_kwargs(method, base.cfg, base.params)
+    eng = SpecEngine(base.cfg, base.params, llm.tokenizer, base.ecfg, SpecConfig(m, 4), **kw)
+    got = _run(eng, prompts, mixed)
+    for i in (0, 1, 3, 5):  # greedy rows (one with penalties and min_tokens) inside the mix
+        assert got[i].token_ids == ref[i].token_ids, (method, i)
+        assert got[i].text == ref[i].text
+    alone = _run(eng, prompts[:1], [greedy])[0]  # and alone
+    assert alone.token_ids == ref[0].token_ids
+    # seeded sampled rows are batch invariant under speculation too
+    alone_s = _run(eng, prompts[2:3], mixed[2:3])[0]
+    assert alone_s.token_ids == got[2].token_ids
+    assert got[0].metrics.spec_rounds > 0 and got[0].metrics.acceptance_rate is not None
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def test_ngram_propose():
+    toks = np.asarray([1, 2, 3, 4, 9, 2, 3, 4, 5, 6, 2, 3], np.int32)
+    assert ngram_propose(toks, 3, ngram_max=3) == [4, 5, 6]  # latest match of [2, 3]
+    assert ngram_propose(toks, 2, ngram_max=1) == [4, 5]
+    assert ngram_propose(np.asarray([1, 2, 3], np.int32), 3) == []
+
+
+def test_heads_save_load_roundtrip(tmp_path):
+    cfg, params = _tiny(16, 0)
+    h = init_heads(params, 3)
+    save_heads(h, tmp_path / "heads", meta={"x": 1})
+    g = load_heads(tmp_path / "heads", cfg)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(g)))
+    with pytest.raises(ValueError, match="D, V"):
+        load_heads(tmp_path / "heads", dataclasses.replace(cfg, vocab_size=32))
+
+
+def test_bad_configs():
+    with pytest.raises(ValueError, match="supported"):
+        SpecConfig("medusa")
+    with pytest.raises(ValueError, match=">= 1"):
+        SpecConfig("ngram", 0)
+    cfg, params = _tiny(16, 0)
+    with pytest.raises(ValueError, match="draft model"):
+        SpecEngine(cfg, params, _IdTokenizer(), _ecfg(8), SpecConfig("draft-model", 2))
