@@ -112,6 +112,12 @@ def shard_problems(engines, placer) -> list[str]:
     return bad
 
 
+def _wq(eng):
+    """wq of the first layer (the engine may hold layers stacked or as a tuple, unstacked)."""
+    layers = eng.params.layers
+    return layers[0].wq if isinstance(layers, tuple) else layers.wq
+
+
 def check_model(name, path, prompts, meshes, max_tokens):
     t0 = time.perf_counter()
     engines, _ = build(path, 1, 1)
@@ -125,7 +131,7 @@ def check_model(name, path, prompts, meshes, max_tokens):
         row = {"model": name, "tp": tp, "dp": dp, "same_tokens": tokens == ref_tokens,
                "kv_heads": placer.plan.cfg.num_kv_heads, "ffn": placer.plan.ffn_size,
                "kv_shard": list(engines[0].kv.k_pages.addressable_shards[0].data.shape),
-               "wq_shard": list(engines[0].params.layers.wq.addressable_shards[0].data.shape),
+               "wq_heads_per_device": _wq(engines[0]).addressable_shards[0].data.shape[-2],
                "shard_problems": shard_problems(engines, placer)}
         if dp == 1:  # same steps as one device: compare every step's logits
             assert len(logits) == len(ref_logits)

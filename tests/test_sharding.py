@@ -133,4 +133,4 @@ def test_each_device_holds_only_its_shard(sharded_report):
             assert r["shard_problems"] == [], r
     st8 = next(r for r in sharded_report if (r["model"], r["tp"], r["dp"]) == ("stories260K", 8, 1))
     assert st8["kv_heads"] == 8 and st8["ffn"] == 176  # K=4 replicated to 8, F=172 padded
-    assert st8["kv_shard"][1] == 1 and st8["wq_shard"][2] == 1
+    assert st8["kv_shard"][1] == 1 and st8["wq_heads_per_device"] == 1
