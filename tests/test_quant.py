@@ -1,0 +1,213 @@
+"""int8 quantization: matmul error bounds, int8 KV, orbax round trip and errors, every mode end to
+end on stories260K and on tiny random models of several families."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.errors import CheckpointError
+from jaxinfer.quant import QTensor, dequantize, quantize, quantize_tensor
+from jaxinfer.quant.checkpoint import METADATA_FILE, load_quantized, save_quantized
+from jaxinfer.quant.kv import dequantize_kv, quantize_kv
+from jaxinfer.quant.matmul import qlinear, qmatmul_2d, quantize_rows
+
+EPS = float(jnp.finfo(jnp.float32).eps)
+
+
+def _case(rows, i=96, o=40, seed=0):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (rows, i), jnp.float32)
+    w = 0.05 * jax.random.normal(kw, (i, o), jnp.float32)  # [in, out], the params' layout
+    return x, quantize_tensor(w, 0, 1)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+@pytest.mark.parametrize("formulation", ["reduce", "reduce_or", "reduce_ro", "dot", None])
+def test_w8a16_equals_dequantized_matmul(rows, formulation):
+    # Bound: y == x @ w_deq up to float32 summation rounding, |err| <= I * eps * (|x| @ |w_deq|).
+    x, q = _case(rows)
+    wd = dequantize(q)  # [O, I]
+    y = qmatmul_2d(x, q.values, q.scales, "float", formulation)
+    ref = np.asarray(x, np.float64) @ np.asarray(wd, np.float64).T
+    bound = x.shape[1] * EPS * (np.abs(np.asarray(x)) @ np.abs(np.asarray(wd)).T) + 1e-30
+    assert np.all(np.abs(np.asarray(y) - ref) <= bound)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+@pytest.mark.parametrize("formulation", ["reduce_or", "int_dot", None])
+def test_w8a8_within_activation_bound(rows, formulation):
+    # Bound: x = x_q s_x + e with |e| <= s_x / 2, so
+    # |y - x @ w_deq| <= s_x / 2 * s_o * sum_i |q_oi|  (+ float32 rounding of both sums).
+    x, q = _case(rows)
+    wd = np.asarray(dequantize(q), np.float64)
+    y = np.asarray(qmatmul_2d(x, q.values, q.scales, "int8", formulation), np.float64)
+    _, sx = quantize_rows(x)
+    ref = np.asarray(x, np.float64) @ wd.T
+    qsum = np.abs(np.asarray(q.values, np.float64)).sum(axis=1)  # [O]
+    act = np.asarray(sx, np.float64) / 2 * np.asarray(q.scales, np.float64)[None, :] * qsum[None, :]
+    rounding = 2 * x.shape[1] * EPS * (np.abs(np.asarray(x)) @ np.abs(wd).T)
+    err = np.abs(y - ref)
+    assert np.all(err <= act + rounding)
+    assert err.max() > 0  # the activation quantization is really there
+
+
+def test_quantized_linear_specs_match_einsum():
+    k = jax.random.PRNGKey(1)
+    x = jax.random.normal(k, (5, 16))
+    wq = 0.1 * jax.random.normal(k, (16, 3, 4))  # [D, N, H]
+    q = quantize_tensor(wq, 0, 1)
+    wdeq = jnp.transpose(dequantize(q), (2, 0, 1))  # back to [D, N, H]
+    np.testing.assert_allclose(qlinear(x, q, "TD,DNH->TNH"), jnp.einsum("TD,DNH->TNH", x, wdeq),
+                               rtol=1e-5, atol=1e-6)
+    wo = 0.1 * jax.random.normal(k, (3, 4, 16))  # [N, H, D]
+    qo = quantize_tensor(wo, 0, 2)
+    xo = jax.random.normal(k, (5, 3, 4))
+    wodeq = jnp.transpose(dequantize(qo), (1, 2, 0))
+    np.testing.assert_allclose(qlinear(xo, qo, "TNH,NHD->TD"), jnp.einsum("TNH,NHD->TD", xo, wodeq),
+                               rtol=1e-5, atol=1e-6)
+    # Per-output-channel quantization error is at most half a step.
+    err = jnp.abs(wdeq - wq)
+    assert bool(jnp.all(err <= jnp.transpose(q.scales, (0, 1))[None] / 2 + 1e-7))
+
+
+def test_kv_quantization_bound():
+    x = jax.random.normal(jax.random.PRNGKey(2), (7, 2, 16)) * 3
+    q, s = quantize_kv(x)
+    assert q.dtype == jnp.int8 and s.shape == (7, 2)
+    assert bool(jnp.all(jnp.abs(dequantize_kv(q, s) - x) <= s[..., None] / 2 + 1e-6))
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def test_save_load_round_trip_bit_exact_and_errors(tmp_path, stories_dir):
+    from jaxinfer.loaders import load
+
+    m = load(stories_dir)
+    qp = quantize(m.params, "w8a8", embed=True)
+    out = save_quantized(tmp_path / "q", m.config, qp, stories_dir, embed=True)
+    meta = json.loads((out / METADATA_FILE).read_text())
+    assert meta["source"]["files"][0]["sha256"] and meta["quantization"] == "w8a8"
+    loaded = load(out)  # format detection, tokenizer copied beside it
+    assert loaded.config == m.config and loaded.tokenizer is not None
+    _leaves_equal(loaded.params, qp)
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(qp)  # static meta too
+    assert isinstance(loaded.params.embed, QTensor)
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    meta["format_version"] = 99
+    (bad / METADATA_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="format_version 99"):
+        load_quantized(bad)
+    meta["format_version"], meta["quantization"] = 1, "int4"
+    (bad / METADATA_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="int4"):
+        load_quantized(bad)
+    meta["quantization"] = "w8a8"
+    (bad / METADATA_FILE).write_text(json.dumps(meta))
+    shutil.rmtree(bad / "params" / "layers.wq.values")
+    with pytest.raises(CheckpointError, match="layers.wq.values"):
+        load_quantized(bad)
+    shutil.rmtree(bad)
+    shutil.copytree(out, bad)
+    chunk = next((bad / "params" / "layers.w_up.values").glob("[0-9]*"))
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="params"):
+        load_quantized(bad)
+
+
+MODES = [("int8", "auto"), ("w8a8", "auto"), (None, "int8"), ("int8", "int8"), ("w8a8", "int8")]
+
+
+def test_every_mode_on_stories260k(stories_dir, stories_llm):
+    from jaxinfer import LLM, SamplingParams
+    from tests.conftest import stories_reference
+
+    prompts = [r["prompt"] for r in stories_reference()][:3]
+    sp = SamplingParams(temperature=0.0, max_tokens=40)
+    ref = [o.token_ids for o in stories_llm.generate(prompts, sp)]
+    for quant, kv in MODES:
+        llm = LLM(stories_dir, max_num_seqs=8, max_model_len=128, quantization=quant,
+                  kv_cache_dtype=kv, compilation_cache=False)
+        got = [o.token_ids for o in llm.generate(prompts, sp)]
+        agree = np.mean([a == b for r, g in zip(ref, got) for a, b in zip(r, g)])
+        # Greedy decoding diverges for good once one near-tie flips, so agreement is a quality
+        # figure, not an exactness check: measured 0.87 for w8a8 (4 prompts x 48 tokens), 1.0
+        # for int8 weights and int8 KV; scripts/bench_quant.py reports it over all prompts.
+        for r, g in zip(ref, got):
+            assert g[:8] == r[:8], (quant, kv)
+        assert agree >= 0.75, (quant, kv, agree)
+
+
+class _NoTokenizer:
+    """The tiny HF checkpoints have no tokenizer; the engine only needs these."""
+
+    eos_ids = ()
+    bos_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def _engine_greedy(cfg, params, prompts, kv_cache_dtype="auto", max_tokens=8):
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.sampling import SamplingParams
+
+    ecfg = EngineConfig(max_model_len=64, page_size=16, num_pages=16, max_num_seqs=4,
+                        max_num_batched_tokens=64, attn_impl="xla", kv_cache_dtype=kv_cache_dtype)
+    eng = Engine(cfg, params, _NoTokenizer(), ecfg)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, sp)
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("family,quant,kv", [("llama2", "int8", "int8"), ("qwen2", "w8a8", "int8"),
+                                             ("gemma2", "w8a8", "auto")])
+def test_tiny_families_run_quantized(tmp_path, family, quant, kv):
+    from jaxinfer.loaders import load
+    from jaxinfer.quant.tensor import apply_quantization
+    from tests.hf_fixtures import build_checkpoint
+
+    m = load(build_checkpoint(family, str(tmp_path / family)))
+    prompts = [[5, 17, 33, 9, 120, 64], [200, 3, 77], [11, 250, 42, 8]]
+    ref = _engine_greedy(m.config, m.params, prompts)
+    got = _engine_greedy(m.config, apply_quantization(m.params, quant), prompts, kv)
+    assert all(len(g) == 8 for g in got)
+    # The first token must match wherever the float model's top-2 logit margin is clear of the
+    # quantization noise (qwen2's second prompt is a near-tie: margin 0.03 at logit std 1.5).
+    from jaxinfer.dense import dense_logits
+
+    checked = 0
+    for p, r, g in zip(prompts, ref, got):
+        logits = np.sort(np.asarray(dense_logits(m.params, m.config, jnp.asarray([p])))[0, -1])
+        if logits[-1] - logits[-2] > 0.1 * logits.std():
+            assert g[0] == r[0], (family, quant, kv, ref, got)
+            checked += 1
+    assert checked >= 1
+
+
+def test_kv_bytes_count_scales_and_pallas_int8_is_an_error():
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.kv_cache import kv_bytes_per_token
+
+    cfg = ModelConfig("llama", 32, 16, 32, 2, 2, 2, 8)
+    assert kv_bytes_per_token(cfg, jnp.float32) == 2 * 2 * 2 * 8 * 4
+    assert kv_bytes_per_token(cfg, jnp.int8) == 2 * 2 * 2 * (8 + 4)
