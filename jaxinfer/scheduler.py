@@ -3,9 +3,10 @@ prefill, page allocation and preemption by recomputation.
 
 Each call to ``schedule`` picks the rows of the next step: every running sequence in decode gets
 one token; unfinished prefills continue in chunks; waiting sequences join while the token budget,
-the row limit and the free pages allow. When a running sequence needs a page and none is free,
-the newest running sequence is preempted: its pages are freed and it goes back to the front of
-the waiting queue, to be recomputed (prompt + output so far) later. Sampling keys depend only on
+the row limit and the free pages allow (keeping one free page per running sequence in reserve).
+When a running sequence needs a page and none is free, the newest running sequence is preempted:
+its pages are freed and it goes back to the front of the waiting queue, to be recomputed
+(prompt + output so far) later. Sampling keys depend only on
 (seed, output index), so a preempted sequence's output is the same as if it had never been.
 
 Source: vLLM's scheduler (recompute preemption, chunked prefill, token budget).
@@ -171,6 +172,12 @@ class Scheduler:
             seq = self.waiting[0]
             remaining = seq.num_tokens - seq.num_computed
             n = min(remaining, budget)
+            # Admission keeps one free page per running sequence in reserve (each may need a new
+            # page soon): admitting into a full pool only causes preemption churn.
+            reserve = len(self.running)
+            if preempted or self._pages_needed(seq, seq.num_computed + n) + reserve > self.allocator.num_free:
+                if self.running:
+                    break
             if not self._grow(seq, seq.num_computed + n):
                 break  # admit nobody until pages are freed
             self.waiting.popleft()

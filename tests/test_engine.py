@@ -114,11 +114,14 @@ def test_chunked_prefill_equals_one_shot(stories_llm):
         kv2, lg = run(kv2, jnp.asarray(ids[a:b], jnp.int32), chunk_md(a, b))
         parts.append(lg)
     logits2 = jnp.concatenate(parts)
-    np.testing.assert_allclose(np.asarray(logits2), np.asarray(logits1), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kv2.k_pages[:, :, pages]), np.asarray(kv1.k_pages[:, :, pages]),
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kv2.v_pages[:, :, pages]), np.asarray(kv1.v_pages[:, :, pages]),
-                               rtol=1e-5, atol=1e-5)
+    # float32: matmuls of different shapes round differently; compare at 1e-5 of the scale.
+    def close(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+
+    close(logits2, logits1)
+    close(kv2.k_pages[:, :, pages], kv1.k_pages[:, :, pages])
+    close(kv2.v_pages[:, :, pages], kv1.v_pages[:, :, pages])
     # and the engine with a 16-token budget (every prompt chunked) gives the unchunked outputs
     from jaxinfer.llm import LLM
 
