@@ -25,6 +25,9 @@ from typing import TextIO
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.sampling_params import SamplingParams
 
+ATTN_IMPL_CHOICES = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
+                     "pallas_gpu_interpret")
+
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 DUPLICATE_PREFIX = "duplicate id"
 """Error records of repeated input ids start with this; resume tells them from the first one's."""
@@ -124,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="token budget of one step (None: max(512, max-num-seqs))",
     )
-    e.add_argument("--attn-impl", default="xla", help="attention implementation")
+    # = paged_attention.ATTN_IMPLS (spelled out: the CLI imports jax lazily; a test checks).
+    e.add_argument("--attn-impl", default="auto", choices=ATTN_IMPL_CHOICES,
+                   help="attention implementation: auto (XLA on CPU, the Pallas kernel where "
+                   "verified), xla, pallas (this backend's kernel), pallas_tpu, pallas_gpu, "
+                   "pallas_{tpu,gpu}_interpret (kernels run on CPU, for tests)")
     sd = g.add_argument_group("speculative decoding")
     sd.add_argument("--speculative", default=None, choices=["draft-model", "ngram", "heads"],
                     help="drafter: a smaller draft model, n-gram prompt lookup or Medusa heads")

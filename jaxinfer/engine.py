@@ -16,7 +16,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import RequestError
 from jaxinfer.kv_cache import PageAllocator, init_kv_cache, kv_bytes_per_token
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from jaxinfer.paged_attention import ATTN_IMPLS
+from jaxinfer.paged_attention import check_attn_impl, resolve_attn_impl
 from jaxinfer.params import Params
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence
@@ -36,7 +36,8 @@ class EngineConfig:
         max_num_seqs: most sequences running at once (rows of a step).
         max_num_batched_tokens: token budget of one step.
         max_prefill_seqs: most prefill chunks in one step.
-        attn_impl: attention implementation, one of ``paged_attention.ATTN_IMPLS``.
+        attn_impl: attention implementation, one of ``paged_attention.ATTN_IMPLS`` ("auto":
+            XLA on CPU, the Pallas kernel on a backend where it is verified).
         seed: seed of the host RNG that draws seeds for requests without one.
         kv_cache_dtype: "auto" (the params' float dtype) or "int8" (int8 pages with per-token,
             per-head f32 scales; ``jaxinfer.quant.kv``).
@@ -48,7 +49,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_seqs: int = 8
-    attn_impl: str = "xla"
+    attn_impl: str = "auto"
     seed: int = 0
     kv_cache_dtype: str = "auto"
 
@@ -88,15 +89,15 @@ class Engine:
 
     Raises:
         ValueError: at construction when the pool cannot hold one sequence of ``max_model_len``
-            tokens (the message says how many pages are needed), or ``attn_impl`` is unknown.
+            tokens (the message says how many pages are needed), or ``attn_impl`` is unknown,
+            unavailable on this backend, or cannot tile this model (the message says why).
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
                  mesh=None):
-        if ecfg.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl={ecfg.attn_impl!r} is not available; supported: {ATTN_IMPLS}")
+        check_attn_impl(cfg, ecfg.attn_impl, ecfg.page_size, ecfg.num_pages, ecfg.max_pages_per_seq)
         kv_dtype = kv_cache_dtype(ecfg, params)
-        if kv_dtype == np.int8 and ecfg.attn_impl != "xla":
+        if kv_dtype == np.int8 and resolve_attn_impl(ecfg.attn_impl) != "xla":
             raise ValueError(f"attn_impl={ecfg.attn_impl!r} with kv_cache_dtype='int8' is not "
                              "supported (the Pallas kernels read float pages); use attn_impl='xla'")
         if kv_dtype == np.int8 and mesh is not None:

@@ -51,7 +51,8 @@ class LLM:
         page_size: tokens per KV page.
         max_num_seqs: most sequences decoded together.
         max_num_batched_tokens: token budget per step (default max(512, max_num_seqs)).
-        attn_impl: attention implementation ("xla").
+        attn_impl: attention implementation, see ``paged_attention.ATTN_IMPLS`` ("auto", "xla",
+            "pallas", "pallas_tpu_interpret", ...).
         kv_cache_memory_gb: memory budget of the default pool, GiB.
         tokenizer: tokenizer path overriding the one found beside the model.
         seed: seeds the draws of per-request seeds for requests without one.
@@ -83,7 +84,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike, *, dtype: str = "float32",
                  max_model_len: int | None = None, kv_pages: int | None = None,
                  page_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, attn_impl: str = "xla",
+                 max_num_batched_tokens: int | None = None, attn_impl: str = "auto",
                  kv_cache_memory_gb: float = 2.0, tokenizer: str | None = None, seed: int = 0,
                  compilation_cache: bool = True, tensor_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, speculative: str | None = None,

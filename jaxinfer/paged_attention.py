@@ -141,22 +141,83 @@ def ragged_paged_attention_xla(
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
-ATTN_IMPLS = ("xla",)
+ATTN_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
+              "pallas_gpu_interpret")
+# Backends whose Pallas kernel has passed scripts/device_check_kernels.py un-interpreted; "auto"
+# picks the kernel only there (XLA elsewhere). Add a backend after its device check passes.
+KERNEL_VERIFIED_BACKENDS: tuple[str, ...] = ()
+
+
+def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
+    """The concrete implementation of ``attn_impl`` on ``backend`` (default: jax's).
+
+    "auto": the backend's kernel where verified (``KERNEL_VERIFIED_BACKENDS``), else "xla";
+    "pallas": the kernel of the current backend ("pallas_tpu" / "pallas_gpu").
+
+    Raises:
+        ValueError: unknown ``attn_impl``, "pallas" on CPU, or a kernel for another backend.
+    """
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl={attn_impl!r} is not available; supported: {ATTN_IMPLS}")
+    backend = backend or jax.default_backend()
+    if attn_impl == "auto":
+        return f"pallas_{backend}" if backend in KERNEL_VERIFIED_BACKENDS else "xla"
+    if attn_impl == "pallas":
+        if backend not in ("tpu", "gpu"):
+            raise ValueError(
+                f"attn_impl='pallas' needs a TPU or GPU (jax backend is {backend!r}); on CPU use "
+                "'xla', or 'pallas_tpu_interpret' / 'pallas_gpu_interpret' to test the kernels"
+            )
+        return f"pallas_{backend}"
+    if attn_impl in ("pallas_tpu", "pallas_gpu") and backend != attn_impl.removeprefix("pallas_"):
+        raise ValueError(f"attn_impl={attn_impl!r} cannot run on jax backend {backend!r}; use "
+                         f"'pallas' (the current backend's kernel) or '{attn_impl}_interpret'")
+    return attn_impl
+
+
+def check_attn_impl(cfg, attn_impl: str, page_size: int, num_pages: int, max_pages: int) -> str:
+    """Resolves ``attn_impl`` and checks the kernel can tile this model and pool (at engine
+    construction, not mid-step). Returns the resolved name. Raises ValueError naming the
+    unsupported combination and what is supported."""
+    impl = resolve_attn_impl(attn_impl)
+    if impl != "xla":
+        from kernels_pallas.ragged_paged_attention import check_supported
+
+        backend = "tpu" if impl.startswith("pallas_tpu") else "gpu"
+        elems = cfg.num_layers * cfg.num_kv_heads * num_pages * page_size * cfg.head_dim
+        check_supported(backend, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, page_size=page_size, pool_elems=elems,
+                        max_pages=max_pages)
+    return impl
 
 
 def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
     """An ``AttnFn`` for ``model.forward`` over a ``KVCache``: writes this step's K/V at
-    ``md.slot_mapping`` then attends. Raises ValueError for an unknown ``attn_impl``."""
-    if attn_impl not in ATTN_IMPLS:
-        raise ValueError(f"attn_impl={attn_impl!r} is not available; supported: {ATTN_IMPLS}")
+    ``md.slot_mapping`` then attends. Raises ValueError for an unknown or unavailable
+    ``attn_impl`` (see ``resolve_attn_impl``)."""
+    impl = resolve_attn_impl(attn_impl)
 
     def attn(q, k, v, cache: KVCache, layer, window):
         cache = write_kv(cache, layer, k, v, md.slot_mapping)
-        out = ragged_paged_attention_xla(
-            q, cache.k_pages, cache.v_pages, md, window,
-            scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, layer=layer,
-            k_scales=cache.k_scales, v_scales=cache.v_scales,
-        )
+        if impl == "xla":
+            out = ragged_paged_attention_xla(
+                q, cache.k_pages, cache.v_pages, md, window,
+                scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, layer=layer,
+                k_scales=cache.k_scales, v_scales=cache.v_scales,
+            )
+        else:
+            if cache.k_scales is not None:
+                raise ValueError(f"attn_impl={impl!r} with kv_cache_dtype='int8': the Pallas "
+                                 "kernels read float pages only; use attn_impl='xla'")
+            from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+
+            out = ragged_paged_attention(
+                q, cache.k_pages, cache.v_pages, md.kv_lens, md.block_tables, md.cu_q_lens,
+                window, layer, num_decode=md.num_decode, scale=cfg.attn_scale,
+                softcap=cfg.attn_logit_softcap,
+                backend="tpu" if impl.startswith("pallas_tpu") else "gpu",
+                interpret=impl.endswith("_interpret"),
+            )
         return out, cache
 
     return attn

@@ -1,0 +1,257 @@
+"""Device check of the Pallas kernels on a GPU or TPU: un-interpreted kernel tests, then timings.
+
+1. Runs the kernel tests compiled for this device (``JAXINFER_KERNEL_DEVICE=<backend>`` makes
+   tests/test_ragged_paged_attention.py run its cases for this backend with interpret=False, and
+   the FlashAttention tests' device path) in a pytest subprocess.
+2. Times, for a few realistic shapes (Llama-3-8B heads: N=32, K=8, H=128, bf16, page size 16),
+   our ragged paged attention kernel, the XLA reference (``ragged_paged_attention_xla``), jax's
+   shipped Pallas ops (``jax.experimental.pallas.ops``: TPU ``paged_attention`` /
+   ``ragged_paged_attention``, GPU ``paged_attention`` / ``attention.mha``) and our FlashAttention
+   kernel (``kernels_pallas.flash_attention``, when present) on the prefill shape; each entry
+   reports the median milliseconds and the max abs difference from the XLA reference.
+
+Prints one JSON object: {"device", "tests": {...}, "timings": [...]}. Designed to finish in
+under 8 minutes (tests capped at 270 s; each timing a few iterations). Usage:
+``python scripts/device_check_kernels.py [--skip-tests] [--iters N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_TIMEOUT_S = 270
+
+
+def run_tests(backend: str) -> list[dict]:
+    """Kernel tests compiled for ``backend``, in subprocesses (before this process takes the
+    device): ours whole, FlashAttention's device tests (``-k device``) when that folder exists."""
+    env = {**os.environ, "JAXINFER_KERNEL_DEVICE": backend,
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    runs = [(["tests/test_ragged_paged_attention.py"], 200)]
+    fa = "kernels_pallas/flash_attention/tests/test_flash_attention.py"
+    if (ROOT / fa).exists():
+        runs.append(([fa, "-k", "device"], TEST_TIMEOUT_S - 200))
+    results = []
+    for files, timeout in runs:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               *files]
+        t0 = time.time()
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=timeout)
+            out, rc = p.stdout + p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc = "timeout"
+        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", out)}
+        res = {"files": files, "rc": rc, "seconds": round(time.time() - t0, 1), **counts}
+        if rc != 0:
+            res["tail"] = out[-3000:]
+        results.append(res)
+    return results
+
+
+def bench(fn, args, iters: int) -> float:
+    """Median wall milliseconds of ``fn(*args)`` (jitted, compiled first)."""
+    import jax
+    import numpy as np
+
+    out = jax.block_until_ready(fn(*args))
+    del out
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ts))
+
+
+def make_case(rng, rows, *, n=32, kh=8, h=128, z=16, dtype="bfloat16"):
+    """rows: [(kv_len, q_len)], decode rows (q_len 1) first. A pool with exactly the pages needed
+    (random page order), metadata as the engine builds it."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.paged_attention import AttentionMetadata
+
+    m = max(-(-kl // z) for kl, _ in rows)
+    num_pages = sum(-(-kl // z) for kl, _ in rows) + 1
+    perm = rng.permutation(np.arange(1, num_pages))
+    bt = np.zeros((len(rows), m), np.int32)
+    pos, seq, off = [], [], 0
+    for r, (kl, ql) in enumerate(rows):
+        np_ = -(-kl // z)
+        bt[r, :np_] = perm[off : off + np_]
+        off += np_
+        pos += list(range(kl - ql, kl))
+        seq += [r] * ql
+    kv_lens = np.array([kl for kl, _ in rows], np.int32)
+    cu = np.concatenate([[0], np.cumsum([ql for _, ql in rows])]).astype(np.int32)
+    t = int(cu[-1])
+    nd = sum(1 for _, ql in rows if ql == 1)
+    md = AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.zeros(t, jnp.int32), jnp.asarray(bt),
+                           jnp.asarray(kv_lens), jnp.asarray(cu), jnp.asarray(seq, jnp.int32),
+                           num_decode=nd)
+    dt = jnp.dtype(dtype)
+    kp = jnp.asarray(rng.standard_normal((kh, num_pages, z, h), np.float32), dt)
+    vp = jnp.asarray(rng.standard_normal((kh, num_pages, z, h), np.float32), dt)
+    q = jnp.asarray(rng.standard_normal((t, n, h), np.float32), dt)
+    return q, kp, vp, md
+
+
+def timings(backend: str, iters: int, quick: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.paged_attention import ragged_paged_attention_xla
+    from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+
+    rng = np.random.default_rng(0)
+    scale = 128**-0.5
+    ctx = 4096 if not quick else 256
+    shapes = {
+        f"decode_b64_ctx{ctx}": [(ctx - int(rng.integers(0, 16)), 1) for _ in range(64)],
+        f"mixed_d32_ctx{ctx // 2}_p4x256": [(ctx // 2, 1)] * 32 + [(1024, 256)] * 4,
+        f"prefill_1x{ctx}": [(ctx, ctx)],
+    }
+    results = []
+    for name, rows in shapes.items():
+        q, kp, vp, md = make_case(rng, rows)
+        impls = {
+            "xla": jax.jit(lambda q, kp, vp, md: ragged_paged_attention_xla(
+                q, kp, vp, md, jnp.int32(0), scale=scale)),
+            f"ours_pallas_{backend}": jax.jit(lambda q, kp, vp, md: ragged_paged_attention(
+                q, kp, vp, md.kv_lens, md.block_tables, md.cu_q_lens, jnp.int32(0), jnp.int32(0),
+                num_decode=md.num_decode, scale=scale, backend=backend)),
+        }
+        impls.update(shipped_ops(backend, name, q, kp, vp, md, scale))
+        ref = None
+        for impl, fn in impls.items():
+            entry = {"shape": name, "impl": impl, "tokens": int(q.shape[0]),
+                     "kv_tokens": int(np.asarray(md.kv_lens).sum())}
+            try:
+                args = (q, kp, vp, md)
+                out = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
+                if impl == "xla":
+                    ref = out
+                entry["ms"] = round(bench(fn, args, iters), 4)
+                if ref is not None:
+                    entry["max_abs_diff_vs_xla"] = float(np.abs(out - ref).max())
+            except Exception as e:  # reported in the table, never replaced by another impl
+                entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            results.append(entry)
+    return results
+
+
+def shipped_ops(backend, name, q, kp, vp, md, scale) -> dict:
+    """jax's own Pallas ops (and our FlashAttention) on the same inputs, as f(q, kp, vp, md)."""
+    import jax
+    import jax.numpy as jnp
+
+    out = {}
+    n, kh = q.shape[1], kp.shape[0]
+    g = n // kh
+    if name.startswith("decode"):
+        if backend == "tpu":
+            from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+            out["jax_tpu_paged_attention"] = jax.jit(lambda q, kp, vp, md: paged_attention(
+                q * scale, kp, vp, md.kv_lens, md.block_tables, pages_per_compute_block=8))
+        else:
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+            out["jax_gpu_paged_attention"] = jax.jit(lambda q, kp, vp, md: paged_attention(
+                q * scale, kp, vp, md.block_tables, md.kv_lens, pages_per_compute_block=8))
+    if backend == "tpu":
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+        def rpa(q, kp, vp, md):
+            # jax's layout: [P, Z, 2K, H], K and V interleaved per head (built outside timing
+            # would be fairer; the interleave is a copy of the live pool, reported as is).
+            kv = jnp.stack([kp, vp], axis=1).reshape(2 * kh, *kp.shape[1:]).transpose(1, 2, 0, 3)
+            return ragged_paged_attention(q, kv, md.kv_lens, md.block_tables, md.cu_q_lens,
+                                          jnp.array([md.kv_lens.shape[0]], jnp.int32),
+                                          sm_scale=scale)
+
+        out["jax_tpu_ragged_paged_attention(incl_kv_interleave)"] = jax.jit(rpa)
+    if name.startswith("prefill"):
+        def dense_kv(kp, md):  # [K, P, Z, H] -> [1, K, S, H], one sequence
+            return kp[:, md.block_tables[0]].reshape(kh, -1, kp.shape[-1])[None]
+
+        try:
+            from kernels_pallas.flash_attention import flash_attention
+
+            out["ours_flash_attention(incl_page_gather)"] = jax.jit(
+                lambda q, kp, vp, md: flash_attention(
+                    q.transpose(1, 0, 2)[None], dense_kv(kp, md), dense_kv(vp, md), causal=True,
+                    sm_scale=scale, backend=backend)[0].transpose(1, 0, 2))
+        except ImportError as e:
+            out["ours_flash_attention"] = _raiser(e)
+        if backend == "gpu":
+            from jax.experimental.pallas.ops.gpu.attention import mha
+
+            out["jax_gpu_mha(incl_page_gather)"] = jax.jit(lambda q, kp, vp, md: mha(
+                q[None], jnp.repeat(dense_kv(kp, md)[0].transpose(1, 0, 2), g, axis=1)[None],
+                jnp.repeat(dense_kv(vp, md)[0].transpose(1, 0, 2), g, axis=1)[None], None,
+                sm_scale=scale, causal=True)[0])
+        else:
+            from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention as tfa
+
+            out["jax_tpu_flash_attention(incl_page_gather)"] = jax.jit(
+                lambda q, kp, vp, md: tfa(
+                    q.transpose(1, 0, 2)[None], jnp.repeat(dense_kv(kp, md), g, axis=1),
+                    jnp.repeat(dense_kv(vp, md), g, axis=1), causal=True,
+                    sm_scale=scale)[0].transpose(1, 0, 2))
+    return out
+
+
+def _raiser(e):
+    def f(*_):
+        raise e
+
+    return f
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="short contexts (smoke run)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    t0 = time.time()
+    import jax  # noqa: F401  (backend query only; the tests run in a subprocess first)
+
+    backend = _backend()
+    report = {"device": backend, "tests": None, "timings": []}
+    if backend not in ("tpu", "gpu"):
+        report["error"] = f"jax backend is {backend!r}: this script needs a TPU or GPU"
+        print(json.dumps(report, indent=1))
+        return 2
+    if not args.skip_tests:
+        report["tests"] = run_tests(backend)
+    report["timings"] = timings(backend, args.iters, args.quick)
+    report["seconds"] = round(time.time() - t0, 1)
+    print(json.dumps(report, indent=1))
+    ok = args.skip_tests or all(r["rc"] == 0 for r in report["tests"])
+    return 0 if ok and not any("error" in t for t in report["timings"]) else 1
+
+
+def _backend() -> str:
+    # Ask in a subprocess so this process does not take the device before the tests run.
+    p = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                       capture_output=True, text=True, timeout=120)
+    return p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
