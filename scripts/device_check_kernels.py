@@ -36,7 +36,7 @@ def run_tests(backend: str) -> list[dict]:
     env = {**os.environ, "JAXINFER_KERNEL_DEVICE": backend,
            "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     runs = [(["tests/test_ragged_paged_attention.py"], 200)]
-    fa = "kernels_pallas/flash_attention/tests/test_flash_attention.py"
+    fa = "tests/test_flash_attention.py"
     if (ROOT / fa).exists():
         runs.append(([fa, "-k", "device"], TEST_TIMEOUT_S - 200))
     results = []

@@ -1,0 +1,56 @@
+"""The engine with the Pallas ragged paged attention kernel (interpret mode on CPU) == with XLA,
+and the attn_impl choices: resolution per backend, errors at engine construction."""
+
+import pytest
+
+from jaxinfer.paged_attention import ATTN_IMPLS, resolve_attn_impl
+from jaxinfer.sampling import SamplingParams
+
+PROMPTS = ["Once upon a time", "The cat sat"]
+
+
+def _generate(stories_dir, attn_impl):
+    from jaxinfer.llm import LLM
+
+    llm = LLM(stories_dir, max_model_len=64, max_num_seqs=2, page_size=16, attn_impl=attn_impl,
+              compilation_cache=False)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    # A prefill step of two rows, then decode steps within one page: two compilations, as each
+    # interprets the kernel in every layer (mixed decode + prefill batches: the kernel tests).
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2
+    return [o.token_ids for o in llm.generate(ids, params)]
+
+
+def test_engine_greedy_pallas_tpu_interpret_equals_xla(stories_dir):
+    assert _generate(stories_dir, "pallas_tpu_interpret") == _generate(stories_dir, "xla")
+
+
+def test_resolve_attn_impl():
+    assert resolve_attn_impl("auto", "cpu") == "xla"
+    assert resolve_attn_impl("pallas", "tpu") == "pallas_tpu"
+    assert resolve_attn_impl("pallas", "gpu") == "pallas_gpu"
+    assert resolve_attn_impl("pallas_gpu_interpret", "cpu") == "pallas_gpu_interpret"
+    with pytest.raises(ValueError, match="needs a TPU or GPU.*pallas_tpu_interpret"):
+        resolve_attn_impl("pallas", "cpu")
+    with pytest.raises(ValueError, match="'pallas_tpu' cannot run on jax backend 'cpu'"):
+        resolve_attn_impl("pallas_tpu", "cpu")
+    with pytest.raises(ValueError, match="'triton' is not available; supported"):
+        resolve_attn_impl("triton", "cpu")
+
+
+def test_cli_choices_match_attn_impls():
+    from jaxinfer.cli import ATTN_IMPL_CHOICES
+
+    assert ATTN_IMPL_CHOICES == ATTN_IMPLS
+
+
+def test_engine_rejects_unsupported_combination(stories_dir):
+    from jaxinfer.llm import LLM
+
+    # stories260K has head_dim 8; the GPU kernel tiles powers of two from 16
+    with pytest.raises(ValueError, match="pallas_gpu .*head_dim=8 .*powers of two"):
+        LLM(stories_dir, max_model_len=64, max_num_seqs=4, attn_impl="pallas_gpu_interpret",
+            compilation_cache=False)
+    with pytest.raises(ValueError, match="needs a TPU or GPU"):
+        LLM(stories_dir, max_model_len=64, max_num_seqs=4, attn_impl="pallas",
+            compilation_cache=False)
