@@ -13,10 +13,13 @@ stdout carries one JSON summary object; progress, messages and errors go to stde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import signal
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -318,7 +321,8 @@ def read_jobs(path: Path, defaults: dict) -> tuple[list[Job], bool]:
 
 def _parse_record(line: str, index: int, defaults: dict) -> Job:
     n = index + 1
-    job = Job(id=str(index), line=n)
+    # A line whose id cannot be read gets an id of its own namespace, never a real record's.
+    job = Job(id=f"line-{n}", line=n)
     try:
         rec = json.loads(line)
     except ValueError as e:
@@ -327,6 +331,7 @@ def _parse_record(line: str, index: int, defaults: dict) -> Job:
     if not isinstance(rec, dict):
         job.error = f"line {n}: expected a JSON object, got {type(rec).__name__}"
         return job
+    job.id = str(index)
     if "id" in rec:
         rid = rec.pop("id")
         if isinstance(rid, bool) or not isinstance(rid, str | int):
@@ -369,8 +374,7 @@ def _parse_record(line: str, index: int, defaults: dict) -> Job:
 class Done:
     """Ids found in an existing output file."""
 
-    ids: set[str] = dataclasses.field(default_factory=set)  # a result or a first-id error
-    duplicates: dict[str, int] = dataclasses.field(default_factory=dict)  # duplicate-id errors
+    ids: set[str] = dataclasses.field(default_factory=set)  # results and error records
     truncated: bool = False  # a partial last line was cut away
 
 
@@ -398,31 +402,26 @@ def read_done(path: Path, warn) -> Done:
             if raw.strip():
                 warn(f"{path} line {n} is not a record with an id; left as is")
             continue
-        rid = str(rid)
-        err = rec.get("error")
-        if isinstance(err, str) and err.startswith(DUPLICATE_PREFIX):
-            done.duplicates[rid] = done.duplicates.get(rid, 0) + 1
-        else:
-            done.ids.add(rid)
+        done.ids.add(str(rid))
     return done
 
 
 def plan(jobs: list[Job], done: Done) -> tuple[list[Job], list[Job], int]:
     """(jobs to generate, error jobs to write, number skipped as already in the output file).
 
-    A repeated id becomes an error job (unless that error record is already written)."""
+    A repeated id becomes an error job with the id ``"<id>@line-<n>"`` (unless already written)."""
     seen: dict[str, int] = {}
-    dups_written = dict(done.duplicates)
     run, errors, skipped = [], [], 0
     for job in jobs:
         if job.id in seen:
-            if dups_written.get(job.id, 0) > 0:
-                dups_written[job.id] -= 1
-                skipped += 1
-                continue
             first = seen[job.id]
             job.error = f"{DUPLICATE_PREFIX} {job.id!r} on line {job.line} (first on line {first})"
-            errors.append(job)
+            # The error record gets its own id, so every id in the output occurs exactly once.
+            job.id = f"{job.id}@line-{job.line}"
+            if job.id in done.ids:
+                skipped += 1
+            else:
+                errors.append(job)
             continue
         seen[job.id] = job.line
         if job.id in done.ids:
@@ -435,6 +434,24 @@ def plan(jobs: list[Job], done: Done) -> tuple[list[Job], list[Job], int]:
 
 
 # ------------------------------------------------------------------------- the run
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (a scheduler's kill) ends the run like Ctrl-C while inside: the current line is
+    finished, the summary says how far it got, and a rerun resumes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _write(f: TextIO, record: dict) -> None:
@@ -470,10 +487,10 @@ def _load_llm(args: argparse.Namespace):
             draft_model=args.draft_model,
             draft_heads=args.draft_heads,
         )
-    except (JaxinferError, OSError, ValueError) as e:
+    except (JaxinferError, OSError) as e:
         raise UsageError(f"cannot load model {args.model}: {e}") from None
-    if llm.tokenizer is None:
-        raise UsageError(f"no tokenizer found beside {args.model}; pass --tokenizer")
+    except ValueError as e:  # an engine setting (sizes, pool, attention implementation)
+        raise UsageError(f"invalid engine setting: {e}") from None
     return llm
 
 
@@ -531,6 +548,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not out_path.parent.is_dir():
         raise UsageError(f"directory of --out {out_path} does not exist")
     jobs, _ = read_jobs(args.prompts, defaults)
+    if not jobs:
+        say(f"warning: {args.prompts} holds no prompts")
     done = read_done(out_path, say)
     if done.truncated:
         say(f"{out_path}: cut away a partial last line (interrupted write)")
@@ -622,7 +641,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         if args.command == "generate":
-            return cmd_generate(args)
+            with _sigterm_as_interrupt():
+                return cmd_generate(args)
         if args.command == "train-draft-heads":
             from jaxinfer.speculative.train_heads import cmd_train_draft_heads
 

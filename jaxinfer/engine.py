@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import numpy as np
 
 from jaxinfer.batch import build_step_batch, row_index
@@ -17,7 +18,7 @@ from jaxinfer.errors import RequestError
 from jaxinfer.kv_cache import PageAllocator, init_kv_cache, kv_bytes_per_token
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.paged_attention import check_attn_impl, resolve_attn_impl
-from jaxinfer.params import Params
+from jaxinfer.params import Params, unstack_layers
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence
 from jaxinfer.sharding import to_host
@@ -41,6 +42,9 @@ class EngineConfig:
         seed: seed of the host RNG that draws seeds for requests without one.
         kv_cache_dtype: "auto" (the params' float dtype) or "int8" (int8 pages with per-token,
             per-head f32 scales; ``jaxinfer.quant.kv``).
+        unroll_layers: run layers as an unrolled loop over per-layer weight buffers instead of
+            ``lax.scan`` over stacked ones (``params.unstack_layers``): faster decode, longer
+            compiles. None = on CPU only, where the scan's per-layer weight copies cost ~2x.
     """
 
     max_model_len: int
@@ -52,6 +56,14 @@ class EngineConfig:
     attn_impl: str = "auto"
     seed: int = 0
     kv_cache_dtype: str = "auto"
+    unroll_layers: bool | None = None
+
+    def __post_init__(self):
+        for name, low in (("max_model_len", 2), ("page_size", 1), ("max_num_seqs", 1),
+                          ("max_num_batched_tokens", 1), ("max_prefill_seqs", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -114,6 +126,9 @@ class Engine:
                 f"max_num_batched_tokens={ecfg.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={ecfg.max_num_seqs} (every running sequence decodes each step)"
             )
+        unroll = ecfg.unroll_layers
+        if unroll if unroll is not None else jax.default_backend() == "cpu":
+            params = unstack_layers(params)
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.mesh = mesh  # a jax.sharding.Mesh the params are sharded over (None: one device)
         if mesh is None:
@@ -133,6 +148,9 @@ class Engine:
         self.compile_keys: set[tuple] = set()
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
+        if cfg.model_type == "llama2c" and tokenizer.bos_id is not None:
+            # llama2.c's run.c ends a sample when the model emits BOS (the start of a new story).
+            self.stop_ids.add(tokenizer.bos_id)
 
     @property
     def num_compilations(self) -> int:

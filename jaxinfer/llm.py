@@ -16,7 +16,7 @@ import jax
 
 from jaxinfer.engine import Engine, EngineConfig, default_num_pages
 from jaxinfer.engine import kv_cache_dtype as resolve_kv_dtype
-from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.errors import JaxinferError, RequestError, TokenizerError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
 
@@ -106,6 +106,14 @@ class LLM:
             if placer.mesh is not None:
                 raise ValueError("quantization with tensor/data parallel is not supported yet")
             self.params = apply_quantization(self.params, quantization)
+        if self.tokenizer is None:
+            raise TokenizerError(
+                f"no tokenizer found for {model} (looked for tokenizer.json, *.model and a "
+                "llama2.c tokenizer .bin beside it); pass tokenizer=PATH")
+        if max_model_len is not None and not 2 <= max_model_len <= self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} must be in [2, {self.config.max_position_embeddings}] "
+                "(the model's context length, max_position_embeddings)")
         self.mesh, self.sharding_plan = placer.mesh, placer.plan
         run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
         max_model_len = max_model_len or self.config.max_position_embeddings
@@ -234,5 +242,9 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
         list of conversations, through the tokenizer's chat template."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise TokenizerError(
+                f"the tokenizer of {self.model_path} has no chat template; use generate() with "
+                "plain prompts")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)

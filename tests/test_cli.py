@@ -122,13 +122,14 @@ def test_bad_records_become_error_records_and_the_rest_complete(tmp_path, capsys
         r["finish_reason"] == "error" and set(r) == {"id", "error", "finish_reason"} for r in errs
     )
     by_id = {r["id"]: r["error"] for r in errs}
-    assert "line 2" in by_id["1"] and "JSON" in by_id["1"]
+    assert "line 2" in by_id["line-2"] and "JSON" in by_id["line-2"]
     assert "line 3" in by_id["b"] and "temprature" in by_id["b"]
     assert "line 4" in by_id["c"] and "top_p" in by_id["c"]
     assert "line 5" in by_id["d"] and "empty" in by_id["d"]
     assert "line 6" in by_id["e"] and "max_model_len" in by_id["e"]
-    assert "line 7" in by_id["a"] and "duplicate" in by_id["a"]
-    assert "line 9" in by_id["8"]
+    assert "line 7" in by_id["a@line-7"] and "duplicate" in by_id["a@line-7"]
+    assert len({r["id"] for r in recs}) == len(recs)  # every id exactly once
+    assert "line 9" in by_id["line-9"]
     assert "line 10" in by_id["f"]
     assert "line 11" in by_id["g"] and "chat template" in by_id["g"]
     assert summary["errors"] == len(errs) == 9 and summary["completed"] == 2
@@ -251,7 +252,7 @@ def test_help_lists_every_flag_with_its_default(capsys):
         "(default: float32)",
         "(default: 16)",
         "(default: 64)",
-        "(default: xla)",
+        "(default: auto)",
         "(default: 1.0)",
     ]:
         assert default in text, default
