@@ -12,8 +12,9 @@ PROMPTS = ["Once upon a time", "The cat sat"]
 def _generate(stories_dir, attn_impl):
     from jaxinfer.llm import LLM
 
+    # Layers under lax.scan: the interpreted kernel is compiled once, not once per layer.
     llm = LLM(stories_dir, max_model_len=64, max_num_seqs=2, page_size=16, attn_impl=attn_impl,
-              compilation_cache=False)
+              compilation_cache=False, unroll_layers=False)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     # A prefill step of two rows, then decode steps within one page: two compilations, as each
     # interprets the kernel in every layer (mixed decode + prefill batches: the kernel tests).
