@@ -6,6 +6,13 @@
 - ``checkpoint``: saving and loading quantized params with orbax-checkpoint.
 """
 
-from jaxinfer.quant.tensor import MODES, QTensor, dequantize, quantize, quantize_tensor, weight_bytes
+from jaxinfer.quant.tensor import (
+    MODES,
+    QTensor,
+    dequantize,
+    quantize,
+    quantize_tensor,
+    weight_bytes,
+)
 
 __all__ = ["MODES", "QTensor", "dequantize", "quantize", "quantize_tensor", "weight_bytes"]

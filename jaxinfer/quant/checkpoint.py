@@ -32,8 +32,14 @@ from jaxinfer.quant.tensor import MODES, QTensor, quant_mode
 METADATA_FILE = "jaxinfer_quant.json"
 FORMAT_NAME = "jaxinfer-quantized"
 FORMAT_VERSION = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def _flatten(params: Params) -> tuple[dict[str, jax.Array], dict[str, int]]:
@@ -42,8 +48,12 @@ def _flatten(params: Params) -> tuple[dict[str, jax.Array], dict[str, int]]:
         raise ValueError("save stacked params (before unstack_layers)")
     flat, quantized = {}, {}
     fields = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
-    fields.update({f"layers.{f.name}": getattr(params.layers, f.name)
-                   for f in dataclasses.fields(LayerParams)})
+    fields.update(
+        {
+            f"layers.{f.name}": getattr(params.layers, f.name)
+            for f in dataclasses.fields(LayerParams)
+        }
+    )
     for name, x in fields.items():
         if x is None:
             continue
@@ -69,8 +79,13 @@ def source_identity(path: str | os.PathLike) -> dict:
 
     fmt, ckpt = detect_format(path)
     if fmt == "hf":
-        files = sorted([ckpt / "config.json", *ckpt.glob("*.safetensors"),
-                        *ckpt.glob("*.safetensors.index.json")])
+        files = sorted(
+            [
+                ckpt / "config.json",
+                *ckpt.glob("*.safetensors"),
+                *ckpt.glob("*.safetensors.index.json"),
+            ]
+        )
     elif fmt == "llama2c":
         files = [ckpt]
     else:
@@ -112,9 +127,15 @@ def _copy_tokenizer(src: str | os.PathLike, out: Path) -> list[str]:
     return names
 
 
-def save_quantized(out: str | os.PathLike, cfg: ModelConfig, params: Params,
-                   source: str | os.PathLike | None = None, *, embed: bool = False,
-                   lm_head: bool = False) -> Path:
+def save_quantized(
+    out: str | os.PathLike,
+    cfg: ModelConfig,
+    params: Params,
+    source: str | os.PathLike | None = None,
+    *,
+    embed: bool = False,
+    lm_head: bool = False,
+) -> Path:
     """Writes quantized ``params`` to directory ``out`` (created; must not hold a checkpoint).
 
     Args:
@@ -203,8 +224,10 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
     if place is not None and hasattr(place, "setup"):
         place.setup(cfg, np.dtype(meta["dtype"]))
         if getattr(place, "mesh", None) is not None:
-            raise ValueError("quantized checkpoints load on one device; tensor/data parallel "
-                             "int8 is not supported yet")
+            raise ValueError(
+                "quantized checkpoints load on one device; tensor/data parallel "
+                "int8 is not supported yet"
+            )
     pdir = path / "params"
     for name in meta["arrays"]:
         adir = pdir / name
@@ -221,19 +244,31 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
             raise CheckpointError(f"{pdir / name}: array {name!r} is missing")
         if list(x.shape) != spec["shape"] or str(x.dtype) != spec["dtype"]:
             raise CheckpointError(
-                f"{pdir / name}: {x.dtype}{list(x.shape)}, metadata says {spec['dtype']}{spec['shape']}"
+                f"{pdir / name}: {x.dtype}{list(x.shape)}, "
+                f"metadata says {spec['dtype']}{spec['shape']}"
             )
     act = "int8" if meta["quantization"] == "w8a8" else "float"
     fdtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(meta["dtype"])
 
     def field(name):
         if name in meta["quantized"]:
-            return QTensor(flat[f"{name}.values"], flat[f"{name}.scales"],
-                           int(meta["quantized"][name]), act, fdtype)
+            return QTensor(
+                flat[f"{name}.values"],
+                flat[f"{name}.scales"],
+                int(meta["quantized"][name]),
+                act,
+                fdtype,
+            )
         x = flat.get(name)
         return None if x is None else x.astype(fdtype)
 
-    layers = LayerParams(**{f.name: field(f"layers.{f.name}") for f in dataclasses.fields(LayerParams)})
-    params = Params(embed=field("embed"), layers=layers, final_norm=field("final_norm"),
-                    lm_head=field("lm_head"))
+    layers = LayerParams(
+        **{f.name: field(f"layers.{f.name}") for f in dataclasses.fields(LayerParams)}
+    )
+    params = Params(
+        embed=field("embed"),
+        layers=layers,
+        final_norm=field("final_norm"),
+        lm_head=field("lm_head"),
+    )
     return cfg, params

@@ -1,29 +1,35 @@
 """The quantized projection behind ``model.linear``: w8a16 and w8a8 matmuls, one formulation per
 backend and batch regime.
 
-Formulations of ``y[R, O] = x[R, I] . q[O, I] * s[O]`` (R rows = flattened T or B axis):
+Formulations of ``y[R, O] = x[R, I] . q[O, I] * s[O]`` (R rows = flattened T or B axis), measured
+on XLA CPU (jaxlib 0.10.2, 2 shared cores) for the random ~110M Llama, one forward step with the
+engine's unstacked layers (``python scripts/bench_quant.py --formulations``; ms per step, rows 4
+= a batch-1 decode step, the engine's smallest decode bucket; results/bench_quant.jsonl):
 
-- ``"reduce_or"`` (XLA CPU, few rows): ``sum(q.astype(f32)[:, None, :] * x[None], axis=-1).T *
-  s``. XLA CPU fuses the int8 -> f32 convert, the multiply and the row reduction into one loop
-  that reads the int8 weight once (the R outputs of a weight row are adjacent, so the row is
-  still in cache for all of them): a decode step streams 1 byte per weight. ``"reduce"`` (one 2-D
-  reduction per row) and ``"reduce_ro"`` (output [R, O]) are the variants measured against it. Every dot-based formulation
-  (dequantize then dot, dot then scale, int8 x int8 -> int32 ``dot_general``) makes XLA CPU write
-  a float copy of the weight first and ran ~5x slower than float32 at batch 1 (issue 6).
-- ``"dot"`` (XLA CPU, many rows): convert the weight to float, one dot (the conversion is paid
-  once per step and shared by all rows, so it is compute-bound like float32).
+    rows  float32  reduce_or  reduce  reduce_ro  dot  | int_dot2 (w8a16) | int_dot (w8a8)
+    4     219      720        1101    505        352  | 45               | 59
+    32    442      -          -       -          576  | 515              | 292
+
 - ``"int_dot"``: w8a8's integer ``dot_general`` (int8 x int8, ``preferred_element_type=int32``),
-  rescaled by ``s_x[r] * s[o]`` -- the AQT scheme, and the TPU/GPU path (MXU / tensor-core int8).
-  On TPU/GPU w8a16 uses ``"dot"``: there XLA fuses the convert into the matmul's operand load.
+  rescaled by ``s_x[r] * s[o]`` -- the AQT scheme; the TPU/GPU path (MXU / tensor-core int8),
+  and on XLA CPU the one dot that reads the int8 weight in place.
+- ``"int_dot2"`` (w8a16 on CPU): x written as two int8 digits, ``x = x1 s1 + x2 s2 + e`` with
+  ``s2 = s1 / 254``, both digits stacked as 2R rows of one integer dot: the weight is read once,
+  as int8, and the activations keep ~16 bits (relative error < 1.6e-5, finer than bfloat16).
+- ``"dot"`` (w8a16 on TPU/GPU): ``x . q.astype(x.dtype)``, exact; XLA TPU/GPU fuse the convert
+  into the matmul's operand load. On XLA CPU it writes a float copy of the weight every step.
+- ``"reduce"`` / ``"reduce_or"`` / ``"reduce_ro"``: a fused convert-multiply-reduce
+  (``sum(x[r] * q.astype(f32), axis=-1)``; per row, output [O, R], output [R, O]). In isolation a
+  single matrix-vector row reduction ran ~4x faster than the float32 dot, but in the whole model
+  XLA CPU's reduction loops lost to every dot (above), so they remain only as measured
+  candidates.
 
 w8a8 activations are quantized per row (token): ``s_x = max|x_r| / 127``, ``x_q = round(x / s_x)``.
-On CPU's ``"reduce"`` path the int8 products are summed in float32: equal to the int32 dot while
-partial sums stay below 2**24 (|x_q q| <= 127**2, so always for I <= 1040, and in practice far
-beyond since the signs cancel), otherwise within float32 rounding of it.
 
 Error bounds (tests/test_quant.py checks them), ``w = q * s`` the dequantized weight:
-- w8a16: ``y == x @ w`` up to float32 rounding of the sum (the weight error ``|W - w| <= s/2`` is
-  the quantization's, not the matmul's).
+- w8a16 ``"dot"`` and the reductions: ``y == x @ w`` up to float32 rounding of the sum (the weight
+  error ``|W - w| <= s/2`` is the quantization's, not the matmul's); ``"int_dot2"``:
+  ``|y - x @ w| <= s1[r] / 508 * s[o] * sum_i |q[o, i]|`` plus float rounding.
 - w8a8: ``|y[r, o] - (x @ w)[r, o]| <= s_x[r] / 2 * s[o] * sum_i |q[o, i]|`` plus float rounding,
   since each ``|x[r, i] - x_q[r, i] s_x[r]| <= s_x[r] / 2``.
 """
@@ -37,10 +43,7 @@ import jax.numpy as jnp
 
 from jaxinfer.quant.tensor import QTensor
 
-FORMULATIONS = ("reduce", "reduce_or", "reduce_ro", "dot", "int_dot")
-CPU_REDUCE_MAX_ROWS = 8
-"""On CPU, row counts up to this use ``"reduce_or"`` (measured by scripts/bench_quant.py); the
-engine pads a batch-1 decode step to 4 rows (``batch.MIN_DECODE_ROWS``)."""
+FORMULATIONS = ("reduce", "reduce_or", "reduce_ro", "dot", "int_dot", "int_dot2")
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -52,11 +55,13 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def choose_formulation(act: str, rows: int, backend: str | None = None) -> str:
-    """The formulation for ``rows`` rows (static) on ``backend`` (default: jax's default)."""
+    """The formulation for ``rows`` rows (static) on ``backend`` (default: jax's); see the table
+    in the module docstring. ``rows`` is kept in the signature for per-regime choices."""
+    del rows  # measured: the same choice wins at 4 and 32 rows on CPU
     backend = backend or jax.default_backend()
-    if backend == "cpu" and rows <= CPU_REDUCE_MAX_ROWS:
-        return "reduce_or"
-    return "int_dot" if act == "int8" else "dot"
+    if act == "int8":
+        return "int_dot"
+    return "int_dot2" if backend == "cpu" else "dot"
 
 
 def qmatmul_2d(
@@ -95,6 +100,22 @@ def qmatmul_2d(
         acc = jax.lax.dot_general(
             x, values.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
+    elif formulation == "int_dot2":
+        if act == "int8":
+            raise ValueError("formulation 'int_dot2' is for w8a16 (float activations)")
+        # Two int8 digits of x: x = x1 s1 + x2 s2 + e, s2 = s1 / 254, |e| <= s2 / 2; both digits
+        # go through one integer dot (2R rows), which reads the int8 weight once.
+        x1, s1 = quantize_rows(x)
+        s2 = s1 / 254.0
+        r = x.astype(jnp.float32) - x1.astype(jnp.float32) * s1
+        x2 = jnp.clip(jnp.round(r / jnp.where(s2 == 0, 1.0, s2)), -127, 127).astype(jnp.int8)
+        acc2 = jax.lax.dot_general(
+            jnp.concatenate([x1, x2], axis=0),
+            values,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.int32,
+        ).astype(jnp.float32)
+        acc = acc2[:rows] * s1 + acc2[rows:] * s2
     elif formulation == "int_dot":
         if act != "int8":
             raise ValueError("formulation 'int_dot' is for w8a8 (int8 activations)")
@@ -127,12 +148,12 @@ def qlinear(x: jax.Array, w: QTensor, spec: str, formulation: str | None = None)
     contracted = "".join(c for c in ws if c in xs and c not in out)
     w_out = "".join(c for c in ws if c not in contracted)
     rows = xs[: len(xs) - len(contracted)]
-    if (len(contracted) != w.num_in or not xs.endswith(contracted) or out != rows + w_out):
+    if len(contracted) != w.num_in or not xs.endswith(contracted) or out != rows + w_out:
         raise ValueError(
             f"quantized linear needs spec '<rows><in>,<in><out>-><rows><out>', got {spec!r}"
         )
     row_shape = x.shape[: len(rows)]
-    n_in = math.prod(x.shape[len(rows):])
+    n_in = math.prod(x.shape[len(rows) :])
     out_shape = w.values.shape[: w.values.ndim - w.num_in]
     y = qmatmul_2d(
         x.reshape(math.prod(row_shape), n_in),

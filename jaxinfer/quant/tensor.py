@@ -58,7 +58,9 @@ class QTensor:
 
     def __getitem__(self, idx) -> jax.Array:
         """Dequantized rows along axis 0 (an embedding lookup ``embed[tokens]``), in ``dtype``."""
-        return (self.values[idx].astype(jnp.float32) * self.scales[idx][..., None]).astype(self.dtype)
+        return (self.values[idx].astype(jnp.float32) * self.scales[idx][..., None]).astype(
+            self.dtype
+        )
 
 
 def quantize_tensor(w: jax.Array, num_lead: int, num_in: int, act: str = "float") -> QTensor:
@@ -78,7 +80,9 @@ def quantize_tensor(w: jax.Array, num_lead: int, num_in: int, act: str = "float"
     scales = jnp.max(jnp.abs(wt), axis=red) / 127.0
     safe = jnp.where(scales == 0, 1.0, scales)
     values = jnp.clip(jnp.round(wt / safe.reshape(safe.shape + (1,) * num_in)), -127, 127)
-    return QTensor(values.astype(jnp.int8), scales.astype(jnp.float32), num_in, act, jnp.dtype(w.dtype))
+    return QTensor(
+        values.astype(jnp.int8), scales.astype(jnp.float32), num_in, act, jnp.dtype(w.dtype)
+    )
 
 
 def dequantize(q: QTensor) -> jax.Array:
@@ -93,7 +97,9 @@ def _act(mode: str) -> str:
     return "int8" if mode == "w8a8" else "float"
 
 
-def quantize(params: Params, mode: str = "int8", *, embed: bool = False, lm_head: bool = False) -> Params:
+def quantize(
+    params: Params, mode: str = "int8", *, embed: bool = False, lm_head: bool = False
+) -> Params:
     """Quantizes every linear weight of ``params`` (attention projections, MLP) to int8.
 
     Norms, biases and (unless selected) the embedding and LM head stay float.
@@ -111,6 +117,7 @@ def quantize(params: Params, mode: str = "int8", *, embed: bool = False, lm_head
     act = _act(mode)
     if is_quantized(params):
         raise ValueError("params are already quantized")
+
     def qlayers(lp: LayerParams, lead: int) -> LayerParams:
         qs = {n: quantize_tensor(getattr(lp, n), lead, k, act) for n, k in LAYER_WEIGHTS.items()}
         return dataclasses.replace(lp, **qs)
@@ -125,9 +132,7 @@ def quantize(params: Params, mode: str = "int8", *, embed: bool = False, lm_head
     new_head = params.lm_head
     if lm_head and params.lm_head is not None:
         new_head = quantize_tensor(params.lm_head, 0, 1, act)
-    return dataclasses.replace(
-        params, embed=new_embed, layers=new_layers, lm_head=new_head
-    )
+    return dataclasses.replace(params, embed=new_embed, layers=new_layers, lm_head=new_head)
 
 
 def with_mode(params: Params, mode: str) -> Params:
@@ -135,7 +140,8 @@ def with_mode(params: Params, mode: str) -> Params:
     act = _act(mode)
     return jax.tree.map(
         lambda x: dataclasses.replace(x, act=act) if isinstance(x, QTensor) else x,
-        params, is_leaf=lambda x: isinstance(x, QTensor),
+        params,
+        is_leaf=lambda x: isinstance(x, QTensor),
     )
 
 
@@ -147,8 +153,11 @@ def apply_quantization(params: Params, mode: str) -> Params:
 
 def quant_mode(params: Params) -> str | None:
     """``"int8"``, ``"w8a8"`` or None (float params)."""
-    qs = [x for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
-          if isinstance(x, QTensor)]
+    qs = [
+        x
+        for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
+        if isinstance(x, QTensor)
+    ]
     if not qs:
         return None
     return "w8a8" if qs[0].act == "int8" else "int8"
@@ -163,5 +172,15 @@ def weight_bytes(params: Params) -> int:
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
-__all__ = ["MODES", "apply_quantization", "QTensor", "dequantize", "quantize", "quantize_tensor",
-           "quant_mode", "is_quantized", "weight_bytes", "with_mode"]
+__all__ = [
+    "MODES",
+    "apply_quantization",
+    "QTensor",
+    "dequantize",
+    "quantize",
+    "quantize_tensor",
+    "quant_mode",
+    "is_quantized",
+    "weight_bytes",
+    "with_mode",
+]
