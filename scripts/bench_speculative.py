@@ -2,7 +2,9 @@
 speedup over plain decoding, per drafter and R, at batch 1 and batch 16 (greedy).
 
 Prints one JSON object per configuration and appends it to results/bench_speculative.jsonl.
-Each configuration is run twice; the second (compiled) run is timed.
+Each configuration is run twice; the second (compiled) run is timed. Defaults (48 new tokens,
+drafters ngram, draft-model layers:4 and self, heads; R 2 4 8; batch 1 and 16) take ~10 min on
+a loaded 2-core CPU.
 
     python scripts/bench_speculative.py [--heads results/heads_stories260K] [--rs 2 4 8]
 """
@@ -40,14 +42,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT.parent / "shared/models/stories260K"))
     ap.add_argument("--heads", default=str(ROOT / "results/heads_stories260K"))
-    ap.add_argument("--draft", default="layers:2", help="draft model of the draft-model drafter")
+    ap.add_argument("--drafts", nargs="+", default=["layers:4", "self"],
+                    help="draft models of the draft-model drafter (one row set each)")
     ap.add_argument("--rs", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--methods", nargs="+", default=["ngram", "draft-model", "heads"])
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", default=str(ROOT / "results/bench_speculative.jsonl"))
     args = ap.parse_args()
-    llm = LLM(args.model, max_num_seqs=16, max_model_len=192)
+    llm = LLM(args.model, max_num_seqs=16, max_model_len=args.max_tokens + 48)
     base = llm.engines[0]
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -58,14 +61,15 @@ def main():
         for method in args.methods:
             if method == "heads" and not (Path(args.heads) / "heads").exists():
                 continue
-            for r in args.rs:
-                eng = make_spec_engine(base, method, r, args.draft, args.heads)
+            for draft, r in [(d, r) for d in (args.drafts if method == "draft-model" else [None])
+                             for r in args.rs]:
+                eng = make_spec_engine(base, method, r, draft, args.heads)
                 t, outs = timed(llm, eng, prompts, sp)
                 rounds = sum(o.metrics.spec_rounds for o in outs)
                 acc = [o.metrics.acceptance_rate for o in outs]
                 rec = {
                     "model": Path(args.model).name, "method": method,
-                    "draft": args.draft if method == "draft-model" else (
+                    "draft": draft if method == "draft-model" else (
                         args.heads if method == "heads" else "ngram(3..1)"),
                     "R": r, "batch": bsz, "tokens": n_tok,
                     "acceptance_rate": float(np.mean(acc)),

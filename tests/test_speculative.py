@@ -29,16 +29,44 @@ from jaxinfer.speculative.rejection import rejection_sample
 
 # ------------------------------------------------------------------ the rule on synthetic p / q
 
-V, R, N = 8, 2, 20_000
+# N: exact power (scripts in the commit message / report): on the FIRST token alone, with cells
+# pooled as in _chi2_pvalue, the wrong rules at N = 3000 have noncentrality >= 276 (df <= 8), so
+# P(p-value > 1e-6) <= 1e-25 (residual_from_p, the weakest); accept_always emits tokens of
+# probability 0 under top-k/min-p (P(no such token in 3000) ~ 1e-38) or has lambda ~ 2000.
+V, R, N = 8, 2, 3000
 ALPHA = 1e-3  # a correct rule fails one test in a thousand; wrong rules give p-values ~ 0
 
 
-def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Pearson chi-square p-value of ``counts`` against ``probs``.
+
+    Cells whose expected count is below ``min_expected`` are pooled into one bin (merged into
+    the smallest other cell while the pool itself is still below it): the chi-square law of the
+    statistic only holds for expected counts of about 5 and up. Without pooling, ONE sample in
+    a cell of expected count 0.01 adds ~100 to the statistic, so a correct sampler fails at a
+    rate far above the nominal alpha (this is what made the end-to-end test fail: a cell of
+    expected count 0.012 out of 3000 samples got one hit, contribution 82, p = 4e-10).
+    A token of probability 0 that is emitted still means the law is certainly wrong.
+    """
     probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
-    keep = probs > 0
-    if counts[~keep].sum():  # a token of probability 0 was emitted: certainly the wrong law
+    counts = np.asarray(counts, np.float64)
+    if counts[probs <= 0].sum():
         return 0.0
-    return float(stats.chisquare(counts[keep], probs[keep] * counts.sum()).pvalue)
+    expected = probs * counts.sum()
+    small = expected < min_expected
+    obs, exp = list(counts[~small]), list(expected[~small])
+    if small.any():
+        pool_o, pool_e = counts[small].sum(), expected[small].sum()
+        if pool_e < min_expected and exp:
+            k = int(np.argmin(exp))
+            obs[k] += pool_o
+            exp[k] += pool_e
+        else:
+            obs.append(pool_o)
+            exp.append(pool_e)
+    if len(obs) < 2:
+        return 1.0
+    return float(stats.chisquare(obs, exp).pvalue)
 
 
 @functools.partial(jax.jit, static_argnames=("residual_from_p", "accept_always"))
@@ -148,30 +176,34 @@ def _run(engine, prompts, params):
 
 def test_end_to_end_sampling_distribution_with_a_different_draft_model():
     """Tokens 2 and 3 of each request come from speculative rounds (token 1 from the prefill);
-    their joint distribution must be the target's, computed exactly by enumeration."""
+    their joint distribution must be the target's, computed exactly by enumeration.
+
+    The draft is the target's first layer alone (acceptance ~0.58, so accepted drafts, residual
+    draws and bonus tokens all occur often). Power: had the engine emitted the draft's law
+    (accept-always), the pooled chi-square at n = 400 has noncentrality ~2900 (df >= 6)."""
     from jaxinfer.dense import dense_logits
 
-    v, n = 8, 3000
+    v, n = 8, 400
     cfg, params = _tiny(v, 0)
-    dcfg, dparams = _tiny(v, 1, layers=1)
+    dcfg, dparams = truncated_draft(cfg, params, 1)
     prompt = [3, 5, 1]
     seqs = np.asarray([[*prompt, a, b] for a in range(v) for b in range(v)], np.int32)
-    probs = np.asarray(jax.nn.softmax(dense_logits(params, cfg, jnp.asarray(seqs)), -1))
+    probs = np.asarray(jax.nn.softmax(dense_logits(params, cfg, jnp.asarray(seqs)), -1), np.float64)
     p1 = probs[::v, 2]  # p(x1 | prompt)           [V, V] by x1
     p2 = probs[::v, 3]  # p(x2 | prompt, x1)        [V(x1), V]
     p3 = probs[:, 4].reshape(v, v, v)  # p(x3 | prompt, x1, x2)
     joint = np.einsum("a,ab,abc->bc", p1[0], p2, p3).reshape(-1)  # p(x2, x3)
     q = np.asarray(jax.nn.softmax(dense_logits(dparams, dcfg, jnp.asarray(seqs)), -1))
     assert np.abs(q - probs).max() > 0.3  # the draft is really different
-    eng = SpecEngine(cfg, params, _IdTokenizer(), _ecfg(), SpecConfig("draft-model", 2),
-                     draft_cfg=dcfg, draft_params=dparams)
+    eng = SpecEngine(cfg, params, _IdTokenizer(), _ecfg(max_num_seqs=128),
+                     SpecConfig("draft-model", 2), draft_cfg=dcfg, draft_params=dparams)
     outs = _run(eng, [prompt] * n, [SamplingParams(temperature=1.0, seed=i, max_tokens=3)
                                     for i in range(n)])
     toks = np.asarray([o.token_ids for o in outs])
     pv = _chi2_pvalue(np.bincount(toks[:, 1] * v + toks[:, 2], minlength=v * v), joint)
     assert pv > ALPHA, pv
     rates = [o.metrics.acceptance_rate for o in outs]
-    assert all(r is not None for r in rates) and 0.05 < np.mean(rates) < 0.95
+    assert all(r is not None for r in rates) and 0.3 < np.mean(rates) < 0.85
 
 
 # ------------------------------------------------------------------ greedy == greedy
@@ -194,22 +226,30 @@ def _spec_kwargs(method, cfg, params, tmp_path=None):
 METHODS = ["ngram", "draft-model:layers", "draft-model:self", "heads"]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_greedy_speculative_equals_greedy_tiny_random(method):
+@functools.cache
+def _tiny_greedy_case():
+    """The tiny random model, its prompts and plain greedy reference outputs (shared by the
+    four drafters: one reference run, one plain-engine compilation)."""
     cfg, params = _tiny(64, 3, layers=2, scale=0.4)
     rng = np.random.default_rng(0)
-    prompts = [list(map(int, rng.integers(0, 64, size=k))) for k in (3, 9, 1, 14, 5, 6)]
-    # repetitive prompts give the n-gram drafter something to find
+    prompts = [list(map(int, rng.integers(0, 64, size=k))) for k in (3, 9, 1, 14)]
+    # a repetitive prompt gives the n-gram drafter something to find
     prompts[2] = [7, 8, 9, 7, 8, 9, 7, 8]
-    params_rows = [SamplingParams(temperature=0.0, max_tokens=16 + i) for i in range(6)]
-    ecfg = _ecfg(max_num_seqs=8)
+    params_rows = [SamplingParams(temperature=0.0, max_tokens=10 + 2 * i) for i in range(4)]
+    ecfg = _ecfg(max_num_seqs=4)
     ref = _run(Engine(cfg, params, _IdTokenizer(), ecfg), prompts, params_rows)
+    return cfg, params, prompts, params_rows, ecfg, [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_speculative_equals_greedy_tiny_random(method):
+    cfg, params, prompts, params_rows, ecfg, ref = _tiny_greedy_case()
     m, kw = _spec_kwargs(method, cfg, params)
     eng = SpecEngine(cfg, params, _IdTokenizer(), ecfg, SpecConfig(m, 3), **kw)
     got = _run(eng, prompts, params_rows)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.token_ids for o in got] == ref
     alone = _run(eng, [prompts[1]], [params_rows[1]])[0]
-    assert alone.token_ids == ref[1].token_ids
+    assert alone.token_ids == ref[1]
     if method == "draft-model:self":
         assert all(o.metrics.acceptance_rate == 1.0 for o in got)
 

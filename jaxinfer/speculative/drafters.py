@@ -30,7 +30,10 @@ def truncated_draft(cfg: ModelConfig, params: Params, num_layers: int) -> tuple[
         raise ValueError(f"draft layers must be in [1, {cfg.num_layers}], got {num_layers}")
     dcfg = dataclasses.replace(cfg, num_layers=num_layers,
                                layer_windows=tuple(cfg.layer_windows[:num_layers]))
-    layers = jax.tree.map(lambda x: x[:num_layers], params.layers)
+    if isinstance(params.layers, tuple):  # unstacked layers (params.unstack_layers)
+        layers = params.layers[:num_layers]
+    else:
+        layers = jax.tree.map(lambda x: x[:num_layers], params.layers)
     return dcfg, dataclasses.replace(params, layers=layers)
 
 

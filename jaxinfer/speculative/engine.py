@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from jaxinfer.batch import MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
+from jaxinfer.batch import MIN_DECODE_ROWS, MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.kv_cache import NULL_PAGE, OutOfPagesError, init_kv_cache
@@ -29,7 +29,7 @@ from jaxinfer.speculative.drafters import DraftHeads, ngram_propose
 from jaxinfer.speculative.round import SpecBatch, jitted_spec_round
 from jaxinfer.tokenizer import Tokenizer
 
-MIN_ROWS = 4
+MIN_ROWS = MIN_DECODE_ROWS
 
 
 def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: list[ScheduledRow],
@@ -37,7 +37,8 @@ def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: lis
     """numpy ``SpecBatch`` of the verify rows ``(seq, host drafts, num drafts)`` and prefill rows.
 
     Every row sits in the multi-token ("prefill") region of the attention (``num_decode = 0``).
-    T, B and M are padded to powers of two (floors ``MIN_PREFILL_TOKENS``, ``MIN_ROWS``,
+    T, B and M are padded to powers of two (floors ``MIN_DECODE_ROWS * (1 + R)`` capped at
+    ``MIN_PREFILL_TOKENS``, ``MIN_ROWS``,
     ``MIN_PAGES_PER_SEQ``); the pages of every row must already be allocated.
     """
     r_max = num_spec
@@ -45,7 +46,9 @@ def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: lis
     spans += [(row.seq, row.seq.num_computed, row.num_new) for row in prefill]
     t_live = sum(n for _, _, n in spans)
     max_pages = max(-(-(start + n) // page_size) for _, start, n in spans)
-    t = next_pow2(t_live, MIN_PREFILL_TOKENS)
+    # T floor: the engine's decode floor (MIN_DECODE_ROWS rows) of 1 + R tokens each, capped at
+    # the prefill floor; a decode-only round at batch 1 with R = 2 pads 3 tokens to 16, not 32.
+    t = next_pow2(t_live, min(MIN_PREFILL_TOKENS, next_pow2(MIN_DECODE_ROWS * (1 + r_max))))
     b = next_pow2(len(spans), MIN_ROWS)
     m = min(next_pow2(max_pages, MIN_PAGES_PER_SEQ), next_pow2(max_pages_per_seq))
     tokens = np.zeros(t, np.int32)
