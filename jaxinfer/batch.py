@@ -2,7 +2,7 @@
 
 Shapes are padded to power-of-two buckets: decode rows Td, prefill tokens Tp, prefill rows Bp and
 block-table width M. The bucket tuple is the compilation key, so the number of compilations is at
-most the product of the bucket counts (``bucket_count``).
+most the product of the bucket counts.
 """
 
 from __future__ import annotations
@@ -49,9 +49,17 @@ class Buckets:
 
 
 # Bucket floors: tiny buckets save little padding but each costs a compilation.
-MIN_DECODE_ROWS = 4
+MIN_DECODE_ROWS = 4  # above one row: a lone decode row (batch-1 decode) gets its own bucket
 MIN_PREFILL_TOKENS = 32
 MIN_PAGES_PER_SEQ = 4
+
+
+def decode_bucket(num_decode: int) -> int:
+    """Td for ``num_decode`` decode rows: 0, 1, or a power of two >= ``MIN_DECODE_ROWS``.
+
+    Batch-1 decode is bandwidth-bound and latency-critical: padding it to 4 rows costs about
+    twice the time per token on CPU, so it keeps a bucket of its own."""
+    return 1 if num_decode == 1 else next_pow2(num_decode, MIN_DECODE_ROWS)
 
 
 def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int
@@ -61,7 +69,7 @@ def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: i
     tp_live = sum(r.num_new for r in rows_p)
     max_pages = max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows)
     bk = Buckets(
-        decode_rows=next_pow2(nd, MIN_DECODE_ROWS),
+        decode_rows=decode_bucket(nd),
         prefill_tokens=next_pow2(tp_live, MIN_PREFILL_TOKENS),
         prefill_rows=next_pow2(len(rows_p)),
         pages_per_seq=min(next_pow2(max_pages, MIN_PAGES_PER_SEQ), next_pow2(max_pages_per_seq)),

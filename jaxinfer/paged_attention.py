@@ -7,8 +7,8 @@ concatenated without padding between them (``cu_q_lens``). Padding rows/tokens s
 each region, have ``kv_len == 0`` and write to the null page.
 
 The decode region attends each token only to its own sequence's pages (``[T, S]`` scores), so a
-decode-only step never pays for prefill. The prefill region attends its tokens to the pages of all
-prefill rows at once with a segment mask (``[T, B * S]`` scores). The Pallas kernels
+decode-only step never pays for prefill. The prefill region cuts each row's chunk into query blocks
+of Q tokens, each attending only to its own row's pages (``[NB, Q, S]`` scores). The Pallas kernels
 (``kernels_pallas/``) plug in behind ``attn_impl`` with the same metadata.
 
 Sources: vLLM PagedAttention (Kwon et al. 2023); jax's
@@ -116,28 +116,10 @@ def ragged_paged_attention_xla(
         outs.append(out.reshape(td, n, h))
     tp = t - td
     if tp:
-        bt = md.block_tables[td:]
-        bp, m = bt.shape
-        qp = q[td:].reshape(tp, kh, g, h)
-        kp = _gather_pages(k_pages, layer, bt)  # [K, Bp, S, H]
-        vp = _gather_pages(v_pages, layer, bt)
-        kp = dequantize_kv(kp, _gather_scales(k_scales, layer, bt))
-        vp = dequantize_kv(vp, _gather_scales(v_scales, layer, bt))
-        s = kp.shape[2]
-        kp, vp = kp.reshape(kh, bp * s, h), vp.reshape(kh, bp * s, h)
-        kv_row = jnp.repeat(jnp.arange(bp, dtype=jnp.int32), s)[None, :]
-        kv_pos = jnp.tile(jnp.arange(s, dtype=jnp.int32), bp)[None, :]
-        q_row = md.seq_ids[td:, None] - td
-        q_pos = md.positions[td:, None]
-        kv_len = md.kv_lens[td:][kv_row]
-        mask = (q_row == kv_row) & (kv_pos < kv_len) & window_mask(q_pos, kv_pos, window)
-        scores = jnp.einsum("TKGH,KXH->TKGX", qp, kp, preferred_element_type=jnp.float32)
-        out = masked_softmax_av(
-            scores, mask[:, None, None, :],
-            lambda p: jnp.einsum("TKGX,KXH->TKGH", p, vp.astype(jnp.float32)),
-            scale=scale, softcap=softcap,
-        )
-        outs.append(out.reshape(tp, n, h))
+        outs.append(_prefill_attention(
+            q[td:], k_pages, v_pages, md, window, scale=scale, softcap=softcap, layer=layer,
+            k_scales=k_scales, v_scales=v_scales,
+        ))
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
@@ -193,7 +175,8 @@ def check_attn_impl(cfg, attn_impl: str, page_size: int, num_pages: int, max_pag
 
 def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
     """An ``AttnFn`` for ``model.forward`` over a ``KVCache``: writes this step's K/V at
-    ``md.slot_mapping`` then attends. Raises ValueError for an unknown or unavailable
+    ``md.slot_mapping`` then attends. A float or an int8 cache (``KVCache.k_scales/v_scales``)
+    works with every ``attn_impl``. Raises ValueError for an unknown or unavailable
     ``attn_impl`` (see ``resolve_attn_impl``)."""
     impl = resolve_attn_impl(attn_impl)
 
@@ -206,18 +189,76 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
                 k_scales=cache.k_scales, v_scales=cache.v_scales,
             )
         else:
-            if cache.k_scales is not None:
-                raise ValueError(f"attn_impl={impl!r} with kv_cache_dtype='int8': the Pallas "
-                                 "kernels read float pages only; use attn_impl='xla'")
             from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
             out = ragged_paged_attention(
                 q, cache.k_pages, cache.v_pages, md.kv_lens, md.block_tables, md.cu_q_lens,
-                window, layer, num_decode=md.num_decode, scale=cfg.attn_scale,
-                softcap=cfg.attn_logit_softcap,
+                window, layer, cache.k_scales, cache.v_scales, num_decode=md.num_decode,
+                scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap,
                 backend="tpu" if impl.startswith("pallas_tpu") else "gpu",
                 interpret=impl.endswith("_interpret"),
             )
         return out, cache
 
     return attn
+
+
+def prefill_query_block(num_tokens: int, num_rows: int) -> int:
+    """Query block size Q of the XLA prefill attention for Tp tokens over Bp rows (static): a
+    row's share of the tokens rounded up to a power of two, at least 8. Each block gathers its
+    row's pages, so fewer, larger blocks gather less; smaller ones waste fewer padded queries."""
+    share = -(-num_tokens // max(num_rows, 1))
+    return max(8, 1 << (share - 1).bit_length())
+
+
+def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, window, *, scale, softcap,
+                       layer, k_scales, v_scales) -> jax.Array:
+    """The prefill region of ``ragged_paged_attention_xla``: f32[Tp, N, H].
+
+    Each row's chunk is cut into query blocks of Q tokens (``prefill_query_block``); a block
+    attends only to its own row's pages, so the scores are ``[NB, Q, N, S]`` with NB <= Tp/Q + Bp
+    blocks, rather than every token against every prefill row's pages (``[Tp, N, Bp * S]``).
+    Query and output are moved between token order and block order by gathers.
+    """
+    tp, n, h = q.shape
+    kh = k_pages.shape[-4]
+    g = n // kh
+    td = md.num_decode
+    bt = md.block_tables[td:]
+    bp = bt.shape[0]
+    qb = prefill_query_block(tp, bp)
+    nb = (tp + bp * (qb - 1)) // qb  # >= sum over rows of ceil(len / Q), as sum(len) <= Tp
+    starts = md.cu_q_lens[td:] - md.cu_q_lens[td]  # i32[Bp + 1] row starts in the region
+    lens = starts[1:] - starts[:-1]
+    blocks_per_row = -(-lens // qb)
+    blk_cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks_per_row)])
+    blk = jnp.arange(nb, dtype=jnp.int32)
+    # Row of each block (blocks past the last row's are padding: row clamped, all masked).
+    blk_row = jnp.clip(jnp.searchsorted(blk_cu[1:], blk, side="right"), 0, bp - 1)
+    first = starts[blk_row] + (blk - blk_cu[blk_row]) * qb  # first token of each block
+    tok = first[:, None] + jnp.arange(qb, dtype=jnp.int32)[None, :]  # [NB, Q]
+    q_valid = (blk < blk_cu[-1])[:, None] & (tok < starts[blk_row + 1][:, None])
+    tok_c = jnp.clip(tok, 0, tp - 1)
+    q_pos = md.positions[td:][tok_c]  # [NB, Q]
+    qq = q[tok_c].reshape(nb, qb, kh, g, h)
+    rows_bt = bt[blk_row]  # [NB, M]
+    kp = _gather_pages(k_pages, layer, rows_bt)  # [K, NB, S, H]
+    vp = _gather_pages(v_pages, layer, rows_bt)
+    kp = dequantize_kv(kp, _gather_scales(k_scales, layer, rows_bt))
+    vp = dequantize_kv(vp, _gather_scales(v_scales, layer, rows_bt))
+    s = kp.shape[2]
+    kv_pos = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    kv_len = md.kv_lens[td:][blk_row][:, None, None]
+    mask = q_valid[:, :, None] & (kv_pos < kv_len) & window_mask(q_pos[:, :, None], kv_pos, window)
+    scores = jnp.einsum("BQKGH,KBSH->BQKGS", qq, kp, preferred_element_type=jnp.float32)
+    out = masked_softmax_av(
+        scores, mask[:, :, None, None, :],
+        lambda p: jnp.einsum("BQKGS,KBSH->BQKGH", p, vp.astype(jnp.float32)),
+        scale=scale, softcap=softcap,
+    ).reshape(nb * qb, n, h)
+    # Back to token order: token i of row r sits in block blk_cu[r] + (i - starts[r]) // Q.
+    t_idx = jnp.arange(tp, dtype=jnp.int32)
+    t_row = jnp.clip(jnp.searchsorted(starts[1:], t_idx, side="right"), 0, bp - 1)
+    rel = t_idx - starts[t_row]
+    src = (blk_cu[t_row] + rel // qb) * qb + rel % qb
+    return out[jnp.clip(src, 0, nb * qb - 1)]
