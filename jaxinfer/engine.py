@@ -15,9 +15,10 @@ import numpy as np
 from jaxinfer.batch import build_step_batch, row_index
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import RequestError
+from jaxinfer.host_memory import keep_freed_host_memory
 from jaxinfer.kv_cache import PageAllocator, init_kv_cache, kv_bytes_per_token
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from jaxinfer.paged_attention import check_attn_impl, resolve_attn_impl
+from jaxinfer.paged_attention import check_attn_impl
 from jaxinfer.params import Params, unstack_layers
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence
@@ -45,6 +46,9 @@ class EngineConfig:
         unroll_layers: run layers as an unrolled loop over per-layer weight buffers instead of
             ``lax.scan`` over stacked ones (``params.unstack_layers``): faster decode, longer
             compiles. None = on CPU only, where the scan's per-layer weight copies cost ~2x.
+        keep_host_memory: keep freed host memory in the process instead of returning large
+            buffers to the OS each step (``host_memory.keep_freed_host_memory``, process-wide).
+            None = on the CPU backend only, where it spares each step's page faults.
     """
 
     max_model_len: int
@@ -57,6 +61,7 @@ class EngineConfig:
     seed: int = 0
     kv_cache_dtype: str = "auto"
     unroll_layers: bool | None = None
+    keep_host_memory: bool | None = None
 
     def __post_init__(self):
         for name, low in (("max_model_len", 2), ("page_size", 1), ("max_num_seqs", 1),
@@ -109,9 +114,6 @@ class Engine:
                  mesh=None):
         check_attn_impl(cfg, ecfg.attn_impl, ecfg.page_size, ecfg.num_pages, ecfg.max_pages_per_seq)
         kv_dtype = kv_cache_dtype(ecfg, params)
-        if kv_dtype == np.int8 and resolve_attn_impl(ecfg.attn_impl) != "xla":
-            raise ValueError(f"attn_impl={ecfg.attn_impl!r} with kv_cache_dtype='int8' is not "
-                             "supported (the Pallas kernels read float pages); use attn_impl='xla'")
         if kv_dtype == np.int8 and mesh is not None:
             raise ValueError("kv_cache_dtype='int8' with a sharded engine is not supported yet")
         need = ecfg.max_pages_per_seq + 1
@@ -126,6 +128,9 @@ class Engine:
                 f"max_num_batched_tokens={ecfg.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={ecfg.max_num_seqs} (every running sequence decodes each step)"
             )
+        keep = ecfg.keep_host_memory
+        if keep if keep is not None else jax.default_backend() == "cpu":
+            keep_freed_host_memory()
         unroll = ecfg.unroll_layers
         if unroll if unroll is not None else jax.default_backend() == "cpu":
             params = unstack_layers(params)
