@@ -242,10 +242,16 @@ def test_tiny_families_run_quantized(tmp_path, family, quant, kv):
     assert checked >= 1
 
 
-def test_kv_bytes_count_scales_and_pallas_int8_is_an_error():
+def test_kv_bytes_count_scales_and_pallas_takes_an_int8_cache(stories_dir):
+    from jaxinfer import LLM
     from jaxinfer.config import ModelConfig
     from jaxinfer.kv_cache import kv_bytes_per_token
 
     cfg = ModelConfig("llama", 32, 16, 32, 2, 2, 2, 8)
     assert kv_bytes_per_token(cfg, jnp.float32) == 2 * 2 * 2 * 8 * 4
     assert kv_bytes_per_token(cfg, jnp.int8) == 2 * 2 * 2 * (8 + 4)
+    # The Pallas kernels read int8 pages (greedy tokens == XLA's: tests/test_engine_pallas.py).
+    llm = LLM(stories_dir, max_model_len=16, max_num_seqs=2, attn_impl="pallas_tpu_interpret",
+              kv_cache_dtype="int8", compilation_cache=False)
+    kv = llm.engine.kv
+    assert kv.k_pages.dtype == jnp.int8 and kv.k_scales.shape == kv.k_pages.shape[:-1]

@@ -3,7 +3,8 @@
 The matrix dtype x page size x GQA ratio x head_dim is covered pairwise (every pair of values
 meets in some case), not as the full product, to keep interpret mode fast. Each batch mixes
 decode rows (a length-1 sequence, a sequence ending exactly on a page boundary, a long one) and
-prefill rows (a whole prompt ending on a page boundary, a later chunk, a short prompt).
+prefill rows (a whole prompt ending on a page boundary, a later chunk, a short prompt). An int8
+pool (per-token, per-head scales) is checked against the reference on its dequantized pages.
 """
 
 import os
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from test_paged_attention import make_batch
 
+from jaxinfer.quant.kv import dequantize_kv, quantize_kv
 from kernels_pallas.ragged_paged_attention import (
     BlockSizes,
     check_supported,
@@ -65,7 +67,10 @@ def interpret_for(backend):
     return False
 
 
-def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2):
+def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8=False):
+    """``int8``: the pool is the f32 pages quantized (``quantize_kv``); the kernel reads the int8
+    pages and scales, the reference their dequantized f32 pages, compared at f32 tolerance (the
+    kernel dequantizes to f32 and attends in f32 whatever the query dtype)."""
     interpret = interpret_for(backend)
     rng = np.random.default_rng(z * 1000 + g * 100 + h + window)
     kh = 2 if g <= 2 else 1
@@ -75,16 +80,22 @@ def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2):
     # a 2-layer pool, read at layer 1 (the engine passes the whole pool and the layer)
     kp = jnp.stack([jnp.zeros_like(cast(k_pages)), cast(k_pages)])
     vp = jnp.stack([jnp.zeros_like(cast(v_pages)), cast(v_pages)])
-    args = (cast(q), kp, vp, jnp.asarray(md.kv_lens), jnp.asarray(md.block_tables),
-            jnp.asarray(md.cu_q_lens), jnp.int32(window), jnp.int32(1))
+    scales, ref_pages = (), (kp, vp)
+    if int8:
+        (kp, ks), (vp, vs) = quantize_kv(jnp.stack([0 * k_pages, k_pages])), quantize_kv(
+            jnp.stack([0 * v_pages, v_pages]))
+        scales, ref_pages = (ks, vs), (dequantize_kv(kp, ks), dequantize_kv(vp, vs))
+    meta = (jnp.asarray(md.kv_lens), jnp.asarray(md.block_tables), jnp.asarray(md.cu_q_lens),
+            jnp.int32(window), jnp.int32(1))
     kw = dict(num_decode=md.num_decode, scale=h**-0.5, softcap=softcap)
     kernel = jax.jit(lambda *a: ragged_paged_attention(
         *a, **kw, backend=backend, interpret=interpret, block_sizes=BlockSizes(ppb, 16)))
-    out = np.asarray(kernel(*args), np.float64)
+    out = np.asarray(kernel(cast(q), kp, vp, *meta, *scales), np.float64)
     with jax.default_matmul_precision("highest"):  # on a device, an f32 reference in f32
-        ref = np.asarray(ragged_paged_attention_reference(*args, **kw), np.float64)
+        ref = np.asarray(ragged_paged_attention_reference(cast(q), *ref_pages, *meta, **kw),
+                         np.float64)
     live = np.concatenate([np.arange(tok, tok + ql) for tok, ql, *_ in rows])
-    np.testing.assert_allclose(out[live], ref[live], **TOL[dtype])
+    np.testing.assert_allclose(out[live], ref[live], **TOL[jnp.float32 if int8 else dtype])
     assert np.isfinite(out).all()  # padding tokens too: their K/V reach the null page
 
 
@@ -122,6 +133,32 @@ def test_sliding_window_and_softcap(backend):
     # kernel skips its first KV blocks; soft-cap as in Gemma 2.
     run_case(backend, jnp.bfloat16, 16, 2, 64, 5, 30.0, kind="decode", ppb=1)
     run_case(backend, jnp.float32, 8, 2, 64, 9, None, kind="prefill", ppb=2)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_int8_pages_equal_reference_on_dequantized_pages(backend):
+    # A mixed decode + prefill batch, GQA 2 over 2 KV heads (each head's scales), a sliding
+    # window of 6 tokens (8-token pages: the prefill rows skip and partly mask KV blocks), bf16
+    # queries: f32 tolerance, as the kernel attends the dequantized pages in f32 like the
+    # reference. One-page KV blocks on TPU (a third of the interpret time of two); the GPU
+    # kernel needs >= 16 keys per block.
+    run_case(backend, jnp.bfloat16, 8, 2, 32, 6, None, kind="mixed", int8=True,
+             ppb=1 if backend == "tpu" else 2)
+
+
+def test_int8_pages_need_both_scales():
+    q = jnp.zeros((2, 4, 32), jnp.float32)
+    i8, f32 = jnp.zeros((1, 2, 4, 8, 32), jnp.int8), jnp.zeros((1, 2, 4, 8, 32), jnp.float32)
+    scales = jnp.ones((1, 2, 4, 8), jnp.float32)
+    meta = (jnp.ones(2, jnp.int32), jnp.ones((2, 2), jnp.int32), jnp.arange(3, dtype=jnp.int32),
+            jnp.int32(0), jnp.int32(0))
+    kw = dict(num_decode=2, scale=1.0, backend="tpu", interpret=True)
+    with pytest.raises(ValueError, match="int8 pages with k_scales None.*supported are int8"):
+        ragged_paged_attention(q, i8, i8, *meta, **kw)
+    with pytest.raises(ValueError, match="float32 pages with k_scales given"):
+        ragged_paged_attention(q, f32, f32, *meta, scales, scales, **kw)
+    with pytest.raises(ValueError, match=r"v_scales is float32\[1, 2, 4\]; .*f32\[1, 2, 4, 8\]"):
+        ragged_paged_attention(q, i8, i8, *meta, scales, scales[..., 0], **kw)
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])

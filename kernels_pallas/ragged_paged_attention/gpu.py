@@ -4,7 +4,10 @@ One program per (decode row, KV head) for decode rows, and per (prefill row, KV 
 block of that row) for prefill rows; each program loops over the KV blocks its queries can see
 (causal and sliding-window bounds), loading ``pages_per_block`` pages per iteration by gathering
 page ids from the block table. The decode launch pads the G query heads of a KV head to 16 rows
-(the smallest ``tl.dot``); a decode-only step never launches the prefill kernel.
+(the smallest ``tl.dot``); a decode-only step never launches the prefill kernel. An int8 pool's
+scales (``f32[L, K, P, Z]``, flattened like the pages to ``[L * K * P, Z]``) are gathered with the
+same page ids as the pages and the tiles dequantized to f32 (``int8 * scale``) before the dots,
+which then run in f32 at HIGHEST precision.
 
 Learned from jax's ``pallas/ops/gpu/paged_attention.py`` (page gather ``k_pages_ref[ids]``,
 online softmax in registers); the code is our own.
@@ -55,17 +58,27 @@ def _kv_span(kv_len, pos_min, pos_max, window):
     return start, end
 
 
-def _attend(q, k_ref, v_ref, bt_ref, row, base, start, end, mask_fn, *, ppb, z, scale, softcap,
+def _attend(q, kv_refs, bt_ref, row, base, start, end, mask_fn, *, ppb, z, scale, softcap,
             precision):
-    """Online softmax of q [R, H] over the KV blocks holding keys [start, end). f32[R, H]."""
+    """Online softmax of q [R, H] over the KV blocks holding keys [start, end). f32[R, H].
+
+    kv_refs: (k, v) pages [L * K * P, Z, H], or (k, v, k scales, v scales) of int8 pages with
+    scales f32[L * K * P, Z].
+    """
     r, h = q.shape
     bk = ppb * z
+    quant = len(kv_refs) == 4
+    if quant:
+        q = q.astype(jnp.float32)
 
     def body(j, carry):
         acc, m, l = carry
         ids = base + bt_ref[row, pl.ds(j * ppb, ppb)]
-        k = k_ref[ids].reshape(bk, h)
-        v = v_ref[ids].reshape(bk, h)
+        k = kv_refs[0][ids].reshape(bk, h)
+        v = kv_refs[1][ids].reshape(bk, h)
+        if quant:
+            k = k.astype(jnp.float32) * kv_refs[2][ids].reshape(bk)[:, None]
+            v = v.astype(jnp.float32) * kv_refs[3][ids].reshape(bk)[:, None]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * scale
         if softcap is not None:
@@ -87,7 +100,8 @@ def _attend(q, k_ref, v_ref, bt_ref, row, base, start, end, mask_fn, *, ppb, z, 
     return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
 
 
-def _decode_kernel(sc_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, kh, num_pages, **kw):
+def _decode_kernel(sc_ref, lens_ref, bt_ref, q_ref, *refs, kh, num_pages, **kw):
+    *kv_refs, o_ref = refs
     b, hd = pl.program_id(0), pl.program_id(1)
     layer, window = sc_ref[0], sc_ref[1]
     kv_len = lens_ref[b]
@@ -97,12 +111,11 @@ def _decode_kernel(sc_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, kh, 
         return (kv_pos >= start) & (kv_pos < end)
 
     base = (layer * kh + hd) * num_pages
-    o_ref[...] = _attend(q_ref[...], k_ref, v_ref, bt_ref, b, base, start, end, mask_fn, **kw)
+    o_ref[...] = _attend(q_ref[...], kv_refs, bt_ref, b, base, start, end, mask_fn, **kw)
 
 
-def _prefill_kernel(sc_ref, lens_ref, cu_ref, bt_ref, q_ref, k_ref, v_ref, o0_ref, o_ref, *, kh,
-                    num_pages, g, bq, **kw):
-    del o0_ref  # aliased to o_ref
+def _prefill_kernel(sc_ref, lens_ref, cu_ref, bt_ref, q_ref, *refs, kh, num_pages, g, bq, **kw):
+    *kv_refs, _, o_ref = refs  # the output's initial zeros, aliased to o_ref
     row, hd, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = sc_ref[0], sc_ref[1]
     kv_len, c1 = lens_ref[row], cu_ref[row + 1]
@@ -123,7 +136,7 @@ def _prefill_kernel(sc_ref, lens_ref, cu_ref, bt_ref, q_ref, k_ref, v_ref, o0_re
 
         q = q_ref[pl.ds(t0 * g, rows), :]
         base = (layer * kh + hd) * num_pages
-        out = _attend(q, k_ref, v_ref, bt_ref, row, base, start, end, mask_fn, **kw)
+        out = _attend(q, kv_refs, bt_ref, row, base, start, end, mask_fn, **kw)
         plgpu.store(o_ref.at[pl.ds(t0 * g, rows), :], out,
                     mask=jnp.broadcast_to(valid[:, None], out.shape))
 
@@ -144,6 +157,8 @@ def ragged_paged_attention_gpu(
     block_sizes: BlockSizes,
     interpret: bool = False,
     num_warps: int = 4,
+    k_scales: jax.Array | None = None,  # f32[L, K, P, Z]; int8 pages only
+    v_scales: jax.Array | None = None,  # f32[L, K, P, Z]; int8 pages only
 ) -> jax.Array:
     """GPU ragged paged attention; the contract is ``kernels_pallas.ragged_paged_attention``'s."""
     t, n, h = q.shape
@@ -155,9 +170,13 @@ def ragged_paged_attention_gpu(
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, mp - m)))
     k_flat = k_pages.reshape(nl * kh * num_pages, z, h)
     v_flat = v_pages.reshape(nl * kh * num_pages, z, h)
+    kv = [k_flat, v_flat]
+    if k_scales is not None:
+        kv += [k_scales.reshape(nl * kh * num_pages, z), v_scales.reshape(nl * kh * num_pages, z)]
     sc = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
     kv_lens = kv_lens.astype(jnp.int32)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    f32 = q.dtype == jnp.float32 or k_scales is not None  # int8 pages: f32 dots
+    precision = jax.lax.Precision.HIGHEST if f32 else None
     kw = dict(kh=kh, num_pages=num_pages, ppb=ppb, z=z, scale=scale, softcap=softcap,
               precision=precision)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
@@ -172,13 +191,13 @@ def ragged_paged_attention_gpu(
         out = pl.pallas_call(
             functools.partial(_decode_kernel, **kw),
             grid=(td, kh),
-            in_specs=[whole(sc), whole(lens), whole(bt), spec, whole(k_flat), whole(v_flat)],
+            in_specs=[whole(sc), whole(lens), whole(bt), spec, *map(whole, kv)],
             out_specs=spec,
             out_shape=jax.ShapeDtypeStruct((td, kh, gp, h), jnp.float32),
             compiler_params=params,
             interpret=interpret,
             name="ragged_paged_attention_decode",
-        )(sc, lens, bt, qd, k_flat, v_flat)
+        )(sc, lens, bt, qd, *kv)
         outs.append(out[:, :, :g].reshape(td, n, h))
     tp = t - td
     if tp:
@@ -192,16 +211,15 @@ def ragged_paged_attention_gpu(
         out = pl.pallas_call(
             functools.partial(_prefill_kernel, g=g, bq=bq, **kw),
             grid=(bp, kh, pl.cdiv(tp, bq)),
-            in_specs=[whole(sc), whole(lens), whole(cu), whole(bt), spec, whole(k_flat),
-                      whole(v_flat), spec],
+            in_specs=[whole(sc), whole(lens), whole(cu), whole(bt), spec, *map(whole, kv), spec],
             out_specs=spec,
             out_shape=jax.ShapeDtypeStruct((kh, tpad * g, h), jnp.float32),
             # Tokens of no row (padding) are never stored: they keep the zeros of the input.
-            input_output_aliases={7: 0},
+            input_output_aliases={5 + len(kv): 0},
             compiler_params=params,
             interpret=interpret,
             name="ragged_paged_attention_prefill",
-        )(sc, lens, cu, bt, qp, k_flat, v_flat, jnp.zeros((kh, tpad * g, h), jnp.float32))
+        )(sc, lens, cu, bt, qp, *kv, jnp.zeros((kh, tpad * g, h), jnp.float32))
         out = out.reshape(kh, tpad, g, h).transpose(1, 0, 2, 3)[:tp].reshape(tp, n, h)
         outs.append(out)
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]

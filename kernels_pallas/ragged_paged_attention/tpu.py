@@ -12,6 +12,10 @@ Pages are fetched from HBM by index: every page of a KV block is its own pipelin
 ``index_map`` reads the block table from SMEM, so Pallas double-buffers the page DMAs. Index maps
 clamp to the pages a step needs (below the causal/window bound, above the window start); repeated
 block indices are not fetched again, so steps past a sequence's end cost no memory traffic.
+An int8 pool adds one more pipelined input per page for each of K and V, its scales
+``f32[Z, 1]`` (the ``[L, K, P, Z]`` scales viewed as ``[L, K, P, Z, 1]``, as jax's quantized
+``paged_attention`` keeps them), fetched with the page's own index map; the tile is dequantized to
+f32 (``int8 * scale``) before the dots.
 A decode-only step never launches the prefill kernel (``num_decode`` is static).
 
 Learned from jax's ``pallas/ops/tpu/paged_attention`` (one page per DMA, per-KV-head blocks) and
@@ -46,15 +50,29 @@ def check_supported(num_heads: int, num_kv_heads: int, head_dim: int, page_size:
         raise ValueError("pallas_tpu ragged paged attention cannot run " + "; ".join(problems))
 
 
-def _update(q, k_refs, v_refs, m_ref, l_ref, acc_ref, mask_fn, kv_start, *, z, scale, softcap):
+def _load(ref, scale_ref):
+    """A page tile [Z, H]; an int8 one dequantized to f32 with its scales f32[Z, 1]."""
+    if scale_ref is None:
+        return ref[...]
+    return ref[...].astype(jnp.float32) * scale_ref[...]
+
+
+def _update(q, k_refs, v_refs, ks_refs, vs_refs, m_ref, l_ref, acc_ref, mask_fn, kv_start, *, z,
+            scale, softcap):
     """One KV block of the online softmax (Milakov & Gimelshein 2018; FlashAttention).
 
-    q: [R, H]; each k/v ref: [Z, H]; mask_fn(kv_pos i32[1, Z]) -> bool[R, Z].
+    q: [R, H]; each k/v ref: [Z, H]; ks/vs refs: f32[Z, 1] scales of int8 pages (empty for float
+    pages); mask_fn(kv_pos i32[1, Z]) -> bool[R, Z].
     """
+    if ks_refs:
+        q = q.astype(jnp.float32)
+    else:
+        ks_refs = vs_refs = (None,) * len(k_refs)
     scores, masks = [], []
     for i, k_ref in enumerate(k_refs):
         s = jax.lax.dot_general(
-            q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q, _load(k_ref, ks_refs[i]), (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
         ) * scale
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
@@ -69,10 +87,10 @@ def _update(q, k_refs, v_refs, m_ref, l_ref, acc_ref, mask_fn, kv_start, *, z, s
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_ref[...]
     acc = alpha * acc_ref[...]
-    for s, mask, v_ref in zip(scores, masks, v_refs, strict=True):
+    for s, mask, v_ref, vs_ref in zip(scores, masks, v_refs, vs_refs, strict=True):
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         l_new = l_new + jnp.sum(p, axis=1, keepdims=True)
-        v = v_ref[...]
+        v = _load(v_ref, vs_ref)
         acc = acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     m_ref[...], l_ref[...], acc_ref[...] = m_new, l_new, acc
 
@@ -107,10 +125,18 @@ def _page(j, i, start, end, *, ppb, z):
 # ---------------------------------------------------------------- decode
 
 
-def _decode_kernel(layer_ref, window_ref, lens_ref, bt_ref, q_ref, *refs, ppb, z, scale, softcap):
-    del layer_ref, bt_ref
+def _split_refs(refs, ppb, quant):
+    """Kernel refs after q: K pages, V pages, [K scales, V scales,] then output and scratch."""
+    n = 4 if quant else 2
     k_refs, v_refs = refs[:ppb], refs[ppb : 2 * ppb]
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * ppb :]
+    ks_refs, vs_refs = (refs[2 * ppb : 3 * ppb], refs[3 * ppb : 4 * ppb]) if quant else ((), ())
+    return k_refs, v_refs, ks_refs, vs_refs, refs[n * ppb :]
+
+
+def _decode_kernel(layer_ref, window_ref, lens_ref, bt_ref, q_ref, *refs, ppb, z, scale, softcap,
+                   quant):
+    del layer_ref, bt_ref
+    k_refs, v_refs, ks_refs, vs_refs, (o_ref, m_ref, l_ref, acc_ref) = _split_refs(refs, ppb, quant)
     b, j = pl.program_id(0), pl.program_id(2)
     kv_len, window = lens_ref[b], window_ref[0]
     q_pos = kv_len - 1
@@ -126,16 +152,26 @@ def _decode_kernel(layer_ref, window_ref, lens_ref, bt_ref, q_ref, *refs, ppb, z
         def mask_fn(kv_pos):
             return (kv_pos >= start) & (kv_pos < end)
 
-        _update(q_ref[...], k_refs, v_refs, m_ref, l_ref, acc_ref, mask_fn, kv_start,
-                z=z, scale=scale, softcap=softcap)
+        _update(q_ref[...], k_refs, v_refs, ks_refs, vs_refs, m_ref, l_ref, acc_ref, mask_fn,
+                kv_start, z=z, scale=scale, softcap=softcap)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
         _finish(o_ref, l_ref, acc_ref)
 
 
-def _decode(q, k_pages, v_pages, kv_lens, block_tables, window, layer, *, scale, softcap, ppb,
-            interpret):
+def _scale_inputs(k_scales, v_scales, page_map, ppb, z):
+    """BlockSpecs and operands of the scales of int8 pages (none for float pages): per page of a
+    KV block, a f32[Z, 1] tile of the scales viewed as [L, K, P, Z, 1], at the page's index."""
+    if k_scales is None:
+        return [], []
+    specs = [pl.BlockSpec((None, None, None, z, 1), functools.partial(page_map, i))
+             for i in range(ppb)]
+    return specs + specs, [k_scales[..., None]] * ppb + [v_scales[..., None]] * ppb
+
+
+def _decode(q, k_pages, v_pages, k_scales, v_scales, kv_lens, block_tables, window, layer, *,
+            scale, softcap, ppb, interpret):
     td, n, h = q.shape
     _, kh, _, z, _ = k_pages.shape
     g = n // kh
@@ -151,14 +187,16 @@ def _decode(q, k_pages, v_pages, kv_lens, block_tables, window, layer, *, scale,
     page_specs = [
         pl.BlockSpec((None, None, None, z, h), functools.partial(page_map, i)) for i in range(ppb)
     ]
+    scale_specs, scale_args = _scale_inputs(k_scales, v_scales, page_map, ppb, z)
     qo_spec = pl.BlockSpec((None, None, g, h), lambda b, hd, j, *_: (b, hd, 0, 0))
-    kernel = functools.partial(_decode_kernel, ppb=ppb, z=z, scale=scale, softcap=softcap)
+    kernel = functools.partial(_decode_kernel, ppb=ppb, z=z, scale=scale, softcap=softcap,
+                               quant=k_scales is not None)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(td, kh, nkb),
-            in_specs=[qo_spec] + page_specs + page_specs,
+            in_specs=[qo_spec] + page_specs + page_specs + scale_specs,
             out_specs=qo_spec,
             scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
                             pltpu.VMEM((g, h), jnp.float32)],
@@ -168,7 +206,7 @@ def _decode(q, k_pages, v_pages, kv_lens, block_tables, window, layer, *, scale,
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
     )(layer, window, kv_lens, block_tables.reshape(-1), q.reshape(td, kh, g, h),
-      *([k_pages] * ppb), *([v_pages] * ppb))
+      *([k_pages] * ppb), *([v_pages] * ppb), *scale_args)
     return out.reshape(td, n, h)
 
 
@@ -186,10 +224,9 @@ def _row_span(i, r, lens_ref, cu_ref, window, bq):
 
 
 def _prefill_kernel(layer_ref, window_ref, lens_ref, cu_ref, bt_ref, lo_ref, hi_ref, q_ref, *refs,
-                    ppb, z, g, bq, scale, softcap):
+                    ppb, z, g, bq, scale, softcap, quant):
     del layer_ref, bt_ref, lo_ref, hi_ref
-    k_refs, v_refs = refs[:ppb], refs[ppb : 2 * ppb]
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * ppb :]
+    k_refs, v_refs, ks_refs, vs_refs, (o_ref, m_ref, l_ref, acc_ref) = _split_refs(refs, ppb, quant)
     i, r, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     window = window_ref[0]
     t0, t1, start, end = _row_span(i, r, lens_ref, cu_ref, window, bq)
@@ -211,16 +248,16 @@ def _prefill_kernel(layer_ref, window_ref, lens_ref, cu_ref, bt_ref, lo_ref, hi_
             vis = in_row & (kv_pos < kv_len) & (kv_pos <= q_pos)
             return vis & ((window <= 0) | (q_pos - kv_pos < window))
 
-        _update(q_ref[...], k_refs, v_refs, m_ref, l_ref, acc_ref, mask_fn, kv_start,
-                z=z, scale=scale, softcap=softcap)
+        _update(q_ref[...], k_refs, v_refs, ks_refs, vs_refs, m_ref, l_ref, acc_ref, mask_fn,
+                kv_start, z=z, scale=scale, softcap=softcap)
 
     @pl.when((r == pl.num_programs(2) - 1) & (j == pl.num_programs(3) - 1))
     def _():
         _finish(o_ref, l_ref, acc_ref)
 
 
-def _prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, window, layer, *, scale,
-             softcap, ppb, bq, interpret):
+def _prefill(q, k_pages, v_pages, k_scales, v_scales, kv_lens, block_tables, cu_q_lens, window,
+             layer, *, scale, softcap, ppb, bq, interpret):
     tp, n, h = q.shape
     _, kh, _, z, _ = k_pages.shape
     g = n // kh
@@ -246,18 +283,19 @@ def _prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, window, laye
     page_specs = [
         pl.BlockSpec((None, None, None, z, h), functools.partial(page_map, p)) for p in range(ppb)
     ]
+    scale_specs, scale_args = _scale_inputs(k_scales, v_scales, page_map, ppb, z)
     qo_spec = pl.BlockSpec((None, bq * g, h), lambda hd, i, r, j, *_: (hd, i, 0))
     tpad = nqb * bq
     qt = jnp.pad(q, ((0, tpad - tp), (0, 0), (0, 0))).reshape(tpad, kh, g, h)
     qt = qt.transpose(1, 0, 2, 3).reshape(kh, tpad * g, h)
     kernel = functools.partial(_prefill_kernel, ppb=ppb, z=z, g=g, bq=bq, scale=scale,
-                               softcap=softcap)
+                               softcap=softcap, quant=k_scales is not None)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(kh, nqb, bp, nkb),
-            in_specs=[qo_spec] + page_specs + page_specs,
+            in_specs=[qo_spec] + page_specs + page_specs + scale_specs,
             out_specs=qo_spec,
             scratch_shapes=[pltpu.VMEM((bq * g, 1), jnp.float32),
                             pltpu.VMEM((bq * g, 1), jnp.float32),
@@ -268,7 +306,7 @@ def _prefill(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, window, laye
             dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
     )(layer, window, kv_lens, cu_q_lens, block_tables.reshape(-1), lo, hi, qt,
-      *([k_pages] * ppb), *([v_pages] * ppb))
+      *([k_pages] * ppb), *([v_pages] * ppb), *scale_args)
     out = out.reshape(kh, tpad, g, h).transpose(1, 0, 2, 3).reshape(tpad, n, h)
     return out[:tp]
 
@@ -288,6 +326,8 @@ def ragged_paged_attention_tpu(
     softcap: float | None = None,
     block_sizes: BlockSizes,
     interpret=False,
+    k_scales: jax.Array | None = None,  # f32[L, K, P, Z]; int8 pages only
+    v_scales: jax.Array | None = None,  # f32[L, K, P, Z]; int8 pages only
 ) -> jax.Array:
     """TPU ragged paged attention; see ``kernels_pallas.ragged_paged_attention`` for the contract.
 
@@ -304,11 +344,12 @@ def ragged_paged_attention_tpu(
     td = num_decode
     outs = []
     if td:
-        outs.append(_decode(q[:td], k_pages, v_pages, kv_lens[:td], block_tables[:td], window,
-                            layer, scale=scale, softcap=softcap, ppb=ppb, interpret=interpret))
+        outs.append(_decode(q[:td], k_pages, v_pages, k_scales, v_scales, kv_lens[:td],
+                            block_tables[:td], window, layer, scale=scale, softcap=softcap,
+                            ppb=ppb, interpret=interpret))
     if t > td:
         cu = cu_q_lens[td:].astype(jnp.int32) - td
-        outs.append(_prefill(q[td:], k_pages, v_pages, kv_lens[td:], block_tables[td:], cu,
-                             window, layer, scale=scale, softcap=softcap, ppb=ppb,
-                             bq=block_sizes.q_block, interpret=interpret))
+        outs.append(_prefill(q[td:], k_pages, v_pages, k_scales, v_scales, kv_lens[td:],
+                             block_tables[td:], cu, window, layer, scale=scale, softcap=softcap,
+                             ppb=ppb, bq=block_sizes.q_block, interpret=interpret))
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
