@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.attention import masked_softmax_av, window_mask
+from jaxinfer.attention import MASK_VALUE, masked_softmax_av, window_mask
 from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.quant.kv import dequantize_kv
 
@@ -98,20 +98,10 @@ def ragged_paged_attention_xla(
     td = md.num_decode
     outs = []
     if td:
-        qd = q[:td].reshape(td, kh, g, h)
-        kd = _gather_pages(k_pages, layer, md.block_tables[:td])  # [K, Td, S, H]
-        vd = _gather_pages(v_pages, layer, md.block_tables[:td])
-        kd = dequantize_kv(kd, _gather_scales(k_scales, layer, md.block_tables[:td]))
-        vd = dequantize_kv(vd, _gather_scales(v_scales, layer, md.block_tables[:td]))
-        s = kd.shape[2]
-        kv_pos = jnp.arange(s, dtype=jnp.int32)[None, :]
-        q_pos = md.positions[:td, None]
-        mask = (kv_pos < md.kv_lens[:td, None]) & window_mask(q_pos, kv_pos, window)
-        scores = jnp.einsum("TKGH,KTSH->TKGS", qd, kd, preferred_element_type=jnp.float32)
-        out = masked_softmax_av(
-            scores, mask[:, None, None, :],
-            lambda p: jnp.einsum("TKGS,KTSH->TKGH", p, vd.astype(jnp.float32)),
-            scale=scale, softcap=softcap,
+        out = _decode_attention(
+            q[:td].reshape(td, kh, g, h), k_pages, v_pages, md.block_tables[:td], md.kv_lens[:td],
+            md.positions[:td], window, scale=scale, softcap=softcap, layer=layer,
+            k_scales=k_scales, v_scales=v_scales,
         )
         outs.append(out.reshape(td, n, h))
     tp = t - td
@@ -262,3 +252,61 @@ def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, window, *, sc
     rel = t_idx - starts[t_row]
     src = (blk_cu[t_row] + rel // qb) * qb + rel % qb
     return out[jnp.clip(src, 0, nb * qb - 1)]
+
+
+# Decode attention walks a row's pages in chunks of this many pages (flash-decoding's online
+# softmax) once the block table is wider: each chunk's gathered K/V stays small (cache-resident)
+# instead of one [K, Td, M * Z, H] copy of every row's pages.
+DECODE_PAGES_PER_CHUNK = 8
+
+
+def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale, softcap, layer,
+                      k_scales, v_scales, pages_per_chunk: int | None = None) -> jax.Array:
+    """The decode region of ``ragged_paged_attention_xla``: qd [Td, K, G, H] -> f32[Td, K, G, H].
+
+    Source of the chunked form: flash-decoding (Dao et al. 2023), online softmax (Milakov &
+    Gimelshein 2018).
+    """
+    chunk = pages_per_chunk or DECODE_PAGES_PER_CHUNK
+    td, m = bt.shape
+    z = k_pages.shape[-2]
+
+    def scores_of(btc, first_pos):
+        kc = dequantize_kv(_gather_pages(k_pages, layer, btc),
+                           _gather_scales(k_scales, layer, btc))  # [K, Td, C * Z, H]
+        vc = dequantize_kv(_gather_pages(v_pages, layer, btc), _gather_scales(v_scales, layer, btc))
+        kv_pos = first_pos + jnp.arange(kc.shape[2], dtype=jnp.int32)[None, :]
+        mask = (kv_pos < kv_lens[:, None]) & window_mask(q_pos[:, None], kv_pos, window)
+        sc = jnp.einsum("TKGH,KTSH->TKGS", qd, kc, preferred_element_type=jnp.float32)
+        return sc, mask[:, None, None, :], vc.astype(jnp.float32)
+
+    if m <= chunk:
+        sc, mask, vc = scores_of(bt, 0)
+        return masked_softmax_av(sc, mask, lambda p: jnp.einsum("TKGS,KTSH->TKGH", p, vc),
+                                 scale=scale, softcap=softcap)
+
+    def body(carry, xs):
+        mx, l, acc = carry
+        btc, c = xs
+        sc, mask, vc = scores_of(btc, c * chunk * z)
+        sc = sc * scale
+        if softcap is not None:
+            sc = jnp.tanh(sc / softcap) * softcap
+        sc = jnp.where(mask, sc, MASK_VALUE)
+        new_mx = jnp.maximum(mx, jnp.max(sc, axis=-1))
+        alpha = jnp.exp(mx - new_mx)
+        p = jnp.exp(sc - new_mx[..., None])
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("TKGS,KTSH->TKGH", p, vc)
+        return (new_mx, l, acc), None
+
+    if m % chunk:  # pad the table with null pages (masked: past every kv_len)
+        bt = jnp.pad(bt, ((0, 0), (0, chunk - m % chunk)), constant_values=0)
+        m = bt.shape[1]
+    nck = m // chunk
+    kh, g, h = qd.shape[1:]
+    init = (jnp.full((td, kh, g), MASK_VALUE, jnp.float32), jnp.zeros((td, kh, g), jnp.float32),
+            jnp.zeros((td, kh, g, h), jnp.float32))
+    chunks = bt.reshape(td, nck, chunk).transpose(1, 0, 2)  # [nck, Td, C]
+    (_, l, acc), _ = jax.lax.scan(body, init, (chunks, jnp.arange(nck, dtype=jnp.int32)))
+    return acc / l[..., None]

@@ -101,3 +101,24 @@ def test_paged_equals_dense(dtype, page_size, gqa, window, softcap):
     for tok, ql, pos, fk, fv in rows:
         ref = dense_reference(f(q[tok : tok + ql]), f(fk), f(fv), pos, scale, window, softcap)
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window,softcap", [(0, None), (37, 30.0)])
+def test_long_decode_rows_walk_pages_in_chunks(window, softcap):
+    """Decode rows wider than DECODE_PAGES_PER_CHUNK pages take the online-softmax page walk."""
+    from jaxinfer.paged_attention import DECODE_PAGES_PER_CHUNK
+
+    rng = np.random.default_rng(7)
+    z, kh, h, gqa = 4, 2, 16, 2
+    long = z * (2 * DECODE_PAGES_PER_CHUNK + 3) + 1  # a table of 4 chunks, the last partly used
+    seqs = [(long, 1), (z * DECODE_PAGES_PER_CHUNK + 2, 1), (3, 1), (long - 5, 6)]
+    k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=200)
+    assert md.block_tables.shape[1] > DECODE_PAGES_PER_CHUNK
+    q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    out = np.asarray(ragged_paged_attention_xla(
+        jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), md, jnp.int32(window),
+        scale=h**-0.5, softcap=softcap), np.float64)
+    for tok, ql, pos, fk, fv in rows:
+        ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
+                              fv.astype(np.float64), pos, h**-0.5, window, softcap)
+        np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
