@@ -285,9 +285,9 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
         return masked_softmax_av(sc, mask, lambda p: jnp.einsum("TKGS,KTSH->TKGH", p, vc),
                                  scale=scale, softcap=softcap)
 
-    def body(carry, xs):
+    def body(c, carry):
         mx, l, acc = carry
-        btc, c = xs
+        btc = jax.lax.dynamic_index_in_dim(chunks, c, keepdims=False)
         sc, mask, vc = scores_of(btc, c * chunk * z)
         sc = sc * scale
         if softcap is not None:
@@ -298,7 +298,7 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
         p = jnp.exp(sc - new_mx[..., None])
         l = l * alpha + jnp.sum(p, axis=-1)
         acc = acc * alpha[..., None] + jnp.einsum("TKGS,KTSH->TKGH", p, vc)
-        return (new_mx, l, acc), None
+        return new_mx, l, acc
 
     if m % chunk:  # pad the table with null pages (masked: past every kv_len)
         bt = jnp.pad(bt, ((0, 0), (0, chunk - m % chunk)), constant_values=0)
@@ -308,5 +308,7 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
     init = (jnp.full((td, kh, g), MASK_VALUE, jnp.float32), jnp.zeros((td, kh, g), jnp.float32),
             jnp.zeros((td, kh, g, h), jnp.float32))
     chunks = bt.reshape(td, nck, chunk).transpose(1, 0, 2)  # [nck, Td, C]
-    (_, l, acc), _ = jax.lax.scan(body, init, (chunks, jnp.arange(nck, dtype=jnp.int32)))
+    # Chunks past the longest row are skipped (the table's width is a power-of-two bucket).
+    live = jnp.clip(-(-jnp.max(kv_lens) // (chunk * z)), 1, nck)
+    _, l, acc = jax.lax.fori_loop(0, live, body, init)
     return acc / l[..., None]
