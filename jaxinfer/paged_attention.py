@@ -84,8 +84,12 @@ def ragged_paged_attention_xla(
     layer: jax.Array | None = None,  # i32[]
     k_scales: jax.Array | None = None,  # f32[K, P, Z], or [L, K, P, Z] with layer; int8 cache
     v_scales: jax.Array | None = None,
+    prefill: PrefillLayout | None = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch over the paged KV cache. Output f32[T, N, H].
+
+    ``prefill``: the prefill region's query blocks, ``prefill_layout(md, T - num_decode)``; pass it
+    to compute it once per step rather than once per layer (None: computed here).
 
     An int8 cache (``k_scales``/``v_scales`` given) is dequantized after the page gather.
 
@@ -106,8 +110,9 @@ def ragged_paged_attention_xla(
         outs.append(out.reshape(td, n, h))
     tp = t - td
     if tp:
+        lay = prefill if prefill is not None else prefill_layout(md, tp)
         outs.append(_prefill_attention(
-            q[td:], k_pages, v_pages, md, window, scale=scale, softcap=softcap, layer=layer,
+            q[td:], k_pages, v_pages, lay, window, scale=scale, softcap=softcap, layer=layer,
             k_scales=k_scales, v_scales=v_scales,
         ))
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
@@ -169,6 +174,8 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
     works with every ``attn_impl``. Raises ValueError for an unknown or unavailable
     ``attn_impl`` (see ``resolve_attn_impl``)."""
     impl = resolve_attn_impl(attn_impl)
+    tp = md.positions.shape[0] - md.num_decode
+    prefill = prefill_layout(md, tp) if impl == "xla" and tp else None
 
     def attn(q, k, v, cache: KVCache, layer, window):
         cache = write_kv(cache, layer, k, v, md.slot_mapping)
@@ -176,7 +183,7 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
             out = ragged_paged_attention_xla(
                 q, cache.k_pages, cache.v_pages, md, window,
                 scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, layer=layer,
-                k_scales=cache.k_scales, v_scales=cache.v_scales,
+                k_scales=cache.k_scales, v_scales=cache.v_scales, prefill=prefill,
             )
         else:
             from kernels_pallas.ragged_paged_attention import ragged_paged_attention
@@ -201,57 +208,84 @@ def prefill_query_block(num_tokens: int, num_rows: int) -> int:
     return max(8, 1 << (share - 1).bit_length())
 
 
-def _prefill_attention(q, k_pages, v_pages, md: AttentionMetadata, window, *, scale, softcap,
-                       layer, k_scales, v_scales) -> jax.Array:
-    """The prefill region of ``ragged_paged_attention_xla``: f32[Tp, N, H].
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillLayout:
+    """Query blocks of a step's prefill region (``prefill_layout``), shared by every layer.
 
-    Each row's chunk is cut into query blocks of Q tokens (``prefill_query_block``); a block
-    attends only to its own row's pages, so the scores are ``[NB, Q, N, S]`` with NB <= Tp/Q + Bp
-    blocks, rather than every token against every prefill row's pages (``[Tp, N, Bp * S]``).
-    Query and output are moved between token order and block order by gathers.
+    Attributes:
+        tokens: i32[NB, Q] token (index into the prefill region) of each block slot, clamped.
+        valid: bool[NB, Q] the slot holds a real token of the block's row.
+        positions: i32[NB, Q] position of each slot's token.
+        block_tables: i32[NB, M] page ids of each block's row.
+        kv_lens: i32[NB] KV length of each block's row.
+        src: i32[Tp] block slot (flat ``b * Q + i``) of each token of the region.
     """
-    tp, n, h = q.shape
-    kh = k_pages.shape[-4]
-    g = n // kh
-    td = md.num_decode
+
+    tokens: jax.Array
+    valid: jax.Array
+    positions: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    src: jax.Array
+
+
+def prefill_layout(md: AttentionMetadata, num_prefill_tokens: int) -> PrefillLayout:
+    """The query blocks of the prefill region of ``md`` (its last ``num_prefill_tokens`` tokens).
+
+    Row r's chunk is cut into ceil(len_r / Q) blocks of Q tokens (``prefill_query_block``);
+    NB = floor((Tp + Bp (Q - 1)) / Q) >= sum over rows of ceil(len_r / Q), since sum(len_r) <= Tp.
+    Blocks past the last row's are padding (all slots invalid).
+    """
+    tp, td = num_prefill_tokens, md.num_decode
     bt = md.block_tables[td:]
     bp = bt.shape[0]
     qb = prefill_query_block(tp, bp)
-    nb = (tp + bp * (qb - 1)) // qb  # >= sum over rows of ceil(len / Q), as sum(len) <= Tp
+    nb = (tp + bp * (qb - 1)) // qb
     starts = md.cu_q_lens[td:] - md.cu_q_lens[td]  # i32[Bp + 1] row starts in the region
-    lens = starts[1:] - starts[:-1]
-    blocks_per_row = -(-lens // qb)
+    blocks_per_row = -(-(starts[1:] - starts[:-1]) // qb)
     blk_cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks_per_row)])
     blk = jnp.arange(nb, dtype=jnp.int32)
-    # Row of each block (blocks past the last row's are padding: row clamped, all masked).
-    blk_row = jnp.clip(jnp.searchsorted(blk_cu[1:], blk, side="right"), 0, bp - 1)
+    # Row of each block / token: how many rows end at or before it (clamped for padding).
+    blk_row = jnp.minimum(jnp.sum(blk_cu[1:][None, :] <= blk[:, None], axis=1), bp - 1)
     first = starts[blk_row] + (blk - blk_cu[blk_row]) * qb  # first token of each block
     tok = first[:, None] + jnp.arange(qb, dtype=jnp.int32)[None, :]  # [NB, Q]
-    q_valid = (blk < blk_cu[-1])[:, None] & (tok < starts[blk_row + 1][:, None])
-    tok_c = jnp.clip(tok, 0, tp - 1)
-    q_pos = md.positions[td:][tok_c]  # [NB, Q]
-    qq = q[tok_c].reshape(nb, qb, kh, g, h)
-    rows_bt = bt[blk_row]  # [NB, M]
-    kp = _gather_pages(k_pages, layer, rows_bt)  # [K, NB, S, H]
-    vp = _gather_pages(v_pages, layer, rows_bt)
-    kp = dequantize_kv(kp, _gather_scales(k_scales, layer, rows_bt))
-    vp = dequantize_kv(vp, _gather_scales(v_scales, layer, rows_bt))
-    s = kp.shape[2]
-    kv_pos = jnp.arange(s, dtype=jnp.int32)[None, None, :]
-    kv_len = md.kv_lens[td:][blk_row][:, None, None]
-    mask = q_valid[:, :, None] & (kv_pos < kv_len) & window_mask(q_pos[:, :, None], kv_pos, window)
+    valid = (blk < blk_cu[-1])[:, None] & (tok < starts[blk_row + 1][:, None])
+    tok = jnp.clip(tok, 0, tp - 1)
+    t_idx = jnp.arange(tp, dtype=jnp.int32)
+    t_row = jnp.minimum(jnp.sum(starts[1:][None, :] <= t_idx[:, None], axis=1), bp - 1)
+    rel = t_idx - starts[t_row]
+    src = jnp.clip((blk_cu[t_row] + rel // qb) * qb + rel % qb, 0, nb * qb - 1)
+    return PrefillLayout(tokens=tok, valid=valid, positions=md.positions[td:][tok],
+                         block_tables=bt[blk_row], kv_lens=md.kv_lens[td:][blk_row], src=src)
+
+
+def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale, softcap,
+                       layer, k_scales, v_scales) -> jax.Array:
+    """The prefill region of ``ragged_paged_attention_xla``: f32[Tp, N, H].
+
+    Each query block (``prefill_layout``) attends only to its own row's pages, so the scores are
+    ``[NB, Q, N, S]`` with NB <= Tp/Q + Bp, rather than every token against every prefill row's
+    pages (``[Tp, N, Bp * S]``). Queries and outputs move between token and block order by gathers.
+    """
+    _, n, h = q.shape
+    kh = k_pages.shape[-4]
+    nb, qb = lay.tokens.shape
+    qq = q[lay.tokens].reshape(nb, qb, kh, n // kh, h)
+    kp = _gather_pages(k_pages, layer, lay.block_tables)  # [K, NB, S, H]
+    vp = _gather_pages(v_pages, layer, lay.block_tables)
+    kp = dequantize_kv(kp, _gather_scales(k_scales, layer, lay.block_tables))
+    vp = dequantize_kv(vp, _gather_scales(v_scales, layer, lay.block_tables))
+    kv_pos = jnp.arange(kp.shape[2], dtype=jnp.int32)[None, None, :]
+    mask = (lay.valid[:, :, None] & (kv_pos < lay.kv_lens[:, None, None])
+            & window_mask(lay.positions[:, :, None], kv_pos, window))
     scores = jnp.einsum("BQKGH,KBSH->BQKGS", qq, kp, preferred_element_type=jnp.float32)
     out = masked_softmax_av(
         scores, mask[:, :, None, None, :],
         lambda p: jnp.einsum("BQKGS,KBSH->BQKGH", p, vp.astype(jnp.float32)),
         scale=scale, softcap=softcap,
     ).reshape(nb * qb, n, h)
-    # Back to token order: token i of row r sits in block blk_cu[r] + (i - starts[r]) // Q.
-    t_idx = jnp.arange(tp, dtype=jnp.int32)
-    t_row = jnp.clip(jnp.searchsorted(starts[1:], t_idx, side="right"), 0, bp - 1)
-    rel = t_idx - starts[t_row]
-    src = (blk_cu[t_row] + rel // qb) * qb + rel % qb
-    return out[jnp.clip(src, 0, nb * qb - 1)]
+    return out[lay.src]
 
 
 # Decode attention walks a row's pages in chunks of this many pages (flash-decoding's online

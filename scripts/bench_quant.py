@@ -61,10 +61,10 @@ def decode_tok_s(llm, batch: int, tokens: int) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def bench_formulations(rows_list=(4, 32), repeats: int = 3) -> dict:
+def bench_formulations(rows_list=(1, 4, 32), repeats: int = 3) -> dict:
     """ms per forward step of the random ~110M Llama (D=768, L=12, F=2048, V=32000, untied head
     quantized too) with every quantized-matmul formulation forced, layers unstacked as the engine
-    runs them on CPU; rows 4 = a batch-1 decode step (the engine's smallest decode bucket)."""
+    runs them on CPU; rows 1 = a batch-1 decode step, 4 = the smallest multi-row decode bucket."""
     from jaxinfer.attention import dense_attn_fn
     from jaxinfer.config import ModelConfig
     from jaxinfer.model import compute_logits, forward

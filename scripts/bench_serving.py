@@ -45,7 +45,7 @@ from benchlib import (
     stats,
 )
 
-DEFAULT_PROMPTS = {"stories260K": 64, "llama110m": 32, "llama1b": 8}
+DEFAULT_PROMPTS = {"stories260K": 64, "llama110m": 64, "llama1b": 8}
 
 
 def run_engine(
