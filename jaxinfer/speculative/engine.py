@@ -37,9 +37,9 @@ def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: lis
     """numpy ``SpecBatch`` of the verify rows ``(seq, host drafts, num drafts)`` and prefill rows.
 
     Every row sits in the multi-token ("prefill") region of the attention (``num_decode = 0``).
-    T, B and M are padded to powers of two (floors ``MIN_DECODE_ROWS * (1 + R)`` capped at
-    ``MIN_PREFILL_TOKENS``, ``MIN_ROWS``,
-    ``MIN_PAGES_PER_SEQ``); the pages of every row must already be allocated.
+    T, B and M are padded to powers of two (floors ``MIN_ROWS * (1 + R)`` capped at
+    ``MIN_PREFILL_TOKENS``, ``MIN_ROWS``, ``MIN_PAGES_PER_SEQ``; a lone row: ``1 + R`` and 1); the
+    pages of every row must already be allocated.
     """
     r_max = num_spec
     spans = [(seq, seq.num_computed, 1 + r) for seq, _, r in verify]
@@ -48,8 +48,10 @@ def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: lis
     max_pages = max(-(-(start + n) // page_size) for _, start, n in spans)
     # T floor: the engine's decode floor (MIN_DECODE_ROWS rows) of 1 + R tokens each, capped at
     # the prefill floor; a decode-only round at batch 1 with R = 2 pads 3 tokens to 16, not 32.
-    t = next_pow2(t_live, min(MIN_PREFILL_TOKENS, next_pow2(MIN_DECODE_ROWS * (1 + r_max))))
-    b = next_pow2(len(spans), MIN_ROWS)
+    # A lone row (batch-1 decode) keeps its own bucket, as the engine's Td=1 (batch.decode_bucket).
+    rows_floor = 1 if len(spans) == 1 else MIN_ROWS
+    t = next_pow2(t_live, min(MIN_PREFILL_TOKENS, next_pow2(rows_floor * (1 + r_max))))
+    b = next_pow2(len(spans), rows_floor)
     m = min(next_pow2(max_pages, MIN_PAGES_PER_SEQ), next_pow2(max_pages_per_seq))
     tokens = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
