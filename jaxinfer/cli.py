@@ -466,6 +466,10 @@ def _error_record(job: Job) -> dict:
 def _load_llm(args: argparse.Namespace):
     from jaxinfer.llm import LLM
 
+    if args.draft_model is not None and args.speculative != "draft-model":
+        raise UsageError("--draft-model is used only with --speculative draft-model")
+    if args.draft_heads is not None and args.speculative != "heads":
+        raise UsageError("--draft-heads is used only with --speculative heads")
     try:
         llm = LLM(
             args.model,
@@ -488,7 +492,9 @@ def _load_llm(args: argparse.Namespace):
             draft_heads=args.draft_heads,
         )
     except (JaxinferError, OSError) as e:
-        raise UsageError(f"cannot load model {args.model}: {e}") from None
+        msg = str(e)
+        raise UsageError(msg if msg.startswith("draft model") else
+                         f"cannot load model {args.model}: {msg}") from None
     except ValueError as e:  # an engine setting (sizes, pool, attention implementation)
         raise UsageError(f"invalid engine setting: {e}") from None
     return llm

@@ -147,8 +147,9 @@ def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
             )
         return f"pallas_{backend}"
     if attn_impl in ("pallas_tpu", "pallas_gpu") and backend != attn_impl.removeprefix("pallas_"):
+        other = "'pallas' (the current backend's kernel)" if backend in ("tpu", "gpu") else "'xla'"
         raise ValueError(f"attn_impl={attn_impl!r} cannot run on jax backend {backend!r}; use "
-                         f"'pallas' (the current backend's kernel) or '{attn_impl}_interpret'")
+                         f"{other} or '{attn_impl}_interpret'")
     return attn_impl
 
 

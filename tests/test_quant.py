@@ -145,7 +145,25 @@ def test_save_load_round_trip_bit_exact_and_errors(tmp_path, stories_dir):
     shutil.copytree(out, bad)
     chunk = next((bad / "params" / "layers.w_up.values").glob("[0-9]*"))
     chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="params"):
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_quantized(bad)
+    # Same-size damage that still decodes is caught by the per-array sha256 recorded at save.
+    shutil.rmtree(bad)
+    shutil.copytree(out, bad)
+    meta = json.loads((bad / METADATA_FILE).read_text())
+    assert all(len(a["sha256"]) == 64 for a in meta["arrays"].values())
+    meta["arrays"]["layers.w_up.values"]["sha256"] = "0" * 64
+    (bad / METADATA_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="'layers.w_up.values' is corrupt"):
+        load_quantized(bad)
+    shutil.rmtree(bad)
+    shutil.copytree(out, bad)
+    chunk = next((bad / "params" / "layers.w_up.values").glob("[0-9]*"))
+    raw = bytearray(chunk.read_bytes())
+    for i in range(len(raw) // 2, len(raw) // 2 + 16):
+        raw[i] ^= 0x5A
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="corrupt"):
         load_quantized(bad)
 
 

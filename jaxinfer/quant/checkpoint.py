@@ -3,7 +3,7 @@
 A quantized checkpoint is a directory:
 
 - ``jaxinfer_quant.json``: format name and version, the ``ModelConfig``, the quantization mode,
-  which weights are quantized, every array's shape and dtype, and the source checkpoint's
+  which weights are quantized, every array's shape, dtype and sha256, and the source checkpoint's
   identity (path, size and sha256 of each file it was read from);
 - ``params/``: an orbax PyTree checkpoint of the flat arrays (``"layers.wq.values"``,
   ``"layers.wq.scales"``, ``"embed"``, ...), one zarr array directory each (OCDBT off, so a
@@ -168,7 +168,8 @@ def save_quantized(
         "dtype": str(jnp.dtype(params.embed.dtype)),
         "config": _config_to_json(cfg),
         "quantized": quantized,
-        "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in flat.items()},
+        "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "sha256": _digest(v)}
+                   for k, v in flat.items()},
         "source": source_identity(source) if source is not None else None,
         "tokenizer_files": _copy_tokenizer(source, out) if source is not None else [],
     }
@@ -176,6 +177,11 @@ def save_quantized(
     ckptr.save(out / "params", args=ocp.args.PyTreeSave(flat))
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     return out
+
+
+def _digest(x) -> str:
+    """sha256 of an array's bytes (C order): the integrity check of each saved array."""
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -237,7 +243,11 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
     try:
         flat = ckptr.restore(pdir.resolve())
     except Exception as e:  # orbax/tensorstore raise many types; name the directory either way
-        raise CheckpointError(f"{pdir}: cannot read the arrays: {type(e).__name__}: {e}") from None
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise CheckpointError(
+            f"{pdir}: cannot read the arrays (a file under it is truncated or corrupt; re-run "
+            f"`jaxinfer quantize`): {type(e).__name__}: {first}"
+        ) from None
     for name, spec in meta["arrays"].items():
         x = flat.get(name)
         if x is None:
@@ -246,6 +256,11 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
             raise CheckpointError(
                 f"{pdir / name}: {x.dtype}{list(x.shape)}, "
                 f"metadata says {spec['dtype']}{spec['shape']}"
+            )
+        if "sha256" in spec and _digest(x) != spec["sha256"]:
+            raise CheckpointError(
+                f"{pdir / name}: array {name!r} is corrupt (its sha256 differs from the one "
+                f"recorded in {METADATA_FILE} at save time); re-run `jaxinfer quantize`"
             )
     act = "int8" if meta["quantization"] == "w8a8" else "float"
     fdtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(meta["dtype"])

@@ -50,10 +50,16 @@ def load_draft_model(spec: str | os.PathLike, cfg: ModelConfig, params: Params, 
     if s == "self":
         return cfg, params
     if s.startswith("layers:"):
-        return truncated_draft(cfg, params, int(s.split(":", 1)[1]))
-    from jaxinfer.loaders import load
+        n = s.split(":", 1)[1]
+        if not n.isdigit():
+            raise ValueError(f"draft model {s!r}: 'layers:N' needs a whole number of layers N")
+        return truncated_draft(cfg, params, int(n))
+    from jaxinfer.loaders import CheckpointError, load
 
-    loaded = load(spec, dtype=dtype)
+    try:
+        loaded = load(spec, dtype=dtype)
+    except CheckpointError as e:
+        raise CheckpointError(f"draft model: {e}") from None
     if loaded.config.vocab_size != cfg.vocab_size:
         raise ValueError(
             f"draft model {s} has vocab_size={loaded.config.vocab_size}, the target "
