@@ -266,6 +266,12 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
         ["--model", str(tmp_path), "--prompts", str(tmp_path / "missing.jsonl")],
         ["--model", str(prompts), "--prompts", str(prompts)],  # not a checkpoint
         ["--model", str(tmp_path), "--prompts", str(prompts), "--top-p", "2"],
+        ["--model", str(STORIES), "--prompts", str(prompts), "--draft-model", "layers:2"],
+        ["--model", str(STORIES), "--prompts", str(prompts), "--draft-heads", str(tmp_path)],
+        ["--model", str(STORIES), "--prompts", str(prompts), "--speculative", "draft-model",
+         "--draft-model", "layers:abc"],
+        ["--model", str(STORIES), "--prompts", str(prompts), "--speculative", "draft-model",
+         "--draft-model", str(tmp_path / "nope")],
     ]
     for args in cases:
         rc = cli.main(["generate", *args, "--out", str(tmp_path / "o.jsonl"), "--no-progress"])
