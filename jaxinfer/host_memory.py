@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,6 @@ M_MMAP_MAX = -4
 def keep_freed_host_memory() -> bool:
     """Applies the setting once per process. Returns True when applied, False where the C library
     has no glibc ``mallopt`` (e.g. macOS, musl): nothing changes there, and a debug log says so."""
-    import os
-
     if os.environ.get("JAXINFER_KEEP_HOST_MEMORY", "1") == "0":
         return False
     name = ctypes.util.find_library("c")
