@@ -272,7 +272,9 @@ def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale
     _, n, h = q.shape
     kh = k_pages.shape[-4]
     nb, qb = lay.tokens.shape
-    qq = q[lay.tokens].reshape(nb, qb, kh, n // kh, h)
+    # Head-major [K, NB, ...] throughout: the dots' batch dims (K, NB) lead on both operands and on
+    # the result, so XLA neither transposes the gathered pages nor the scores.
+    qq = q[lay.tokens].reshape(nb, qb, kh, n // kh, h).transpose(2, 0, 1, 3, 4)  # [K, NB, Q, G, H]
     kp = _gather_pages(k_pages, layer, lay.block_tables)  # [K, NB, S, H]
     vp = _gather_pages(v_pages, layer, lay.block_tables)
     kp = dequantize_kv(kp, _gather_scales(k_scales, layer, lay.block_tables))
@@ -280,70 +282,105 @@ def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale
     kv_pos = jnp.arange(kp.shape[2], dtype=jnp.int32)[None, None, :]
     mask = (lay.valid[:, :, None] & (kv_pos < lay.kv_lens[:, None, None])
             & window_mask(lay.positions[:, :, None], kv_pos, window))
-    scores = jnp.einsum("BQKGH,KBSH->BQKGS", qq, kp, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("KBQGH,KBSH->KBQGS", qq, kp, preferred_element_type=jnp.float32)
     out = masked_softmax_av(
-        scores, mask[:, :, None, None, :],
-        lambda p: jnp.einsum("BQKGS,KBSH->BQKGH", p, vp.astype(jnp.float32)),
+        scores, mask[None, :, :, None, :],
+        lambda p: jnp.einsum("KBQGS,KBSH->KBQGH", p, vp.astype(jnp.float32)),
         scale=scale, softcap=softcap,
-    ).reshape(nb * qb, n, h)
+    )  # [K, NB, Q, G, H]
+    out = out.transpose(1, 2, 0, 3, 4).reshape(nb * qb, n, h)
     return out[lay.src]
 
 
-# Decode attention walks a row's pages in chunks of this many pages (flash-decoding's online
-# softmax) once the block table is wider: each chunk's gathered K/V stays small (cache-resident)
-# instead of one [K, Td, M * Z, H] copy of every row's pages.
-DECODE_PAGES_PER_CHUNK = 8
+# Decode rows wider than this many pages are cut into work items of this many pages (split-KV,
+# flash-decoding style): each item's gathered K/V stays small, and only items holding live tokens
+# are computed, so a step's cost follows its live pages rather than rows x the widest row.
+DECODE_PAGES_PER_CHUNK = 4
+DECODE_ITEMS_PER_GROUP = 32
 
 
 def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale, softcap, layer,
                       k_scales, v_scales, pages_per_chunk: int | None = None) -> jax.Array:
     """The decode region of ``ragged_paged_attention_xla``: qd [Td, K, G, H] -> f32[Td, K, G, H].
 
-    Source of the chunked form: flash-decoding (Dao et al. 2023), online softmax (Milakov &
-    Gimelshein 2018).
+    Tables of at most ``pages_per_chunk`` pages are attended in one pass. Wider ones are split:
+    a work item is (row, chunk of C pages) for each chunk holding some of the row's tokens; the
+    items are processed ``DECODE_ITEMS_PER_GROUP`` at a time (a ``fori_loop`` over the groups
+    holding live items only), each giving a partial (max, sum, unnormalized output), and the
+    partials of a row are merged by segment max / sum, the split-KV reduction of flash-decoding.
+    Cost follows the live pages (rounded up to C per row), not Td x M.
+
+    Sources: flash-decoding (Dao et al. 2023), online softmax (Milakov & Gimelshein 2018).
     """
     chunk = pages_per_chunk or DECODE_PAGES_PER_CHUNK
+    k_pages, v_pages, bt, kv_lens, q_pos = map(jnp.asarray, (k_pages, v_pages, bt, kv_lens, q_pos))
     td, m = bt.shape
     z = k_pages.shape[-2]
+    # Head-major [K, Td, ...] throughout: the dots' batch dims (K, Td) lead on both operands and on
+    # the result, so XLA transposes neither the gathered pages nor the scores.
+    qk = qd.transpose(1, 0, 2, 3)  # [K, Td, G, H]
 
-    def scores_of(btc, first_pos):
+    def scores_of(qk, btc, first_pos, kv_lens, q_pos):
         kc = dequantize_kv(_gather_pages(k_pages, layer, btc),
                            _gather_scales(k_scales, layer, btc))  # [K, Td, C * Z, H]
         vc = dequantize_kv(_gather_pages(v_pages, layer, btc), _gather_scales(v_scales, layer, btc))
-        kv_pos = first_pos + jnp.arange(kc.shape[2], dtype=jnp.int32)[None, :]
+        kv_pos = first_pos[:, None] + jnp.arange(kc.shape[2], dtype=jnp.int32)[None, :]
         mask = (kv_pos < kv_lens[:, None]) & window_mask(q_pos[:, None], kv_pos, window)
-        sc = jnp.einsum("TKGH,KTSH->TKGS", qd, kc, preferred_element_type=jnp.float32)
-        return sc, mask[:, None, None, :], vc.astype(jnp.float32)
+        sc = jnp.einsum("KTGH,KTSH->KTGS", qk, kc, preferred_element_type=jnp.float32)
+        return sc, mask[None, :, None, :], vc.astype(jnp.float32)
 
     if m <= chunk:
-        sc, mask, vc = scores_of(bt, 0)
-        return masked_softmax_av(sc, mask, lambda p: jnp.einsum("TKGS,KTSH->TKGH", p, vc),
-                                 scale=scale, softcap=softcap)
-
-    def body(c, carry):
-        mx, l, acc = carry
-        btc = jax.lax.dynamic_index_in_dim(chunks, c, keepdims=False)
-        sc, mask, vc = scores_of(btc, c * chunk * z)
-        sc = sc * scale
-        if softcap is not None:
-            sc = jnp.tanh(sc / softcap) * softcap
-        sc = jnp.where(mask, sc, MASK_VALUE)
-        new_mx = jnp.maximum(mx, jnp.max(sc, axis=-1))
-        alpha = jnp.exp(mx - new_mx)
-        p = jnp.exp(sc - new_mx[..., None])
-        l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("TKGS,KTSH->TKGH", p, vc)
-        return new_mx, l, acc
+        sc, mask, vc = scores_of(qk, bt, jnp.zeros(td, jnp.int32), kv_lens, q_pos)
+        out = masked_softmax_av(sc, mask, lambda p: jnp.einsum("KTGS,KTSH->KTGH", p, vc),
+                                scale=scale, softcap=softcap)
+        return out.transpose(1, 0, 2, 3)
 
     if m % chunk:  # pad the table with null pages (masked: past every kv_len)
         bt = jnp.pad(bt, ((0, 0), (0, chunk - m % chunk)), constant_values=0)
         m = bt.shape[1]
     nck = m // chunk
+    gs = min(td * nck, DECODE_ITEMS_PER_GROUP)  # items per group
+    ni = -(-td * nck // gs) * gs  # room for the most items a step can have, whole groups
     kh, g, h = qd.shape[1:]
-    init = (jnp.full((td, kh, g), MASK_VALUE, jnp.float32), jnp.zeros((td, kh, g), jnp.float32),
-            jnp.zeros((td, kh, g, h), jnp.float32))
-    chunks = bt.reshape(td, nck, chunk).transpose(1, 0, 2)  # [nck, Td, C]
-    # Chunks past the longest row are skipped (the table's width is a power-of-two bucket).
-    live = jnp.clip(-(-jnp.max(kv_lens) // (chunk * z)), 1, nck)
-    _, l, acc = jax.lax.fori_loop(0, live, body, init)
-    return acc / l[..., None]
+    # Work items in row order: row r owns items [cu[r], cu[r + 1]), one per chunk it reaches.
+    per_row = jnp.clip(-(-kv_lens // (chunk * z)), 0, nck)
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(per_row, dtype=jnp.int32)])
+    item = jnp.arange(ni, dtype=jnp.int32)
+    item_row = jnp.minimum(jnp.sum(cu[1:][None, :] <= item[:, None], axis=1), td - 1)
+    item_live = item < cu[-1]
+    item_chunk = jnp.where(item_live, item - cu[item_row], 0)
+    chunks = bt.reshape(td, nck, chunk)
+
+    def body(grp, parts):
+        m_all, l_all, acc_all = parts
+        idx = grp * gs + jnp.arange(gs, dtype=jnp.int32)
+        rows, cks = item_row[idx], item_chunk[idx]
+        lens = jnp.where(item_live[idx], kv_lens[rows], 0)
+        sc, mask, vc = scores_of(qk[:, rows], chunks[rows, cks], cks * (chunk * z), lens,
+                                 q_pos[rows])
+        sc = sc * scale
+        if softcap is not None:
+            sc = jnp.tanh(sc / softcap) * softcap
+        sc = jnp.where(mask, sc, MASK_VALUE)
+        mx = jnp.max(sc, axis=-1)  # [K, Td, G]
+        p = jnp.exp(sc - mx[..., None])
+        part_l = jnp.sum(p, axis=-1)
+        part_acc = jnp.einsum("KTGS,KTSH->KTGH", p, vc)
+        at = grp * gs
+        return (jax.lax.dynamic_update_slice(m_all, mx, (0, at, 0)),
+                jax.lax.dynamic_update_slice(l_all, part_l, (0, at, 0)),
+                jax.lax.dynamic_update_slice(acc_all, part_acc, (0, at, 0, 0)))
+
+    init = (jnp.full((kh, ni, g), MASK_VALUE, jnp.float32), jnp.zeros((kh, ni, g), jnp.float32),
+            jnp.zeros((kh, ni, g, h), jnp.float32))
+    groups = jnp.clip(-(-cu[-1] // gs), 1, ni // gs)  # only groups holding live items run
+    m_all, l_all, acc_all = jax.lax.fori_loop(0, groups, body, init)
+    # Merge each row's partials (items past the live ones go to a dropped segment td).
+    seg = jnp.where(item_live, item_row, td)
+    row_max = jax.ops.segment_max(m_all.transpose(1, 0, 2), seg, num_segments=td + 1)  # [Td+1,K,G]
+    w = jnp.exp(m_all.transpose(1, 0, 2) - row_max[seg])  # [NI, K, G]
+    l_row = jax.ops.segment_sum(l_all.transpose(1, 0, 2) * w, seg, num_segments=td + 1)[:td]
+    acc_row = jax.ops.segment_sum(acc_all.transpose(1, 0, 2, 3) * w[..., None], seg,
+                                  num_segments=td + 1)[:td]
+    # Rows without items (padding rows, kv_len 0) have l = 0: their output is 0, not NaN.
+    return jnp.where(l_row[..., None] > 0, acc_row / jnp.where(l_row > 0, l_row, 1)[..., None], 0.0)

@@ -122,3 +122,30 @@ def test_long_decode_rows_walk_pages_in_chunks(window, softcap):
         ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
                               fv.astype(np.float64), pos, h**-0.5, window, softcap)
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("window,softcap,gqa", [(0, None, 1), (0, None, 2), (21, 30.0, 2)])
+def test_decode_work_items_span_groups(window, softcap, gqa, monkeypatch):
+    """Split-KV decode: rows of very different lengths give work items in several groups, and a
+    row's partials (some rows' items split across groups) are merged; a padding row (kv_len 0)
+    stays finite."""
+    import jaxinfer.paged_attention as pa
+    from jaxinfer.paged_attention import DECODE_PAGES_PER_CHUNK
+
+    monkeypatch.setattr(pa, "DECODE_ITEMS_PER_GROUP", 4)
+    rng = np.random.default_rng(11)
+    z, kh, h = 4, 2, 16
+    item = z * DECODE_PAGES_PER_CHUNK
+    lens = [1, 4 * item + 12, 3, 2 * item + 13, item + 1, 2 * item, item, 3 * item - 1]
+    seqs = [(n, 1) for n in lens[:7]]  # 7 decode rows -> Td 8, one padding row
+    k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=200)
+    assert sum(-(-n // item) for n, _ in seqs) > 3 * 4  # four groups of items
+    q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    out = np.asarray(ragged_paged_attention_xla(
+        jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), md, jnp.int32(window),
+        scale=h**-0.5, softcap=softcap), np.float64)
+    assert np.isfinite(out).all()
+    for tok, ql, pos, fk, fv in rows:
+        ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
+                              fv.astype(np.float64), pos, h**-0.5, window, softcap)
+        np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
