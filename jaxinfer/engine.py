@@ -19,7 +19,7 @@ from jaxinfer.host_memory import keep_freed_host_memory
 from jaxinfer.kv_cache import PageAllocator, init_kv_cache, kv_bytes_per_token
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.paged_attention import check_attn_impl
-from jaxinfer.params import Params, unstack_layers
+from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence
 from jaxinfer.sharding import to_host
@@ -46,6 +46,8 @@ class EngineConfig:
         unroll_layers: run layers as an unrolled loop over per-layer weight buffers instead of
             ``lax.scan`` over stacked ones (``params.unstack_layers``): faster decode, longer
             compiles. None = on CPU only, where the scan's per-layer weight copies cost ~2x.
+        out_in_weights: store float layer projections output-first (``params.out_in_projections``),
+            the layout XLA CPU's GEMM runs 2x faster for a few rows. None = on CPU without a mesh.
         keep_host_memory: keep freed host memory in the process instead of returning large
             buffers to the OS each step (``host_memory.keep_freed_host_memory``, process-wide).
             None = on the CPU backend only, where it spares each step's page faults.
@@ -61,6 +63,7 @@ class EngineConfig:
     seed: int = 0
     kv_cache_dtype: str = "auto"
     unroll_layers: bool | None = None
+    out_in_weights: bool | None = None
     keep_host_memory: bool | None = None
 
     def __post_init__(self):
@@ -134,6 +137,9 @@ class Engine:
         unroll = ecfg.unroll_layers
         if unroll if unroll is not None else jax.default_backend() == "cpu":
             params = unstack_layers(params)
+        out_in = ecfg.out_in_weights
+        if out_in if out_in is not None else (jax.default_backend() == "cpu" and mesh is None):
+            params = out_in_projections(params)
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.mesh = mesh  # a jax.sharding.Mesh the params are sharded over (None: one device)
         if mesh is None:

@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.params import LayerParams, Params
+from jaxinfer.params import LAYER_PROJECTIONS, LayerParams, Params
 
 MODES = ("int8", "w8a8")
 """``"int8"``: weight-only (w8a16), activations stay float. ``"w8a8"``: activations quantized
 per token at run time, integer dot."""
 
 # Linear weights of a layer and the number of their input (contracted) axes, after the L axis.
-LAYER_WEIGHTS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+LAYER_WEIGHTS = LAYER_PROJECTIONS
 
 
 @jax.tree_util.register_dataclass

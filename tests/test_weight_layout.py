@@ -1,0 +1,46 @@
+"""Output-first projection weights (``params.out_in_projections``, the engine's CPU layout) give the
+same products as the input-first ones: checked against a float64 numpy einsum, and the whole
+forward pass against the unconverted params."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.attention import dense_attn_fn
+from jaxinfer.config import ModelConfig
+from jaxinfer.model import compute_logits, forward, linear
+from jaxinfer.params import OutInWeight, init_random, out_in_projections, unstack_layers
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("spec,w_shape,num_in", [
+    ("TD,DNH->TNH", (32, 4, 8), 1), ("TNH,NHD->TD", (4, 8, 32), 2), ("TD,DF->TF", (32, 48), 1)])
+def test_out_in_linear_equals_einsum(rows, spec, w_shape, num_in):
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    x = rng.standard_normal((rows, *w_shape[:num_in])).astype(np.float32)
+    ref = np.einsum(spec, x.astype(np.float64), w.astype(np.float64))
+    axes = list(range(num_in, w.ndim)) + list(range(num_in))
+    out = linear(jnp.asarray(x), OutInWeight(jnp.asarray(w.transpose(axes)), num_in), spec)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_forward_with_out_in_projections(dtype):
+    cfg = ModelConfig("llama", 96, 32, 64, 2, 4, 2, 8, tie_word_embeddings=True)
+    params = unstack_layers(init_random(cfg, jax.random.PRNGKey(0), dtype=dtype, scale=0.2))
+    conv = out_in_projections(params)
+    assert isinstance(conv.layers[0].wq, OutInWeight) and conv.layers[0].wq.shape == (4, 8, 32)
+    assert out_in_projections(conv).layers[0].wo.shape == (32, 4, 8)  # idempotent
+    tokens = jnp.asarray([5, 17, 3, 9, 40, 2], jnp.int32)
+    pos = jnp.asarray([0, 1, 2, 0, 1, 2], jnp.int32)
+    seg = jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32)
+
+    def logits(p):
+        h, _ = forward(p, cfg, tokens, pos, None, dense_attn_fn(cfg, seg, pos))
+        return np.asarray(compute_logits(p, cfg, h), np.float64)
+
+    np.testing.assert_allclose(logits(conv), logits(params), **TOL[dtype])
