@@ -195,7 +195,12 @@ def test_end_to_end_sampling_distribution_with_a_different_draft_model():
     joint = np.einsum("a,ab,abc->bc", p1[0], p2, p3).reshape(-1)  # p(x2, x3)
     q = np.asarray(jax.nn.softmax(dense_logits(dparams, dcfg, jnp.asarray(seqs)), -1))
     assert np.abs(q - probs).max() > 0.3  # the draft is really different
-    eng = SpecEngine(cfg, params, _IdTokenizer(), _ecfg(max_num_seqs=128),
+    # All n rows run together and their prefills share one step (max_prefill_seqs = n): the
+    # prefill round and the first verify round then have the same shapes, and the compiled
+    # rounds (~8 s each) are 2 or 3 instead of one per power-of-two row count on the way up.
+    ecfg = dataclasses.replace(_ecfg(max_num_seqs=n), max_prefill_seqs=n,
+                               max_num_batched_tokens=n * len(prompt))
+    eng = SpecEngine(cfg, params, _IdTokenizer(), ecfg,
                      SpecConfig("draft-model", 2), draft_cfg=dcfg, draft_params=dparams)
     outs = _run(eng, [prompt] * n, [SamplingParams(temperature=1.0, seed=i, max_tokens=3)
                                     for i in range(n)])
@@ -260,22 +265,25 @@ STORY_PROMPTS = ["Once upon a time", "Lily", "The cat sat on the mat and looked 
 
 @pytest.fixture(scope="module")
 def stories(stories_dir):
+    """The plain engine and its reference outputs of the mixed batch (computed once, shared by
+    the four drafters: the plain engine's outputs do not depend on the drafter)."""
     from jaxinfer.llm import LLM
 
-    return LLM(stories_dir, max_num_seqs=8, max_model_len=64, compilation_cache=False)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_greedy_speculative_equals_greedy_stories(stories, method):
-    llm = stories
-    base = llm.engines[0]
+    llm = LLM(stories_dir, max_num_seqs=8, max_model_len=64, compilation_cache=False)
     prompts = [llm.tokenizer.encode(p) for p in STORY_PROMPTS]
     greedy = SamplingParams(temperature=0.0, max_tokens=40)
     pen = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3,
                          frequency_penalty=0.2, min_tokens=5)
     mixed = [greedy, greedy, SamplingParams(temperature=0.9, seed=1, max_tokens=25), pen,
              SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=20), greedy]
-    ref = _run(base, prompts, mixed)
+    ref = _run(llm.engines[0], prompts, mixed)
+    return llm, prompts, greedy, mixed, ref
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_speculative_equals_greedy_stories(stories, method):
+    llm, prompts, greedy, mixed, ref = stories
+    base = llm.engines[0]
     m, kw = _spec_kwargs(method, base.cfg, base.params)
     eng = SpecEngine(base.cfg, base.params, llm.tokenizer, base.ecfg, SpecConfig(m, 4), **kw)
     got = _run(eng, prompts, mixed)
