@@ -44,3 +44,12 @@ def test_forward_with_out_in_projections(dtype):
         return np.asarray(compute_logits(p, cfg, h), np.float64)
 
     np.testing.assert_allclose(logits(conv), logits(params), **TOL[dtype])
+
+
+def test_quantize_refuses_engine_layout():
+    from jaxinfer.quant import quantize
+
+    cfg = ModelConfig("llama", 96, 32, 64, 1, 4, 2, 8, tie_word_embeddings=True)
+    params = out_in_projections(unstack_layers(init_random(cfg, jax.random.PRNGKey(0))))
+    with pytest.raises(ValueError, match="output-first"):
+        quantize(params, "int8")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.params import LAYER_PROJECTIONS, LayerParams, Params
+from jaxinfer.params import LAYER_PROJECTIONS, LayerParams, OutInWeight, Params
 
 MODES = ("int8", "w8a8")
 """``"int8"``: weight-only (w8a16), activations stay float. ``"w8a8"``: activations quantized
@@ -112,11 +112,16 @@ def quantize(
         lm_head: also quantize an untied LM head ``[D, V]`` (per vocabulary column).
 
     Raises:
-        ValueError: unknown mode, or params already quantized.
+        ValueError: unknown mode, params already quantized, or params an engine has converted
+            to its output-first CPU layout (quantize the loaded params, before the engine).
     """
     act = _act(mode)
     if is_quantized(params):
         raise ValueError("params are already quantized")
+    if any(isinstance(x, OutInWeight) for x in jax.tree.leaves(
+            params, is_leaf=lambda x: isinstance(x, OutInWeight))):
+        raise ValueError("params are in an engine's output-first layout (OutInWeight); quantize "
+                         "the loaded params before building the engine (LLM(quantization=...))")
 
     def qlayers(lp: LayerParams, lead: int) -> LayerParams:
         qs = {n: quantize_tensor(getattr(lp, n), lead, k, act) for n, k in LAYER_WEIGHTS.items()}
