@@ -436,6 +436,14 @@ def plan(jobs: list[Job], done: Done) -> tuple[list[Job], list[Job], int]:
 # ------------------------------------------------------------------------- the run
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C; the exit status is then 128 + 15 (143), not 130."""
+
+
+def _interrupt_status(e: KeyboardInterrupt) -> int:
+    return 128 + signal.SIGTERM if isinstance(e, Terminated) else EXIT_INTERRUPTED
+
+
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
     """SIGTERM (a scheduler's kill) ends the run like Ctrl-C while inside: the current line is
@@ -445,7 +453,7 @@ def _sigterm_as_interrupt():
         return
 
     def handler(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -591,7 +599,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         bar = tqdm(
             total=len(ids_run), desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True
         )
-    interrupted = False
+    interrupted = 0  # the exit status of an interruption (130 Ctrl-C, 143 SIGTERM), else 0
     t_gen = time.perf_counter()
     try:
         with open(out_path, "a", encoding="utf-8") as f:
@@ -601,8 +609,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     stats["errors"] += 1
                 if ids_run:
                     _generate(llm, ids_run, f, stats, bar)
-            except KeyboardInterrupt:
-                interrupted = True
+            except KeyboardInterrupt as e:
+                interrupted = _interrupt_status(e)
     except OSError as e:
         raise UsageError(f"cannot write output file {out_path}: {e}") from None
     finally:
@@ -616,7 +624,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "throughput_tok_s": round(stats["completion_tokens"] / gen_s, 2) if gen_s > 0 else 0.0,
         "compilations": llm.num_compilations if llm is not None else 0,
         "preemptions": llm.engine.scheduler.num_preemptions if llm is not None else 0,
-        "interrupted": interrupted,
+        "interrupted": bool(interrupted),
         "out": str(out_path),
     }
     if interrupted:
@@ -635,7 +643,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{summary['compilations']} compilation(s), {summary['preemptions']} preemption(s)"
         )
     print(json.dumps(summary), flush=True)
-    return EXIT_INTERRUPTED if interrupted else 0
+    return interrupted or 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -664,9 +672,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # before any output was opened (loading, compiling)
+    except KeyboardInterrupt as e:  # before any output was opened (loading, compiling)
         print("jaxinfer: interrupted before writing anything", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return _interrupt_status(e)
     return 0
 
 

@@ -279,3 +279,17 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
         assert rc == 2, args
         assert len(err) == 1 and err[0].startswith("jaxinfer: error:"), err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_sigterm_is_an_interrupt_with_status_143():
+    # SIGTERM inside the run raises like Ctrl-C (so the run finishes its line and can resume),
+    # but the exit status tells the two apart: 128 + 15 vs 130.
+    import os
+
+    with pytest.raises(cli.Terminated):
+        with cli._sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert cli._interrupt_status(cli.Terminated()) == 143
+    assert cli._interrupt_status(KeyboardInterrupt()) == 130
+    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is restored

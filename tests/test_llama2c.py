@@ -463,6 +463,10 @@ def test_load_unrecognised(tmp_path):
         load(tmp_path)
     with pytest.raises(CheckpointError, match=r"unrecognised file \(5 bytes.*supported: "):
         load(tmp_path / "readme.txt")
+    (tmp_path / "model.bin").write_bytes(b"\0" * 10)  # a corrupt checkpoint is named as such
+    with pytest.raises(CheckpointError, match=r"model.bin \(10 bytes\): not a valid llama2.c check"):
+        load(tmp_path)
+    (tmp_path / "model.bin").unlink()
     _write_small(tmp_path, 0, True, name="a.bin")
     _write_small(tmp_path, 1, True, name="b.bin")
     with pytest.raises(CheckpointError, match=r"2 llama2.c checkpoints \(a.bin, b.bin\)"):

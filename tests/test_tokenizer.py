@@ -397,3 +397,8 @@ def test_missing_and_bad_files(tmp_path):
     truncated.write_bytes(struct.pack("<ifi", 7, 0.0, 5) + b"<un")
     with pytest.raises(TokenizerError, match="not a llama2.c tokenizer"):
         load_tokenizer(truncated)
+    # cut between two records: well formed, but too few tokens for the byte fallback (ids 3..258)
+    whole = (STORIES / "tok512.bin").read_bytes()
+    (tmp_path / "short.bin").write_bytes(whole[:100])
+    with pytest.raises(TokenizerError, match="holds 7 tokens.*truncated"):
+        load_tokenizer(tmp_path / "short.bin")

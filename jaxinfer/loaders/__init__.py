@@ -98,9 +98,13 @@ def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
             )
         found = sorted(f.name for f in p.iterdir())
         shown = ", ".join(found[:20]) + (", ..." if len(found) > 20 else "")
+        bad = [f"{f.name} ({f.stat().st_size} bytes)" for f in others
+               if f.is_file() and not is_llama2c_tokenizer_file(f)]
+        why = (f"; {', '.join(bad)}: not a valid llama2.c checkpoint (corrupt or truncated? pass "
+               "the file itself for details)") if bad else ""
         raise CheckpointError(
             f"{p}: no checkpoint found: no config.json and no llama2.c checkpoint .bin "
-            f"(directory holds: {shown or 'nothing'}); supported: {SUPPORTED_FORMATS}"
+            f"(directory holds: {shown or 'nothing'}){why}; supported: {SUPPORTED_FORMATS}"
         )
     if is_llama2c_checkpoint_file(p):
         return "llama2c", p

@@ -136,6 +136,11 @@ def read_llama2c_tokenizer(path: Path) -> tuple[int, list[float], list[bytes]]:
         off += n
     if not pieces:
         raise bad
+    if len(pieces) < 259:  # run.c's byte fallback encodes byte b as id b + 3
+        raise TokenizerError(
+            f"{path} holds {len(pieces)} tokens; a llama2.c tokenizer has at least 259 (<unk>, "
+            "BOS, EOS and the 256 byte pieces <0x00>..<0xFF> at ids 3..258): is it truncated?"
+        )
     return max_len, scores, pieces
 
 
