@@ -173,6 +173,15 @@ def unstack_layers(params: Params) -> Params:
     return dataclasses.replace(params, layers=layers)
 
 
+def output_first(w: jax.Array, num_lead: int, num_in: int) -> jax.Array:
+    """A weight ``[*lead, *in, *out]`` transposed to ``[*lead, *out, *in]`` (contracted axes last):
+    the layout of ``OutInWeight`` and of ``QTensor`` values."""
+    lead = list(range(num_lead))
+    ins = list(range(num_lead, num_lead + num_in))
+    outs = list(range(num_lead + num_in, w.ndim))
+    return jnp.transpose(w, lead + outs + ins)
+
+
 def out_in_projections(params: Params) -> Params:
     """The same weights with every float layer projection stored output-first (``OutInWeight``).
 
@@ -185,10 +194,7 @@ def out_in_projections(params: Params) -> Params:
     def convert(w, num_lead: int, num_in: int):
         if not isinstance(w, jax.Array):  # QTensor or OutInWeight
             return w
-        lead = list(range(num_lead))
-        ins = list(range(num_lead, num_lead + num_in))
-        outs = list(range(num_lead + num_in, w.ndim))
-        return OutInWeight(jnp.transpose(w, lead + outs + ins), num_in)
+        return OutInWeight(output_first(w, num_lead, num_in), num_in)
 
     def layer(lp: LayerParams, num_lead: int) -> LayerParams:
         return dataclasses.replace(lp, **{n: convert(getattr(lp, n), num_lead, k)

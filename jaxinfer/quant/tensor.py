@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.params import LAYER_PROJECTIONS, LayerParams, OutInWeight, Params
+from jaxinfer.params import LAYER_PROJECTIONS, LayerParams, OutInWeight, Params, output_first
 
 MODES = ("int8", "w8a8")
 """``"int8"``: weight-only (w8a16), activations stay float. ``"w8a8"``: activations quantized
@@ -72,10 +72,7 @@ def quantize_tensor(w: jax.Array, num_lead: int, num_in: int, act: str = "float"
         num_in: input (contracted) axes following the leading ones.
         act: ``"float"`` or ``"int8"``, see ``QTensor.act``.
     """
-    lead = list(range(num_lead))
-    ins = list(range(num_lead, num_lead + num_in))
-    outs = list(range(num_lead + num_in, w.ndim))
-    wt = jnp.transpose(w.astype(jnp.float32), lead + outs + ins)
+    wt = output_first(w.astype(jnp.float32), num_lead, num_in)
     red = tuple(range(wt.ndim - num_in, wt.ndim))
     scales = jnp.max(jnp.abs(wt), axis=red) / 127.0
     safe = jnp.where(scales == 0, 1.0, scales)
