@@ -88,6 +88,16 @@ def linear_out_in(x: jax.Array, w: jax.Array, num_in: int) -> jax.Array:
     return y.reshape(rows + out_shape).astype(x.dtype)
 
 
+def linear_parts(x: jax.Array, w: OutInWeight) -> tuple[jax.Array, ...]:
+    """``x [*rows, D]`` times a fused output-first weight (``OutInWeight`` with ``parts``): one
+    product, split into each part's ``[*rows, *part]`` in x's dtype."""
+    y = linear_out_in(x, w.values, w.num_in)  # [*rows, S]
+    rows = x.shape[: x.ndim - w.num_in]
+    sizes = [math.prod(p) for p in w.parts]
+    cuts = np.cumsum(sizes)[:-1].tolist()
+    return tuple(part.reshape(rows + p) for part, p in zip(jnp.split(y, cuts, axis=-1), w.parts))
+
+
 def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool) -> tuple[jax.Array, jax.Array]:
     """cos, sin f32[T, H // 2] for the global (or, with ``local``, the sliding-window) layers."""
     if local:
@@ -149,9 +159,12 @@ def forward(
         lp, layer, window = xs
         lp: LayerParams
         h = rms_norm(x, lp.attn_norm, eps, off)
-        q = linear(h, lp.wq, "TD,DNH->TNH")
-        k = linear(h, lp.wk, "TD,DKH->TKH")
-        v = linear(h, lp.wv, "TD,DKH->TKH")
+        if lp.wqkv is not None:
+            q, k, v = linear_parts(h, lp.wqkv)
+        else:
+            q = linear(h, lp.wq, "TD,DNH->TNH")
+            k = linear(h, lp.wk, "TD,DKH->TKH")
+            v = linear(h, lp.wv, "TD,DKH->TKH")
         if lp.bq is not None:
             q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
         if lp.q_norm is not None:
@@ -170,8 +183,11 @@ def forward(
             attn = rms_norm(attn, lp.post_attn_norm, eps, off)
         x = x + attn
         h = rms_norm(x, lp.mlp_norm, eps, off)
-        gate = linear(h, lp.w_gate, "TD,DF->TF")
-        up = linear(h, lp.w_up, "TD,DF->TF")
+        if lp.w_gate_up is not None:
+            gate, up = linear_parts(h, lp.w_gate_up)
+        else:
+            gate = linear(h, lp.w_gate, "TD,DF->TF")
+            up = linear(h, lp.w_up, "TD,DF->TF")
         mlp = linear(_act(cfg, gate) * up, lp.w_down, "TF,FD->TD")
         if lp.post_mlp_norm is not None:
             mlp = rms_norm(mlp, lp.post_mlp_norm, eps, off)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxinfer.attention import dense_attn_fn
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import compute_logits, forward, linear
+from jaxinfer.model import compute_logits, forward, linear, linear_parts
 from jaxinfer.params import OutInWeight, init_random, out_in_projections, unstack_layers
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -28,13 +28,32 @@ def test_out_in_linear_equals_einsum(rows, spec, w_shape, num_in):
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, **TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_forward_with_out_in_projections(dtype):
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_linear_parts_equal_einsums(rows):
+    rng = np.random.default_rng(rows)
+    ws = [rng.standard_normal(s).astype(np.float32) for s in ((32, 4, 8), (32, 2, 8), (32, 2, 8))]
+    x = rng.standard_normal((rows, 32)).astype(np.float32)
+    fused = OutInWeight(jnp.asarray(np.concatenate([w.reshape(32, -1).T for w in ws])), 1,
+                        ((4, 8), (2, 8), (2, 8)))
+    outs = linear_parts(jnp.asarray(x), fused)
+    for out, w in zip(outs, ws):
+        ref = np.einsum("TD,DKH->TKH", x.astype(np.float64), w.astype(np.float64))
+        np.testing.assert_allclose(np.asarray(out, np.float64), ref, **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("dtype,unroll", [(jnp.float32, True), (jnp.bfloat16, True),
+                                          (jnp.float32, False)])
+def test_forward_with_out_in_projections(dtype, unroll):
     cfg = ModelConfig("llama", 96, 32, 64, 2, 4, 2, 8, tie_word_embeddings=True)
-    params = unstack_layers(init_random(cfg, jax.random.PRNGKey(0), dtype=dtype, scale=0.2))
+    params = init_random(cfg, jax.random.PRNGKey(0), dtype=dtype, scale=0.2)
+    params = unstack_layers(params) if unroll else params
     conv = out_in_projections(params)
-    assert isinstance(conv.layers[0].wq, OutInWeight) and conv.layers[0].wq.shape == (4, 8, 32)
-    assert out_in_projections(conv).layers[0].wo.shape == (32, 4, 8)  # idempotent
+    lp = conv.layers[0] if unroll else jax.tree.map(lambda a: a[0], conv.layers)
+    assert lp.wq is None and lp.wqkv.parts == ((4, 8), (2, 8), (2, 8))
+    assert lp.wqkv.shape == (64, 32) and lp.w_gate_up.shape == (128, 32)
+    assert lp.w_gate is None and lp.wo.shape == (32, 4, 8)
+    again = out_in_projections(conv)  # idempotent
+    assert jax.tree.structure(again) == jax.tree.structure(conv)
     tokens = jnp.asarray([5, 17, 3, 9, 40, 2], jnp.int32)
     pos = jnp.asarray([0, 1, 2, 0, 1, 2], jnp.int32)
     seg = jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32)
