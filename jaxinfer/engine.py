@@ -49,6 +49,9 @@ class EngineConfig:
         out_in_weights: store float layer projections output-first, q/k/v and gate/up fused
             (``params.out_in_projections``): the layout XLA CPU's GEMM runs 2x faster for a few
             rows, with fewer dots per layer. None = on CPU without a mesh.
+        kv_page_major: lay the KV pool out page-major, ``[L, P, K, Z, H]`` (``KVCache.page_major``):
+            the XLA attention's page gathers read whole pages. None = on CPU with XLA attention
+            and no mesh; True with a Pallas ``attn_impl`` or a mesh raises ValueError.
         keep_host_memory: keep freed host memory in the process instead of returning large
             buffers to the OS each step (``host_memory.keep_freed_host_memory``, process-wide).
             None = on the CPU backend only, where it spares each step's page faults.
@@ -65,6 +68,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     unroll_layers: bool | None = None
     out_in_weights: bool | None = None
+    kv_page_major: bool | None = None
     keep_host_memory: bool | None = None
 
     def __post_init__(self):
@@ -116,7 +120,15 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
                  mesh=None):
-        check_attn_impl(cfg, ecfg.attn_impl, ecfg.page_size, ecfg.num_pages, ecfg.max_pages_per_seq)
+        impl = check_attn_impl(cfg, ecfg.attn_impl, ecfg.page_size, ecfg.num_pages,
+                               ecfg.max_pages_per_seq)
+        page_major = ecfg.kv_page_major
+        if page_major is None:
+            page_major = jax.default_backend() == "cpu" and impl == "xla" and mesh is None
+        elif page_major and (impl != "xla" or mesh is not None):
+            raise ValueError(f"kv_page_major=True needs attn_impl resolving to 'xla' (got {impl!r}) "
+                             "and no mesh: the Pallas kernels and sharded pools are head-major")
+        self.kv_page_major = page_major
         kv_dtype = kv_cache_dtype(ecfg, params)
         if kv_dtype == np.int8 and mesh is not None:
             raise ValueError("kv_cache_dtype='int8' with a sharded engine is not supported yet")
@@ -144,7 +156,7 @@ class Engine:
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.mesh = mesh  # a jax.sharding.Mesh the params are sharded over (None: one device)
         if mesh is None:
-            self.kv = init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, kv_dtype)
+            self.kv = init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, kv_dtype, page_major)
             self._forward = jitted_forward_step()
         else:
             from jaxinfer.sharding import sharded_kv_cache, step_out_shardings

@@ -6,6 +6,12 @@ Layout (PagedAttention, Kwon et al. 2023; the per-layer layout of jax's Pallas p
 ``block_table[i // Z] * Z + i % Z`` (its slot mapping). Page 0 is reserved as the null page: padding
 tokens write there and padded block-table entries point there, so no real page is ever touched by
 padding.
+
+A page-major pool (``KVCache.page_major``) stores ``[L, P, K, Z, H]`` instead: a page's K heads are
+one contiguous block (48 KB for 12 heads of 64 at Z = 16, not 12 pieces of 4 KB), so the XLA
+attention's page gathers read large runs. On XLA CPU this makes a decode attention group ~15 %
+faster (32 items of 4 pages, 110M heads: 3.6 -> 3.05 ms); the Pallas kernels and sharded pools use
+the head-major layout.
 """
 
 from __future__ import annotations
@@ -28,34 +34,42 @@ class KVCache:
     """The page pool of every layer.
 
     Attributes:
-        k_pages: [L, K, P, Z, H] keys (RoPE applied); int8 for an int8 cache.
-        v_pages: [L, K, P, Z, H] values.
-        k_scales, v_scales: f32[L, K, P, Z] per-token, per-head scales of an int8 cache
-            (``jaxinfer.quant.kv``), None for a float cache.
+        k_pages: [L, K, P, Z, H] keys (RoPE applied); int8 for an int8 cache. Page-major:
+            [L, P, K, Z, H].
+        v_pages: values, the same layout.
+        k_scales, v_scales: f32[L, K, P, Z] (page-major: [L, P, K, Z]) per-token, per-head scales
+            of an int8 cache (``jaxinfer.quant.kv``), None for a float cache.
+        page_major: static, the layout (see the module docstring).
     """
 
     k_pages: jax.Array
     v_pages: jax.Array
     k_scales: jax.Array | None = None
     v_scales: jax.Array | None = None
+    page_major: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[2]
+        return self.k_pages.shape[1 if self.page_major else 2]
 
     @property
     def page_size(self) -> int:
         return self.k_pages.shape[3]
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                  page_major: bool = False) -> KVCache:
     """A zeroed pool of ``num_pages`` pages of ``page_size`` tokens (page 0 is the null page).
-    ``dtype`` int8 makes an int8 cache with per-token, per-head f32 scales."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    ``dtype`` int8 makes an int8 cache with per-token, per-head f32 scales; ``page_major`` the
+    ``[L, P, K, Z, H]`` layout."""
+    lk, pk = (cfg.num_layers, cfg.num_kv_heads), (num_pages,)
+    shape = (*lk[:1], *pk, *lk[1:]) if page_major else (*lk, *pk)
+    shape = (*shape, page_size, cfg.head_dim)
     if jnp.dtype(dtype) == jnp.int8:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                       jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32))
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                       jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32),
+                       page_major=page_major)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_major=page_major)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
@@ -76,17 +90,19 @@ def write_kv(
     """Writes the K/V of T tokens of one layer at their slots (in place under donation)."""
     z = cache.page_size
     page, offset = slot_mapping // z, slot_mapping % z
+    # Both index forms select [T, K, (H)]: the advanced indices are split by the head slice.
+    at = (layer, page, slice(None), offset) if cache.page_major else (layer, slice(None), page, offset)
     if cache.k_scales is not None:  # int8 cache: quantize per token and head
         (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
         return KVCache(
-            cache.k_pages.at[layer, :, page, offset].set(kq),
-            cache.v_pages.at[layer, :, page, offset].set(vq),
-            cache.k_scales.at[layer, :, page, offset].set(ks),
-            cache.v_scales.at[layer, :, page, offset].set(vs),
+            cache.k_pages.at[at].set(kq), cache.v_pages.at[at].set(vq),
+            cache.k_scales.at[at].set(ks), cache.v_scales.at[at].set(vs),
+            page_major=cache.page_major,
         )
     return KVCache(
-        cache.k_pages.at[layer, :, page, offset].set(k.astype(cache.k_pages.dtype)),
-        cache.v_pages.at[layer, :, page, offset].set(v.astype(cache.v_pages.dtype)),
+        cache.k_pages.at[at].set(k.astype(cache.k_pages.dtype)),
+        cache.v_pages.at[at].set(v.astype(cache.v_pages.dtype)),
+        page_major=cache.page_major,
     )
 
 

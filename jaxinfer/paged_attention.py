@@ -52,24 +52,36 @@ class AttentionMetadata:
     num_decode: int = dataclasses.field(metadata=dict(static=True), default=0)
 
 
-def _gather_pages(pages: jax.Array, layer, block_tables: jax.Array) -> jax.Array:
-    """Pages [K, P, Z, H] (or [L, K, P, Z, H] with ``layer``), i32[B, M] -> [K, B, M * Z, H].
+def _num_kv_heads(pages: jax.Array, page_major: bool) -> int:
+    return pages.shape[-3] if page_major else pages.shape[-4]
+
+
+def _gather_pages(pages: jax.Array, layer, block_tables: jax.Array,
+                  page_major: bool = False) -> jax.Array:
+    """Pages [K, P, Z, H] (or [L, K, P, Z, H] with ``layer``; page-major: [(L,) P, K, Z, H]),
+    i32[B, M] -> [K, B, M * Z, H].
 
     Indexing the layer inside the same gather avoids copying the layer's whole pool.
     """
-    kh, _, z, h = pages.shape[-4:]
+    kh = _num_kv_heads(pages, page_major)
+    z, h = pages.shape[-2:]
     b, m = block_tables.shape
-    if layer is None:
+    if page_major:
+        g = pages[block_tables] if layer is None else pages[layer, block_tables]  # [B, M, K, Z, H]
+    elif layer is None:
         return pages[:, block_tables].reshape(kh, b, m * z, h)
-    g = pages[layer, :, block_tables]  # [B, M, K, Z, H]
+    else:
+        g = pages[layer, :, block_tables]  # [B, M, K, Z, H]
     return g.transpose(2, 0, 1, 3, 4).reshape(kh, b, m * z, h)
 
 
-def _gather_scales(scales: jax.Array | None, layer, block_tables: jax.Array) -> jax.Array | None:
-    """int8-cache scales [L, K, P, Z] (or [K, P, Z] without ``layer``), i32[B, M] -> [K, B, M * Z]."""
+def _gather_scales(scales: jax.Array | None, layer, block_tables: jax.Array,
+                   page_major: bool = False) -> jax.Array | None:
+    """int8-cache scales [L, K, P, Z] (or [K, P, Z] without ``layer``; page-major: [(L,) P, K, Z]),
+    i32[B, M] -> [K, B, M * Z]."""
     if scales is None:
         return None
-    return _gather_pages(scales[..., None], layer, block_tables)[..., 0]
+    return _gather_pages(scales[..., None], layer, block_tables, page_major)[..., 0]
 
 
 def ragged_paged_attention_xla(
@@ -85,8 +97,12 @@ def ragged_paged_attention_xla(
     k_scales: jax.Array | None = None,  # f32[K, P, Z], or [L, K, P, Z] with layer; int8 cache
     v_scales: jax.Array | None = None,
     prefill: PrefillLayout | None = None,
+    page_major: bool = False,
 ) -> jax.Array:
     """Causal attention of a ragged batch over the paged KV cache. Output f32[T, N, H].
+
+    ``page_major``: the pages (and scales) are in the ``[(L,) P, K, Z, H]`` layout
+    (``KVCache.page_major``).
 
     ``prefill``: the prefill region's query blocks, ``prefill_layout(md, T - num_decode)``; pass it
     to compute it once per step rather than once per layer (None: computed here).
@@ -97,7 +113,7 @@ def ragged_paged_attention_xla(
     (``window > 0``): a query at position i sees keys at j with ``i - j < window``.
     """
     t, n, h = q.shape
-    kh = k_pages.shape[-4]
+    kh = _num_kv_heads(k_pages, page_major)
     g = n // kh
     td = md.num_decode
     outs = []
@@ -105,7 +121,7 @@ def ragged_paged_attention_xla(
         out = _decode_attention(
             q[:td].reshape(td, kh, g, h), k_pages, v_pages, md.block_tables[:td], md.kv_lens[:td],
             md.positions[:td], window, scale=scale, softcap=softcap, layer=layer,
-            k_scales=k_scales, v_scales=v_scales,
+            k_scales=k_scales, v_scales=v_scales, page_major=page_major,
         )
         outs.append(out.reshape(td, n, h))
     tp = t - td
@@ -113,7 +129,7 @@ def ragged_paged_attention_xla(
         lay = prefill if prefill is not None else prefill_layout(md, tp)
         outs.append(_prefill_attention(
             q[td:], k_pages, v_pages, lay, window, scale=scale, softcap=softcap, layer=layer,
-            k_scales=k_scales, v_scales=v_scales,
+            k_scales=k_scales, v_scales=v_scales, page_major=page_major,
         ))
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
@@ -185,8 +201,12 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
                 q, cache.k_pages, cache.v_pages, md, window,
                 scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, layer=layer,
                 k_scales=cache.k_scales, v_scales=cache.v_scales, prefill=prefill,
+                page_major=cache.page_major,
             )
         else:
+            if cache.page_major:
+                raise ValueError(f"attn_impl={attn_impl!r} reads the head-major KV pool "
+                                 "[L, K, P, Z, H]; a page-major pool runs with attn_impl='xla'")
             from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
             out = ragged_paged_attention(
@@ -262,7 +282,7 @@ def prefill_layout(md: AttentionMetadata, num_prefill_tokens: int) -> PrefillLay
 
 
 def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale, softcap,
-                       layer, k_scales, v_scales) -> jax.Array:
+                       layer, k_scales, v_scales, page_major: bool = False) -> jax.Array:
     """The prefill region of ``ragged_paged_attention_xla``: f32[Tp, N, H].
 
     Each query block (``prefill_layout``) attends only to its own row's pages, so the scores are
@@ -270,15 +290,15 @@ def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale
     pages (``[Tp, N, Bp * S]``). Queries and outputs move between token and block order by gathers.
     """
     _, n, h = q.shape
-    kh = k_pages.shape[-4]
+    kh = _num_kv_heads(k_pages, page_major)
     nb, qb = lay.tokens.shape
     # Head-major [K, NB, ...] throughout: the dots' batch dims (K, NB) lead on both operands and on
     # the result, so XLA neither transposes the gathered pages nor the scores.
     qq = q[lay.tokens].reshape(nb, qb, kh, n // kh, h).transpose(2, 0, 1, 3, 4)  # [K, NB, Q, G, H]
-    kp = _gather_pages(k_pages, layer, lay.block_tables)  # [K, NB, S, H]
-    vp = _gather_pages(v_pages, layer, lay.block_tables)
-    kp = dequantize_kv(kp, _gather_scales(k_scales, layer, lay.block_tables))
-    vp = dequantize_kv(vp, _gather_scales(v_scales, layer, lay.block_tables))
+    kp = _gather_pages(k_pages, layer, lay.block_tables, page_major)  # [K, NB, S, H]
+    vp = _gather_pages(v_pages, layer, lay.block_tables, page_major)
+    kp = dequantize_kv(kp, _gather_scales(k_scales, layer, lay.block_tables, page_major))
+    vp = dequantize_kv(vp, _gather_scales(v_scales, layer, lay.block_tables, page_major))
     kv_pos = jnp.arange(kp.shape[2], dtype=jnp.int32)[None, None, :]
     mask = (lay.valid[:, :, None] & (kv_pos < lay.kv_lens[:, None, None])
             & window_mask(lay.positions[:, :, None], kv_pos, window))
@@ -300,7 +320,8 @@ DECODE_ITEMS_PER_GROUP = 32
 
 
 def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale, softcap, layer,
-                      k_scales, v_scales, pages_per_chunk: int | None = None) -> jax.Array:
+                      k_scales, v_scales, pages_per_chunk: int | None = None,
+                      page_major: bool = False) -> jax.Array:
     """The decode region of ``ragged_paged_attention_xla``: qd [Td, K, G, H] -> f32[Td, K, G, H].
 
     Tables of at most ``pages_per_chunk`` pages are attended in one pass. Wider ones are split:
@@ -321,9 +342,10 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
     qk = qd.transpose(1, 0, 2, 3)  # [K, Td, G, H]
 
     def scores_of(qk, btc, first_pos, kv_lens, q_pos):
-        kc = dequantize_kv(_gather_pages(k_pages, layer, btc),
-                           _gather_scales(k_scales, layer, btc))  # [K, Td, C * Z, H]
-        vc = dequantize_kv(_gather_pages(v_pages, layer, btc), _gather_scales(v_scales, layer, btc))
+        kc = dequantize_kv(_gather_pages(k_pages, layer, btc, page_major),
+                           _gather_scales(k_scales, layer, btc, page_major))  # [K, Td, C * Z, H]
+        vc = dequantize_kv(_gather_pages(v_pages, layer, btc, page_major),
+                           _gather_scales(v_scales, layer, btc, page_major))
         kv_pos = first_pos[:, None] + jnp.arange(kc.shape[2], dtype=jnp.int32)[None, :]
         mask = (kv_pos < kv_lens[:, None]) & window_mask(q_pos[:, None], kv_pos, window)
         sc = jnp.einsum("KTGH,KTSH->KTGS", qk, kc, preferred_element_type=jnp.float32)

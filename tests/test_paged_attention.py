@@ -78,10 +78,19 @@ def make_batch(rng, page_size, num_kv_heads, head_dim, seqs, num_pages=64, dtype
 MATRIX = [(d, z, g, 0, None) for d in (jnp.float32, jnp.bfloat16) for z in (4, 8, 16) for g in (1, 2, 4)]
 MATRIX += [(jnp.float32, 8, 2, 5, None), (jnp.float32, 4, 4, 9, None), (jnp.float32, 8, 2, 0, 30.0),
            (jnp.bfloat16, 8, 2, 5, 30.0)]
+MATRIX = [(*case, False) for case in MATRIX]
+# The page-major pool [P, K, Z, H] (KVCache.page_major, the engine's CPU layout).
+MATRIX += [(jnp.float32, 4, 2, 0, None, True), (jnp.float32, 16, 1, 0, None, True),
+           (jnp.bfloat16, 8, 4, 0, None, True), (jnp.float32, 8, 2, 5, 30.0, True)]
 
 
-@pytest.mark.parametrize("dtype,page_size,gqa,window,softcap", MATRIX)
-def test_paged_equals_dense(dtype, page_size, gqa, window, softcap):
+def layout(pages, page_major: bool):
+    """make_batch's head-major pages [K, P, Z, H] in the layout under test."""
+    return np.ascontiguousarray(pages.swapaxes(0, 1)) if page_major else pages
+
+
+@pytest.mark.parametrize("dtype,page_size,gqa,window,softcap,page_major", MATRIX)
+def test_paged_equals_dense(dtype, page_size, gqa, window, softcap, page_major):
     rng = np.random.default_rng(page_size * 100 + gqa * 10 + window)
     kh, h = 2, 16
     n = kh * gqa
@@ -94,7 +103,8 @@ def test_paged_equals_dense(dtype, page_size, gqa, window, softcap):
     scale = h**-0.5
     cast = lambda x: jnp.asarray(x).astype(dtype)
     out = ragged_paged_attention_xla(
-        cast(q), cast(k_pages), cast(v_pages), md, jnp.int32(window), scale=scale, softcap=softcap
+        cast(q), cast(layout(k_pages, page_major)), cast(layout(v_pages, page_major)), md,
+        jnp.int32(window), scale=scale, softcap=softcap, page_major=page_major,
     )
     out = np.asarray(out, np.float64)
     f = lambda x: np.asarray(cast(x), np.float64)  # the reference sees the same rounded inputs
@@ -103,8 +113,9 @@ def test_paged_equals_dense(dtype, page_size, gqa, window, softcap):
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("window,softcap", [(0, None), (37, 30.0)])
-def test_long_decode_rows_walk_pages_in_chunks(window, softcap):
+@pytest.mark.parametrize("window,softcap,page_major", [(0, None, False), (37, 30.0, False),
+                                                       (37, 30.0, True)])
+def test_long_decode_rows_walk_pages_in_chunks(window, softcap, page_major):
     """Decode rows wider than DECODE_PAGES_PER_CHUNK pages take the online-softmax page walk."""
     from jaxinfer.paged_attention import DECODE_PAGES_PER_CHUNK
 
@@ -116,16 +127,18 @@ def test_long_decode_rows_walk_pages_in_chunks(window, softcap):
     assert md.block_tables.shape[1] > DECODE_PAGES_PER_CHUNK
     q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
     out = np.asarray(ragged_paged_attention_xla(
-        jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), md, jnp.int32(window),
-        scale=h**-0.5, softcap=softcap), np.float64)
+        jnp.asarray(q), jnp.asarray(layout(k_pages, page_major)),
+        jnp.asarray(layout(v_pages, page_major)), md, jnp.int32(window),
+        scale=h**-0.5, softcap=softcap, page_major=page_major), np.float64)
     for tok, ql, pos, fk, fv in rows:
         ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
                               fv.astype(np.float64), pos, h**-0.5, window, softcap)
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("window,softcap,gqa", [(0, None, 1), (0, None, 2), (21, 30.0, 2)])
-def test_decode_work_items_span_groups(window, softcap, gqa, monkeypatch):
+@pytest.mark.parametrize("window,softcap,gqa,page_major", [
+    (0, None, 1, False), (0, None, 2, False), (21, 30.0, 2, False), (21, 30.0, 2, True)])
+def test_decode_work_items_span_groups(window, softcap, gqa, page_major, monkeypatch):
     """Split-KV decode: rows of very different lengths give work items in several groups, and a
     row's partials (some rows' items split across groups) are merged; a padding row (kv_len 0)
     stays finite."""
@@ -142,10 +155,50 @@ def test_decode_work_items_span_groups(window, softcap, gqa, monkeypatch):
     assert sum(-(-n // item) for n, _ in seqs) > 3 * 4  # four groups of items
     q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
     out = np.asarray(ragged_paged_attention_xla(
-        jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), md, jnp.int32(window),
-        scale=h**-0.5, softcap=softcap), np.float64)
+        jnp.asarray(q), jnp.asarray(layout(k_pages, page_major)),
+        jnp.asarray(layout(v_pages, page_major)), md, jnp.int32(window),
+        scale=h**-0.5, softcap=softcap, page_major=page_major), np.float64)
     assert np.isfinite(out).all()
     for tok, ql, pos, fk, fv in rows:
         ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
                               fv.astype(np.float64), pos, h**-0.5, window, softcap)
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
+def test_page_major_pool_holds_the_same_writes(dtype):
+    """write_kv into a page-major pool [L, P, K, Z, H] puts every token (and int8 scale) where the
+    head-major pool [L, K, P, Z, H] has it, transposed."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.kv_cache import init_kv_cache, write_kv
+
+    cfg = ModelConfig("llama", 32, 16, 32, 2, 4, 2, 8)
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32) for _ in range(2))
+    slots = jnp.asarray([4, 5, 17, 30, 9], jnp.int32)  # pages 1, 1, 4, 7, 2 at Z = 4
+    pools = []
+    for page_major in (False, True):
+        kv = init_kv_cache(cfg, 8, 4, dtype, page_major=page_major)
+        assert kv.num_pages == 8 and kv.page_size == 4 and kv.page_major == page_major
+        pools.append(write_kv(kv, jnp.int32(1), k, v, slots))
+    head, page = pools
+    for a, b in ((head.k_pages, page.k_pages), (head.v_pages, page.v_pages),
+                 (head.k_scales, page.k_scales)):
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a).swapaxes(1, 2), np.asarray(b))
+    assert np.abs(np.asarray(page.k_pages[1])).sum() > 0 and not np.asarray(page.k_pages[0]).any()
+
+
+def test_page_major_pool_refused_where_it_cannot_run():
+    """The Pallas kernels read the head-major pool: asking for a page-major one with them raises."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.params import init_random
+    import jax
+
+    cfg = ModelConfig("llama", 32, 16, 32, 1, 2, 2, 8)
+    params = init_random(cfg, jax.random.PRNGKey(0))
+    ecfg = EngineConfig(max_model_len=16, num_pages=8, page_size=8,
+                        attn_impl="pallas_tpu_interpret", kv_page_major=True)
+    with pytest.raises(ValueError, match="kv_page_major"):
+        Engine(cfg, params, None, ecfg)

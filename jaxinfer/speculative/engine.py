@@ -128,7 +128,7 @@ class SpecEngine(Engine):
                 raise ValueError(f"draft vocab_size={draft_cfg.vocab_size} != target {cfg.vocab_size}")
             self.draft_cfg, self.draft_params = draft_cfg, draft_params
             self.draft_kv = init_kv_cache(draft_cfg, ecfg.num_pages, ecfg.page_size,
-                                          draft_params.embed.dtype)
+                                          draft_params.embed.dtype, self.kv_page_major)
         elif spec.method == "heads":
             if heads is None:
                 raise ValueError("speculative='heads' needs draft heads (draft_heads=PATH)")
