@@ -77,6 +77,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        for name in ("unroll_layers", "out_in_weights", "kv_page_major", "keep_host_memory"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be True, False or None, got {v!r}")
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -125,9 +129,12 @@ class Engine:
         page_major = ecfg.kv_page_major
         if page_major is None:
             page_major = jax.default_backend() == "cpu" and impl == "xla" and mesh is None
-        elif page_major and (impl != "xla" or mesh is not None):
-            raise ValueError(f"kv_page_major=True needs attn_impl resolving to 'xla' (got {impl!r}) "
-                             "and no mesh: the Pallas kernels and sharded pools are head-major")
+        elif page_major and impl != "xla":
+            raise ValueError(f"kv_page_major=True needs attn_impl resolving to 'xla' (got {impl!r}): "
+                             "the Pallas kernels read the head-major pool")
+        elif page_major and mesh is not None:
+            raise ValueError("kv_page_major=True is not supported with a mesh: sharded KV pools are "
+                             "head-major")
         self.kv_page_major = page_major
         kv_dtype = kv_cache_dtype(ecfg, params)
         if kv_dtype == np.int8 and mesh is not None:
