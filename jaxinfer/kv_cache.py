@@ -62,9 +62,9 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     """A zeroed pool of ``num_pages`` pages of ``page_size`` tokens (page 0 is the null page).
     ``dtype`` int8 makes an int8 cache with per-token, per-head f32 scales; ``page_major`` the
     ``[L, P, K, Z, H]`` layout."""
-    lk, pk = (cfg.num_layers, cfg.num_kv_heads), (num_pages,)
-    shape = (*lk[:1], *pk, *lk[1:]) if page_major else (*lk, *pk)
-    shape = (*shape, page_size, cfg.head_dim)
+    layers, heads = cfg.num_layers, cfg.num_kv_heads
+    lead = (layers, num_pages, heads) if page_major else (layers, heads, num_pages)
+    shape = (*lead, page_size, cfg.head_dim)
     if jnp.dtype(dtype) == jnp.int8:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                        jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32),
@@ -94,15 +94,13 @@ def write_kv(
     at = (layer, page, slice(None), offset) if cache.page_major else (layer, slice(None), page, offset)
     if cache.k_scales is not None:  # int8 cache: quantize per token and head
         (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-        return KVCache(
-            cache.k_pages.at[at].set(kq), cache.v_pages.at[at].set(vq),
-            cache.k_scales.at[at].set(ks), cache.v_scales.at[at].set(vs),
-            page_major=cache.page_major,
+        return dataclasses.replace(
+            cache, k_pages=cache.k_pages.at[at].set(kq), v_pages=cache.v_pages.at[at].set(vq),
+            k_scales=cache.k_scales.at[at].set(ks), v_scales=cache.v_scales.at[at].set(vs),
         )
-    return KVCache(
-        cache.k_pages.at[at].set(k.astype(cache.k_pages.dtype)),
-        cache.v_pages.at[at].set(v.astype(cache.v_pages.dtype)),
-        page_major=cache.page_major,
+    return dataclasses.replace(
+        cache, k_pages=cache.k_pages.at[at].set(k.astype(cache.k_pages.dtype)),
+        v_pages=cache.v_pages.at[at].set(v.astype(cache.v_pages.dtype)),
     )
 
 
