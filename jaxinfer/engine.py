@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from jaxinfer.batch import build_step_batch, row_index
+from jaxinfer.batch import build_step_batch, decode_bucket, next_pow2, row_index
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import RequestError
 from jaxinfer.host_memory import keep_freed_host_memory
@@ -21,7 +21,7 @@ from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.paged_attention import check_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
-from jaxinfer.scheduler import Scheduler, Sequence
+from jaxinfer.scheduler import Scheduler, Sequence, SeqStatus
 from jaxinfer.sharding import to_host
 from jaxinfer.step import LogitsControls, jitted_forward_step, jitted_sample_step
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -55,6 +55,12 @@ class EngineConfig:
         keep_host_memory: keep freed host memory in the process instead of returning large
             buffers to the OS each step (``host_memory.keep_freed_host_memory``, process-wide).
             None = on the CPU backend only, where it spares each step's page faults.
+        async_scheduling: schedule and dispatch step N+1 before reading step N's sampled tokens
+            back, so the host's work (batch building, readback, detokenizing, stop checks)
+            overlaps the device's; step N+1 takes its decode tokens from step N's device output.
+            Outputs are the same as without it; a sequence that stops on a token (EOS, stop
+            string) costs one discarded row. Steps whose rows need penalties run without overlap.
+            None = on. Source: vLLM v1's async scheduling.
     """
 
     max_model_len: int
@@ -70,6 +76,7 @@ class EngineConfig:
     out_in_weights: bool | None = None
     kv_page_major: bool | None = None
     keep_host_memory: bool | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         for name, low in (("max_model_len", 2), ("page_size", 1), ("max_num_seqs", 1),
@@ -77,7 +84,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
-        for name in ("unroll_layers", "out_in_weights", "kv_page_major", "keep_host_memory"):
+        for name in ("unroll_layers", "out_in_weights", "kv_page_major", "keep_host_memory",
+                     "async_scheduling"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be True, False or None, got {v!r}")
@@ -96,7 +104,21 @@ class _Request:
     emitted: int = 0  # characters of text already streamed
 
 
+@dataclasses.dataclass(eq=False)
+class _InFlight:
+    """A dispatched step whose sampled tokens are still on device."""
+
+    out: object  # SampleOutput (device arrays)
+    next_tokens: jax.Array  # i32[R] the sampled tokens padded, the next step's prev_tokens
+    sampled: list[tuple[Sequence, int]]  # (sequence, row) of each row that sampled a token
+    num_logprobs: int
+
+
 KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def kv_cache_dtype(ecfg: EngineConfig, params: Params):
@@ -176,6 +198,11 @@ class Engine:
         self._rng = np.random.default_rng(ecfg.seed)
         self._requests: dict[str, _Request] = {}
         self._sample = jitted_sample_step()
+        # Rows of the widest step's sampling (``build_step_batch``): the prev_tokens length.
+        self._num_slots = next_pow2(decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs))
+        self._no_prev = jax.numpy.zeros(self._num_slots, jax.numpy.int32)
+        self._async = ecfg.async_scheduling is not False
+        self._inflight: _InFlight | None = None
         self.compile_keys: set[tuple] = set()
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
@@ -219,16 +246,15 @@ class Engine:
         self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---------------------------------------------------------------- the step
 
     def _controls(self, rows, b: int) -> LogitsControls | None:
         def needs(seq: Sequence) -> bool:
             p = seq.params
-            in_min = len(seq.output_ids) < p.min_tokens
-            return (in_min or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                    or p.frequency_penalty != 0.0)
+            in_min = len(seq.output_ids) + len(seq.pending) < p.min_tokens
+            return in_min or _has_penalties(p)
 
         if not any(needs(r.seq) for r, _ in rows):
             return None
@@ -239,8 +265,8 @@ class Engine:
         for row, r in rows:
             seq = row.seq
             prompt_mask[r, seq.prompt_ids] = True
-            np.add.at(counts[r], np.asarray(seq.output_ids, np.int64), 1)
-            if len(seq.output_ids) < seq.params.min_tokens:
+            np.add.at(counts[r], np.asarray(seq.output_ids, np.int64), 1)  # no pending: see step
+            if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens:
                 stops = list(seq.params.stop_token_ids)
                 if not seq.params.ignore_eos:
                     stops += list(self.stop_ids)
@@ -249,10 +275,28 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of requests that got new tokens or
-        finished (their state so far, with ``delta_text``)."""
-        sched = self.scheduler.schedule()
-        if not sched.rows:
-            raise RuntimeError("scheduler produced an empty step while requests are pending")
+        finished (their state so far, with ``delta_text``).
+
+        With async scheduling the next step is dispatched before this one's tokens are read back,
+        so a call returns the outputs of the step dispatched by the call before (or by itself,
+        when none is in flight) while the next one runs."""
+        if self._inflight is None:
+            sched = self.scheduler.schedule()
+            if not sched.rows:
+                raise RuntimeError("scheduler produced an empty step while requests are pending")
+            self._inflight = self._dispatch(sched, None)
+        done, self._inflight = self._inflight, None
+        if self._async and self.scheduler.has_work() and not any(
+                _has_penalties(seq.params) for seq, _ in done.sampled):
+            # Penalties need the output tokens' counts on the host: those rows wait for them.
+            sched = self.scheduler.schedule()
+            if sched.rows:
+                self._inflight = self._dispatch(sched, done)
+        return self._collect(done)
+
+    def _dispatch(self, sched, prev: _InFlight | None) -> _InFlight:
+        """Builds and dispatches one step; advances ``num_computed`` and marks each sampled
+        token pending. Returns without waiting for the device."""
         batch, bk = build_step_batch(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
         td, nd = bk.decode_rows, len(sched.decode)
         b = len(batch.logits_indices)
@@ -262,27 +306,46 @@ class Engine:
         for row, r in rows:
             params_rows[r] = row.seq.params
             seeds[r] = row.seq.seed
-            steps[r] = len(row.seq.output_ids)
+            steps[r] = len(row.seq.output_ids) + len(row.seq.pending)  # index of the token sampled
         st = SamplingTensors.from_params(params_rows, seeds, steps, pad_to=b)
         controls = self._controls(rows, b)
         want_lp = any(row.seq.params.logprobs is not None for row, _ in rows)
         num_lp = MAX_LOGPROBS if want_lp else 0
         self.compile_keys.add(("forward", bk.key))
         self.compile_keys.add(("sample", b, controls is not None, num_lp))
-        self.kv, logits = self._forward(self.params, self.kv, batch, cfg=self.cfg,
+        prev_tokens = prev.next_tokens if prev is not None else self._no_prev
+        self.kv, logits = self._forward(self.params, self.kv, batch, prev_tokens, cfg=self.cfg,
                                         attn_impl=self.ecfg.attn_impl)
-        out = self._sample(logits, st, controls, num_logprobs=num_lp)
+        out, next_tokens = self._sample(logits, st, controls, num_logprobs=num_lp,
+                                        num_slots=self._num_slots)
+        sampled = []
+        for row, r in rows:
+            seq = row.seq
+            seq.num_computed += row.num_new
+            if seq.num_computed < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end: nothing sampled
+            seq.pending.append(-(r + 1))
+            n_out = len(seq.output_ids) + len(seq.pending)
+            p = seq.params
+            if ((p.max_tokens is not None and n_out >= p.max_tokens)
+                    or seq.num_tokens >= self.ecfg.max_model_len):
+                seq.pending_final = True  # finishes on this token whatever it is
+            sampled.append((seq, r))
+        return _InFlight(out, next_tokens, sampled, num_lp)
+
+    def _collect(self, done: _InFlight) -> list[RequestOutput]:
+        """Reads a dispatched step's tokens back (waiting for the device) and appends them."""
+        out, num_lp = done.out, done.num_logprobs
         tokens = to_host(out.tokens)
         lps = to_host(out.logprobs)
         top_ids, top_lps = (to_host(out.top_ids), to_host(out.top_logprobs)) if num_lp else (None, None)
         now = time.perf_counter()
         self.num_steps += 1
         results = []
-        for row, r in rows:
-            seq = row.seq
-            seq.num_computed += row.num_new
-            if seq.num_computed < seq.num_tokens:
-                continue  # a prefill chunk that does not reach the end: nothing sampled
+        for seq, r in done.sampled:
+            if seq.status is SeqStatus.FINISHED:
+                continue  # it stopped on an earlier token while this step was in flight
+            seq.pending.pop(0)
             lp = None
             if seq.params.logprobs is not None:
                 n = seq.params.logprobs
@@ -320,7 +383,7 @@ class Engine:
         if reason is None:
             if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
                 reason = "length"
-            elif seq.num_tokens >= self.ecfg.max_model_len:
+            elif len(seq.prompt_ids) + len(seq.output_ids) >= self.ecfg.max_model_len:
                 reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)

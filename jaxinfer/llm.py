@@ -70,6 +70,8 @@ class LLM:
         draft_heads: directory of Medusa heads for "heads" (``jaxinfer train-draft-heads``).
         unroll_layers: layers as an unrolled loop over per-layer weights (faster decode, longer
             compiles) or ``lax.scan`` over stacked ones; None = unrolled on CPU only.
+        async_scheduling: dispatch each step before the previous one's tokens are read back, so
+            host work overlaps the device (same outputs); None = on. See ``EngineConfig``.
 
     Raises:
         CheckpointError / TokenizerError: the model cannot be loaded (message names the file).
@@ -92,7 +94,8 @@ class LLM:
                  data_parallel_size: int | None = None, speculative: str | None = None,
                  num_speculative_tokens: int = 4, draft_model: str | None = None,
                  draft_heads: str | None = None, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", unroll_layers: bool | None = None):
+                 kv_cache_dtype: str = "auto", unroll_layers: bool | None = None,
+                 async_scheduling: bool | None = None):
         from jaxinfer.loaders import load
         from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
 
@@ -123,7 +126,7 @@ class LLM:
             max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
             attn_impl=attn_impl, seed=seed, kv_cache_dtype=kv_cache_dtype,
-            unroll_layers=unroll_layers,
+            unroll_layers=unroll_layers, async_scheduling=async_scheduling,
         )
         if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
             kv_pages = default_num_pages(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params),

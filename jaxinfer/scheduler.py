@@ -31,8 +31,14 @@ class SeqStatus(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """One request's state. ``all_ids = prompt_ids + output_ids``; ``num_computed`` of them have
-    their K/V in the cache."""
+    """One request's state. ``all_ids = prompt_ids + output_ids + pending``; ``num_computed`` of
+    them have their K/V in the cache (or are being written by a step in flight).
+
+    ``pending``: placeholders of tokens sampled by a dispatched step whose result the host has not
+    read yet (async scheduling, ``Engine``): ``-(r + 1)`` stands for row ``r`` of that step's
+    sampled tokens, which the next step reads on device. ``pending_final``: the pending token is
+    this sequence's last (it reaches ``max_tokens`` or ``max_model_len``), so it is not scheduled
+    again."""
 
     request_id: str
     prompt_ids: list[int]
@@ -49,14 +55,18 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     logprobs: list = dataclasses.field(default_factory=list)
+    pending: list[int] = dataclasses.field(default_factory=list)
+    pending_final: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.pending)
 
     def token_at(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+        n, o = len(self.prompt_ids), len(self.output_ids)
+        if i < n:
+            return self.prompt_ids[i]
+        return self.output_ids[i - n] if i < n + o else self.pending[i - n - o]
 
 
 @dataclasses.dataclass
@@ -134,14 +144,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Marks ``seq`` finished and frees its pages at once."""
+        """Marks ``seq`` finished and frees its pages at once. A step still in flight may write
+        into them; the device runs steps in order, so a later owner's writes come after."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.pending.clear()
         if seq.pages:
             self.allocator.free(seq.pages)
             seq.pages = []
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(seq)
 
     def schedule(self) -> ScheduleOutput:
         """Chooses the rows of the next step (decode rows first)."""
@@ -149,8 +163,8 @@ class Scheduler:
         decode, prefill, preempted = [], [], []
         scheduled: set[int] = set()
         for seq in list(self.running):  # oldest first
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SeqStatus.RUNNING or seq.pending_final:
+                continue  # preempted earlier in this loop, or its last token is in flight
             remaining = seq.num_tokens - seq.num_computed
             is_prefill = remaining > 1
             if budget <= 0 or (is_prefill and len(prefill) >= self.max_prefill_seqs):

@@ -59,6 +59,7 @@ def forward_step(
     params: Params,
     kv: KVCache,
     batch: StepBatch,
+    prev_tokens: jax.Array | None = None,
     *,
     cfg: ModelConfig,
     attn_impl: str = "xla",
@@ -68,15 +69,23 @@ def forward_step(
     Args:
         params: model weights.
         kv: the page pool; donated and returned updated.
-        batch: tokens and metadata, see ``StepBatch``.
+        batch: tokens and metadata, see ``StepBatch``. A token id ``-(r + 1)`` stands for
+            ``prev_tokens[r]`` (async scheduling: a token the previous step sampled, still on
+            device).
+        prev_tokens: i32[R] the previous step's sampled tokens (``sample_step_padded``), or None
+            when ``batch.tokens`` holds no placeholder.
         cfg: architecture (static).
         attn_impl: attention implementation (static), see ``paged_attention.ATTN_IMPLS``.
 
     Returns:
         (updated KV cache, logits f32[B, V]).
     """
+    tokens = batch.tokens
+    if prev_tokens is not None:
+        from_prev = prev_tokens[jnp.clip(-tokens - 1, 0, prev_tokens.shape[0] - 1)]
+        tokens = jnp.where(tokens < 0, from_prev, tokens)
     hidden, kv = forward(
-        params, cfg, batch.tokens, batch.md.positions, kv, paged_attn_fn(cfg, batch.md, attn_impl)
+        params, cfg, tokens, batch.md.positions, kv, paged_attn_fn(cfg, batch.md, attn_impl)
     )
     return kv, compute_logits(params, cfg, hidden[batch.logits_indices])
 
@@ -109,6 +118,24 @@ def sample_step(
     return sample(logits, sampling, num_logprobs=num_logprobs, logprob_logits=raw_logits)
 
 
+def sample_step_padded(
+    logits: jax.Array,
+    sampling: SamplingTensors,
+    controls: LogitsControls | None,
+    *,
+    num_logprobs: int = 0,
+    num_slots: int,
+) -> tuple[SampleOutput, jax.Array]:
+    """``sample_step``, plus the sampled tokens zero-padded to i32[num_slots] (static), the
+    ``prev_tokens`` of the next ``forward_step`` (one shape for every B, so the forward compiles
+    once per bucket tuple). Raises ValueError when B > num_slots."""
+    out = sample_step(logits, sampling, controls, num_logprobs=num_logprobs)
+    b = out.tokens.shape[0]
+    if b > num_slots:
+        raise ValueError(f"{b} sampled rows do not fit num_slots={num_slots}")
+    return out, jnp.zeros(num_slots, jnp.int32).at[:b].set(out.tokens)
+
+
 @functools.cache
 def jitted_forward_step(out_shardings=None):
     """The jitted ``forward_step`` (one per process and ``out_shardings``; compilations keyed by
@@ -122,5 +149,5 @@ def jitted_forward_step(out_shardings=None):
 
 @functools.cache
 def jitted_sample_step():
-    """The jitted ``sample_step``."""
-    return jax.jit(sample_step, static_argnames=("num_logprobs",))
+    """The jitted ``sample_step_padded``."""
+    return jax.jit(sample_step_padded, static_argnames=("num_logprobs", "num_slots"))

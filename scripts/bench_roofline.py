@@ -90,8 +90,11 @@ def decode_rate(
         eng.add_request(f"roofline-{batch}-{i}-{time.monotonic_ns()}", ids, greedy(total))
     sched = eng.scheduler
 
-    def decode_only() -> bool:
-        return not sched.waiting and all(s.num_tokens - s.num_computed == 1 for s in sched.running)
+    def decode_only() -> bool:  # every prompt computed (a token may be in flight: async)
+        return not sched.waiting and all(
+            s.num_computed >= len(s.prompt_ids) and s.num_tokens - s.num_computed <= 1
+            for s in sched.running
+        )
 
     while not decode_only():
         eng.step()
@@ -103,8 +106,8 @@ def decode_rate(
             break
         keys = len(eng.compile_keys)
         n_live = sum(
-            s.num_computed + 1 for s in sched.running
-        )  # K/V read, the new token's included
+            len(s.prompt_ids) + len(s.output_ids) for s in sched.running
+        )  # K/V read by the step whose tokens this call returns (its input token's included)
         t = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t

@@ -1,0 +1,93 @@
+"""Async scheduling (``EngineConfig.async_scheduling``): step N+1 is dispatched before step N's
+tokens are read back. Its outputs must equal the synchronous engine's, which the greedy reference
+tests tie to llama2.c; here the two modes run the same mixed workload side by side."""
+
+import numpy as np
+import pytest
+
+from jaxinfer.sampling import SamplingParams
+from test_engine import MIXED, reference_requests
+
+
+@pytest.fixture(scope="module")
+def sync_llm(stories_dir):
+    from jaxinfer.llm import LLM
+
+    # Same sizes as the shared stories_llm fixture (async by default), so the compiled steps are
+    # shared; only the scheduling differs.
+    return LLM(stories_dir, max_num_seqs=32, compilation_cache=False, async_scheduling=False)
+
+
+def workload(tokenizer):
+    refs = reference_requests(tokenizer)
+    prompts = [ids for ids, _, _ in refs] + [tokenizer.encode(p) for p in MIXED]
+    params = [sp for _, sp, _ in refs] + [
+        SamplingParams(temperature=0.0, max_tokens=40),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=60),
+        SamplingParams(temperature=0.0, max_tokens=200, stop=["park", "."]),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=50, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=25),
+        SamplingParams(temperature=1.0, top_k=20, seed=9, max_tokens=1),
+        SamplingParams(temperature=0.0, max_tokens=45, stop_token_ids=[13]),
+    ] * 2
+    return refs, prompts, params
+
+
+def run_engine(llm, prompts, params):
+    """Drives ``llm.engine`` step by step; returns (outputs by id, steps that left one in flight)."""
+    eng = llm.engine
+    for i, (ids, sp) in enumerate(zip(prompts, params)):
+        eng.validate(ids, sp)
+        eng.add_request(f"a{i}", ids, sp)
+    seqs = {rid: req.seq for rid, req in eng._requests.items()}
+    finals, overlapped = {}, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finish_reason is not None:
+                finals[out.request_id] = out
+        overlapped += eng._inflight is not None
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1  # every page came back
+    for rid, seq in seqs.items():
+        if seq.finish_reason == "length":  # its last token is known to be last: never computed
+            assert seq.num_computed == seq.num_tokens - 1, rid
+    return [finals[f"a{i}"] for i in range(len(prompts))], overlapped
+
+
+def test_async_outputs_equal_sync(stories_llm, sync_llm):
+    refs, prompts, params = workload(stories_llm.tokenizer)
+    outs_a, overlapped_a = run_engine(stories_llm, prompts, params)
+    outs_s, overlapped_s = run_engine(sync_llm, prompts, params)
+    assert overlapped_s == 0 and overlapped_a > 0
+    for (ids, _, expected), out in zip(refs, outs_a):  # llama2.c's outputs, EOS stop included
+        assert stories_llm.tokenizer.decode(ids + out.token_ids) == expected
+    for a, s in zip(outs_a, outs_s):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+            s.token_ids, s.text, s.finish_reason, s.stop_reason), a.request_id
+        assert a.metrics.completion_tokens == len(a.token_ids)
+        if s.logprobs is not None:
+            assert [lp.token_id for lp in a.logprobs] == a.token_ids
+            np.testing.assert_allclose([lp.logprob for lp in a.logprobs],
+                                       [lp.logprob for lp in s.logprobs], rtol=0, atol=1e-5)
+
+
+def test_async_stops_exactly_at_max_model_len(stories_llm, sync_llm):
+    """The last token of a sequence that reaches max_model_len (or max_tokens) is known to be its
+    last before it is read back: the next step must not compute it (``run_engine`` checks that
+    it never is), and the output ends exactly at max_model_len."""
+    rng = np.random.default_rng(0)
+    n = stories_llm.engine.ecfg.max_model_len
+    prompts = [[1] + rng.integers(3, 500, n - 1 - k).tolist() for k in (1, 2, 5)]
+    sp = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    outs_a, _ = run_engine(stories_llm, prompts, [sp] * 3)
+    outs_s, _ = run_engine(sync_llm, prompts, [sp] * 3)
+    for p, a, s in zip(prompts, outs_a, outs_s):
+        assert len(p) + len(a.token_ids) == n and a.finish_reason == "length"
+        assert a.token_ids == s.token_ids
+
+
+def test_async_scheduling_flag_is_validated():
+    from jaxinfer.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
+        EngineConfig(max_model_len=64, async_scheduling="yes")
