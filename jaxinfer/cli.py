@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="pages in the KV pool (None: every sequence at full length, up to 2 GiB)",
     )
-    e.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    e.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (None: 8 on CPU with the XLA attention, else 16)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded together")
     e.add_argument(
         "--max-num-batched-tokens",

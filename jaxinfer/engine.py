@@ -18,7 +18,7 @@ from jaxinfer.errors import RequestError
 from jaxinfer.host_memory import keep_freed_host_memory
 from jaxinfer.kv_cache import PageAllocator, init_kv_cache, kv_bytes_per_token
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from jaxinfer.paged_attention import check_attn_impl
+from jaxinfer.paged_attention import check_attn_impl, resolve_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence, SeqStatus
@@ -126,6 +126,18 @@ def kv_cache_dtype(ecfg: EngineConfig, params: Params):
     if ecfg.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={ecfg.kv_cache_dtype!r}; supported: {KV_CACHE_DTYPES}")
     return np.dtype(np.int8) if ecfg.kv_cache_dtype == "int8" else params.embed.dtype
+
+
+def default_page_size(attn_impl: str = "auto", backend: str | None = None) -> int:
+    """Tokens per KV page when the user gives none: 8 where ``attn_impl`` resolves to the XLA
+    attention on CPU, else 16 (vLLM's default block size, a tile the Pallas kernels take).
+
+    On CPU, 8-token pages leave half the last-page slack of 16-token ones (97 % vs 94 % of
+    allocated slots live in ``scripts/bench_kv_memory.py``) at no cost in speed: the 64-prompt
+    110M serving run took 69.2 / 65.9 s with 8 vs 71.2 / 70.2 s with 16, same tokens.
+    Raises ValueError for an unknown ``attn_impl`` (``paged_attention.resolve_attn_impl``)."""
+    backend = backend or jax.default_backend()
+    return 8 if backend == "cpu" and resolve_attn_impl(attn_impl, backend) == "xla" else 16
 
 
 def default_num_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, kv_cache_bytes: int) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.engine import Engine, EngineConfig, default_num_pages
+from jaxinfer.engine import Engine, EngineConfig, default_num_pages, default_page_size
 from jaxinfer.engine import kv_cache_dtype as resolve_kv_dtype
 from jaxinfer.errors import JaxinferError, RequestError, TokenizerError
 from jaxinfer.outputs import RequestOutput
@@ -48,7 +48,8 @@ class LLM:
         max_model_len: longest prompt + output in tokens (default: the model's context length).
         kv_pages: pages in the KV pool (default: every row at full length, capped by
             ``kv_cache_memory_gb``).
-        page_size: tokens per KV page.
+        page_size: Z, tokens per KV page (default: ``engine.default_page_size``, 8 on CPU with
+            the XLA attention, 16 elsewhere).
         max_num_seqs: most sequences decoded together.
         max_num_batched_tokens: token budget per step (default max(512, max_num_seqs)).
         attn_impl: attention implementation, see ``paged_attention.ATTN_IMPLS`` ("auto", "xla",
@@ -87,7 +88,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike, *, dtype: str = "float32",
                  max_model_len: int | None = None, kv_pages: int | None = None,
-                 page_size: int = 16, max_num_seqs: int = 64,
+                 page_size: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, attn_impl: str = "auto",
                  kv_cache_memory_gb: float = 2.0, tokenizer: str | None = None, seed: int = 0,
                  compilation_cache: bool = True, tensor_parallel_size: int | None = None,
@@ -122,6 +123,8 @@ class LLM:
         self.mesh, self.sharding_plan = placer.mesh, placer.plan
         run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
         max_model_len = max_model_len or self.config.max_position_embeddings
+        if page_size is None:
+            page_size = default_page_size(attn_impl)
         ecfg = EngineConfig(
             max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),

@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--mean-output", type=float, default=96)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--budget-tokens", type=int, default=8192, help="KV budget in token slots")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="tokens per page (default: the engine's, engine.default_page_size)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     add_common_args(ap)
     args = ap.parse_args()
@@ -59,6 +60,10 @@ def main() -> None:
     from jaxinfer import LLM
 
     path, vocab, _ = resolve_model(args.model)
+    if args.page_size is None:
+        from jaxinfer.engine import default_page_size
+
+        args.page_size = default_page_size()
     num_pages = args.budget_tokens // args.page_size + 1
     llm = LLM(
         path,

@@ -18,6 +18,9 @@ bytes per step = weight bytes (every leaf of the params pytree, quantization sca
 live tokens x KV bytes per token slot (``benchlib.kv_slot_bytes``; live tokens averaged over the
 timed steps), and the roofline tok/s = B x bandwidth / bytes per step. Reported: decode tok/s,
 roofline tok/s and their ratio (%).
+Matmul floor (``matmul_floor``): a jitted chain of one-row matmuls over the same weights, the
+least time an XLA batch-1 step can take; its % of the weights-only roofline is the ceiling of the
+batch-1 figure on this backend.
 With ``LLM(quantization=...)`` available (detected through ``inspect.signature``), the same for
 each quantization mode. One JSON line on stdout, appended to ``results/bench_roofline.jsonl``.
 """
@@ -55,6 +58,39 @@ def measure_bandwidth(megabytes: int, repeats: int) -> dict:
         "bytes_s": n * 4 / best,
         "gb_s": round(n * 4 / best / 1e9, 3),
     }
+
+
+def matmul_floor(params, repeats: int) -> dict | None:
+    """Time of a jitted chain of one-row products over every float weight matrix of ``params``
+    (each leaf of >= 2 dims read once, as ``f32[O, I] @ f32[I]`` over its last dim, each product
+    feeding the next), in the layout the engine holds them: a batch-1 decode step runs these
+    products and more, so with XLA's matmuls on this backend it cannot beat this time. None when
+    a weight is not floating point (quantized modes). Median and best over ``repeats`` runs."""
+    import jax
+    import jax.numpy as jnp
+
+    mats = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
+    if any(not jnp.issubdtype(m.dtype, jnp.floating) for m in mats):
+        return None
+    width = max(max(m.reshape(-1, m.shape[-1]).shape) for m in mats)
+
+    @jax.jit
+    def chain(mats, x):
+        for m in mats:
+            m = m.reshape(-1, m.shape[-1])
+            y = jnp.einsum("OI,I->O", m, x[: m.shape[1]].astype(m.dtype),
+                           preferred_element_type=jnp.float32)
+            x = x.at[: m.shape[0]].add(1e-6 * y)  # the next product depends on this one
+        return x
+
+    x = jnp.full((width,), 1e-3, jnp.float32)
+    chain(mats, x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        chain(mats, x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return {"step_s_p50": round(float(np.median(times)), 6), "step_s_best": round(min(times), 6)}
 
 
 def quantization_modes(requested: str) -> list[dict]:
@@ -189,6 +225,15 @@ def main() -> None:
             import jax
 
             weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(llm.params))
+            floor = matmul_floor(llm.params, 8 if args.quick else 20)
+            if floor is not None:
+                weight_s = weight_bytes / bw["bytes_s"]
+                floor["pct_of_weight_roofline"] = round(100 * weight_s / floor["step_s_p50"], 1)
+                log(
+                    f"[roofline] {name} {mode or args.dtype}: the weights' one-row matmuls alone "
+                    f"take {floor['step_s_p50'] * 1e3:.2f} ms (p50), "
+                    f"{floor['pct_of_weight_roofline']} % of the weights' roofline"
+                )
             rows = []
             for b in sizes:
                 r = decode_rate(
@@ -220,6 +265,7 @@ def main() -> None:
                     "quantization": mode,
                     "weight_bytes": weight_bytes,
                     "compilations": llm.num_compilations,
+                    "matmul_floor": floor,
                     "decode": rows,
                 }
             )

@@ -71,7 +71,8 @@ def test_preemption_gives_the_same_outputs(stories_dir, stories_llm):
               for i in range(10)]
     ample = stories_llm.generate(prompts, params)
     # 14 pages of 16 tokens: one sequence fits (max_model_len 192 -> 12 pages + null page), ten don't.
-    small = LLM(stories_dir, max_model_len=192, kv_pages=14, max_num_seqs=32, compilation_cache=False)
+    small = LLM(stories_dir, max_model_len=192, kv_pages=14, page_size=16, max_num_seqs=32,
+                compilation_cache=False)
     tight = small.generate(prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
@@ -163,7 +164,7 @@ def test_pool_too_small_is_a_startup_error(stories_dir):
     from jaxinfer.llm import LLM
 
     with pytest.raises(ValueError, match=r"need at least 33 pages"):
-        LLM(stories_dir, kv_pages=8, compilation_cache=False)
+        LLM(stories_dir, kv_pages=8, page_size=16, compilation_cache=False)
 
 
 def test_empty_prompt_is_bos(stories_llm):
@@ -206,3 +207,12 @@ def test_logprobs(stories_llm):
         assert abs(lp.top[0][1] - lp.logprob) < 1e-6 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
     metrics = out.metrics
     assert metrics.ttft_s > 0 and metrics.tpot_s >= 0 and metrics.completion_tokens == 5
+
+
+def test_default_page_size(stories_llm):
+    from jaxinfer.engine import default_page_size
+
+    # 8 on CPU with the XLA attention (less last-page slack, same speed there), else 16
+    assert default_page_size("auto", "cpu") == 8 and default_page_size("xla", "cpu") == 8
+    assert default_page_size("pallas_tpu_interpret", "cpu") == 16
+    assert stories_llm.engine.ecfg.page_size == default_page_size()
