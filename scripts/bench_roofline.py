@@ -61,29 +61,29 @@ def measure_bandwidth(megabytes: int, repeats: int) -> dict:
 
 
 def matmul_floor(params, repeats: int) -> dict | None:
-    """Time of a jitted chain of one-row products over every float weight matrix of ``params``
-    (each leaf of >= 2 dims read once, as ``f32[O, I] @ f32[I]`` over its last dim, each product
-    feeding the next), in the layout the engine holds them: a batch-1 decode step runs these
+    """Time of a jitted chain of one-row products over every float weight of ``params`` (each
+    leaf of >= 2 dims read once as ``x f32[1, I] . W[O, I]``, its leading dim the output as in
+    the engine's CPU layout; each product feeds the next): a batch-1 decode step runs these
     products and more, so with XLA's matmuls on this backend it cannot beat this time. None when
     a weight is not floating point (quantized modes). Median and best over ``repeats`` runs."""
     import jax
     import jax.numpy as jnp
 
-    mats = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
+    mats = [x.reshape(x.shape[0], -1) for x in jax.tree.leaves(params) if x.ndim >= 2]
     if any(not jnp.issubdtype(m.dtype, jnp.floating) for m in mats):
         return None
-    width = max(max(m.reshape(-1, m.shape[-1]).shape) for m in mats)
+    width = max(m.shape[1] for m in mats)
 
     @jax.jit
     def chain(mats, x):
         for m in mats:
-            m = m.reshape(-1, m.shape[-1])
-            y = jnp.einsum("OI,I->O", m, x[: m.shape[1]].astype(m.dtype),
+            o, i = m.shape
+            y = jnp.einsum("RI,OI->RO", x[:, :i].astype(m.dtype), m,
                            preferred_element_type=jnp.float32)
-            x = x.at[: m.shape[0]].add(1e-6 * y)  # the next product depends on this one
+            x = x + 1e-6 * (y[:, :width] if o >= width else jnp.pad(y, ((0, 0), (0, width - o))))
         return x
 
-    x = jnp.full((width,), 1e-3, jnp.float32)
+    x = jnp.full((1, width), 1e-3, jnp.float32)
     chain(mats, x).block_until_ready()
     times = []
     for _ in range(repeats):
