@@ -20,7 +20,7 @@ def sync_llm(stories_dir):
 
 def workload(tokenizer):
     refs = reference_requests(tokenizer)
-    prompts = [ids for ids, _, _ in refs] + [tokenizer.encode(p) for p in MIXED]
+    prompts = [ids for ids, _, _ in refs] + [tokenizer.encode(p) for p in MIXED[:8]]
     params = [sp for _, sp, _ in refs] + [
         SamplingParams(temperature=0.0, max_tokens=40),
         SamplingParams(temperature=0.9, seed=3, max_tokens=60),
@@ -30,7 +30,7 @@ def workload(tokenizer):
         SamplingParams(temperature=0.0, max_tokens=30, min_tokens=25),
         SamplingParams(temperature=1.0, top_k=20, seed=9, max_tokens=1),
         SamplingParams(temperature=0.0, max_tokens=45, stop_token_ids=[13]),
-    ] * 2
+    ]
     return refs, prompts, params
 
 
