@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"],
                    help="int8 weights: int8 (weight-only, w8a16) or w8a8 (int8 activations too); "
                    "a checkpoint from `jaxinfer quantize` is int8 already")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="dispatch each step before the previous one's tokens are read back "
+                   "(default: on, off with --speculative)")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, "
                    "per-head scales)")
@@ -491,6 +494,7 @@ def _load_llm(args: argparse.Namespace):
             attn_impl=args.attn_impl,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            async_scheduling=args.async_scheduling,
             tokenizer=args.tokenizer,
             seed=args.seed,
             tensor_parallel_size=args.tensor_parallel_size,

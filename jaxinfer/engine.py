@@ -33,7 +33,8 @@ class EngineConfig:
 
     Attributes:
         max_model_len: longest sequence (prompt + output), tokens.
-        page_size: Z, tokens per KV page.
+        page_size: Z, tokens per KV page (``LLM`` and the CLI default to ``default_page_size``:
+            8 on CPU with the XLA attention).
         num_pages: P, pages in the pool (page 0 is reserved as the null page).
         max_num_seqs: most sequences running at once (rows of a step).
         max_num_batched_tokens: token budget of one step.

@@ -72,7 +72,8 @@ class LLM:
         unroll_layers: layers as an unrolled loop over per-layer weights (faster decode, longer
             compiles) or ``lax.scan`` over stacked ones; None = unrolled on CPU only.
         async_scheduling: dispatch each step before the previous one's tokens are read back, so
-            host work overlaps the device (same outputs); None = on. See ``EngineConfig``.
+            host work overlaps the device (same outputs); None = on, except with ``speculative``
+            (its rounds run synchronously; True with it raises ValueError). See ``EngineConfig``.
 
     Raises:
         CheckpointError / TokenizerError: the model cannot be loaded (message names the file).
@@ -100,6 +101,9 @@ class LLM:
         from jaxinfer.loaders import load
         from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
 
+        if speculative is not None and async_scheduling:
+            raise ValueError("async_scheduling=True is not supported with speculative decoding "
+                             "(its rounds run synchronously); leave it None or pass False")
         if compilation_cache:
             enable_compilation_cache()
         placer = ShardedPlacer(tensor_parallel_size, data_parallel_size)

@@ -91,3 +91,10 @@ def test_async_scheduling_flag_is_validated():
 
     with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
         EngineConfig(max_model_len=64, async_scheduling="yes")
+
+
+def test_async_with_speculative_is_refused(stories_dir):
+    from jaxinfer.llm import LLM
+
+    with pytest.raises(ValueError, match="not supported with speculative decoding"):
+        LLM(stories_dir, speculative="ngram", async_scheduling=True, compilation_cache=False)
