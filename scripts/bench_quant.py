@@ -26,6 +26,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
+from benchlib import time_calls  # noqa: E402
 
 MODES = {  # name: (quantization, kv_cache_dtype)
     "float32": (None, "auto"),
@@ -38,14 +39,7 @@ MODES = {  # name: (quantization, kv_cache_dtype)
 
 def bandwidth_gbs() -> float:
     big = jnp.ones((256 * 2**20 // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(big).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        f(big).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return big.nbytes / min(ts) / 1e9
+    return big.nbytes / min(time_calls(jax.jit(jnp.sum), big, repeats=5)) / 1e9
 
 
 def decode_tok_s(llm, batch: int, tokens: int) -> float:
@@ -103,12 +97,7 @@ def bench_formulations(rows_list=(1, 4, 32), repeats: int = 3) -> dict:
 
                 f = jax.jit(step)
                 tokens = jnp.arange(rows, dtype=jnp.int32)
-                f(params, tokens).block_until_ready()
-                ts = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    f(params, tokens).block_until_ready()
-                    ts.append(time.perf_counter() - t0)
+                ts = time_calls(f, params, tokens, repeats=repeats)
                 out[f"rows{rows}:{name}"] = {
                     "ms": round(min(ts) * 1e3, 2),
                     "weight_bytes": weight_bytes(params),

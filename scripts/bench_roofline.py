@@ -33,7 +33,16 @@ import inspect
 import time
 
 import numpy as np
-from benchlib import add_common_args, emit, greedy, host_info, kv_slot_bytes, log, resolve_model
+from benchlib import (
+    add_common_args,
+    emit,
+    greedy,
+    host_info,
+    kv_slot_bytes,
+    log,
+    resolve_model,
+    time_calls,
+)
 
 
 def measure_bandwidth(megabytes: int, repeats: int) -> dict:
@@ -43,14 +52,7 @@ def measure_bandwidth(megabytes: int, repeats: int) -> dict:
 
     n = megabytes * 2**20 // 4
     x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    best = min(times)
+    best = min(time_calls(jax.jit(jnp.sum), x, repeats=repeats))
     del x
     return {
         "bytes": n * 4,
@@ -83,13 +85,7 @@ def matmul_floor(params, repeats: int) -> dict | None:
             x = x + 1e-6 * (y[:, :width] if o >= width else jnp.pad(y, ((0, 0), (0, width - o))))
         return x
 
-    x = jnp.full((1, width), 1e-3, jnp.float32)
-    chain(mats, x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        chain(mats, x).block_until_ready()
-        times.append(time.perf_counter() - t)
+    times = time_calls(chain, mats, jnp.full((1, width), 1e-3, jnp.float32), repeats=repeats)
     return {"step_s_p50": round(float(np.median(times)), 6), "step_s_best": round(min(times), 6)}
 
 

@@ -212,6 +212,20 @@ def emit(summary: dict, name: str, results_dir: str | os.PathLike) -> None:
         f.write(line + "\n")
 
 
+def time_calls(f, *args, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls ``f(*args)`` (a jitted function), each waited for
+    with ``block_until_ready``, after one untimed warm-up call (compilation)."""
+    import jax
+
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def log(*args) -> None:
     """Progress to stderr (stdout carries only the JSON summary)."""
     print(*args, file=sys.stderr, flush=True)
