@@ -21,6 +21,14 @@ MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5
 """Temperatures below this mean greedy sampling (vLLM's ``_SAMPLING_EPS``)."""
 
+F32_TINY = float(np.finfo(np.float32).tiny)
+"""Smallest normal float32 (1.1754944e-38): a non-zero float field below it in magnitude would be
+0 (or a flushed denormal) on device, so it is refused."""
+F32_MAX = float(np.finfo(np.float32).max)
+"""Largest float32 (3.4028235e38): a float field above it would be inf on device."""
+I32_MAX = int(np.iinfo(np.int32).max)
+"""Largest int32: integer fields the device reads (``top_k``) must not exceed it."""
+
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
@@ -168,6 +176,17 @@ class SamplingParams:
             fail(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.top_k > I32_MAX:
+            fail(f"top_k must be <= {I32_MAX} (int32 on device; any k >= the vocabulary size "
+                 f"keeps every token), got {self.top_k}")
+        # What the device can represent: sampling runs in float32.
+        for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty") + (("temperature",) if self.temperature >= SAMPLING_EPS
+                                              else ()):
+            v = getattr(self, name)
+            if v != 0.0 and not F32_TINY <= abs(v) <= F32_MAX:
+                fail(f"{name}={v!r} cannot be represented in float32 on device (non-zero "
+                     f"magnitudes must be in [{F32_TINY:.8g}, {F32_MAX:.8g}])")
 
         # Normalisations, as vLLM's __post_init__.
         if self.top_k == -1:

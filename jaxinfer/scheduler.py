@@ -133,7 +133,9 @@ class Scheduler:
             return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Frees a running sequence's pages and puts it at the front of the waiting queue, to be
+        recomputed (prompt + output so far). A token it has in flight is still collected."""
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.num_computed = 0
@@ -157,14 +159,18 @@ class Scheduler:
         elif seq in self.waiting:  # preempted while its last token was in flight
             self.waiting.remove(seq)
 
-    def schedule(self) -> ScheduleOutput:
-        """Chooses the rows of the next step (decode rows first)."""
+    def schedule(self, only: Sequence | None = None) -> ScheduleOutput:
+        """Chooses the rows of the next step (decode rows first). With ``only``, the step holds
+        that sequence alone (running, or admitted from wherever it waits): the engine isolates a
+        request this way after a failed step."""
         budget = self.max_num_batched_tokens
         decode, prefill, preempted = [], [], []
         scheduled: set[int] = set()
         for seq in list(self.running):  # oldest first
             if seq.status is not SeqStatus.RUNNING or seq.pending_final:
                 continue  # preempted earlier in this loop, or its last token is in flight
+            if only is not None and seq is not only:
+                continue
             remaining = seq.num_tokens - seq.num_computed
             is_prefill = remaining > 1
             if budget <= 0 or (is_prefill and len(prefill) >= self.max_prefill_seqs):
@@ -172,7 +178,7 @@ class Scheduler:
             n = min(remaining, budget)
             while not self._grow(seq, seq.num_computed + n):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
@@ -183,7 +189,9 @@ class Scheduler:
             budget -= n
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(prefill) < self.max_prefill_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[0] if only is None else only
+            if only is not None and (only.status is not SeqStatus.WAITING or id(only) in scheduled):
+                break
             remaining = seq.num_tokens - seq.num_computed
             n = min(remaining, budget)
             # Admission keeps one free page per running sequence in reserve (each may need a new
@@ -194,7 +202,7 @@ class Scheduler:
                     break
             if not self._grow(seq, seq.num_computed + n):
                 break  # admit nobody until pages are freed
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.add(id(seq))
