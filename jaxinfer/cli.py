@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument(
         "--tokenizer", default=None, help="tokenizer file overriding the one found beside the model"
     )
+    io.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer (as vLLM): records give prompt_token_ids, output records have "
+        "token_ids and no text, records that need text get an error record; a model with no "
+        "tokenizer beside it runs this way too, with a warning",
+    )
 
     e = g.add_argument_group("engine")
     e.add_argument(
@@ -496,6 +503,7 @@ def _load_llm(args: argparse.Namespace):
             kv_cache_dtype=args.kv_cache_dtype,
             async_scheduling=args.async_scheduling,
             tokenizer=args.tokenizer,
+            skip_tokenizer_init=args.skip_tokenizer_init,
             seed=args.seed,
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,

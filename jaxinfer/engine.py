@@ -25,6 +25,7 @@ from jaxinfer.scheduler import Scheduler, Sequence, SeqStatus
 from jaxinfer.sharding import to_host
 from jaxinfer.step import LogitsControls, jitted_forward_step, jitted_sample_step
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.tokenizers.ids_only import no_tokenizer_message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,7 @@ class EngineConfig:
 class _Request:
     seq: Sequence
     prompt: str | None
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None without a tokenizer: token ids only, no text
     text: str = ""  # visible output text (after stop-string cuts)
     emitted: int = 0  # characters of text already streamed
 
@@ -250,11 +251,17 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
-        """Queues a validated request (call ``validate`` first)."""
+        """Queues a validated request (call ``validate`` first).
+
+        Raises RequestError for a duplicate id, or stop strings on a model without a tokenizer
+        (``tokenizer.has_text`` False: the request's outputs then have ``text`` None)."""
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}")
+        if not self.tokenizer.has_text and params.stop:
+            raise RequestError(no_tokenizer_message(self.tokenizer.path, "a stop string (stop)"))
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params, draw_seed(params, self._rng))
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
+        detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
+                 if self.tokenizer.has_text else None)
         self._requests[request_id] = _Request(seq, prompt, detok)
         self.scheduler.add(seq)
 
@@ -381,7 +388,7 @@ class Engine:
             reason, seq.stop_reason = "stop", None
         elif tok in p.stop_token_ids:
             reason, seq.stop_reason = "stop", tok
-        else:
+        elif req.detok is not None:
             new_start = len(req.text)
             req.text += req.detok.add(tok)
             if p.stop and len(seq.output_ids) >= p.min_tokens:
@@ -415,11 +422,13 @@ class Engine:
             m.ttft_s = seq.first_token_time - seq.arrival_time
             m.tpot_s = (seq.last_token_time - seq.first_token_time) / (n_out - 1) if n_out > 1 else 0.0
             m.e2e_s = seq.last_token_time - seq.arrival_time
+        has_text = req.detok is not None
         out = RequestOutput(
             request_id=seq.request_id, prompt=req.prompt, prompt_token_ids=seq.prompt_ids,
-            text=req.text[:visible], token_ids=list(seq.output_ids), finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            metrics=m, delta_text=delta,
+            text=req.text[:visible] if has_text else None, token_ids=list(seq.output_ids),
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            metrics=m, delta_text=delta if has_text else None,
         )
         if finished:
             del self._requests[seq.request_id]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from jaxinfer.engine import kv_cache_dtype as resolve_kv_dtype
 from jaxinfer.errors import JaxinferError, RequestError, TokenizerError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.tokenizers.ids_only import IdsOnlyTokenizer, NoTokenizerWarning, no_tokenizer_message
 
 PromptLike = str | Sequence[int] | dict
 
@@ -74,6 +76,13 @@ class LLM:
         async_scheduling: dispatch each step before the previous one's tokens are read back, so
             host work overlaps the device (same outputs); None = on, except with ``speculative``
             (its rounds run synchronously; True with it raises ValueError). See ``EngineConfig``.
+        skip_tokenizer_init: load no tokenizer, as vLLM's option: prompts are token ids (a list,
+            or {"prompt_token_ids": [...]}), outputs have ``token_ids`` and ``text`` None, and a
+            request that needs text (a str prompt, "prompt", "messages", ``stop`` strings) fails
+            alone with a RequestError. EOS comes from the checkpoint's config
+            (``tokenizers.ids_only.config_special_ids``). A model with no tokenizer beside it
+            (and no ``tokenizer``) runs this way too, with a ``NoTokenizerWarning``; then
+            ``self.tokenizer`` is None.
 
     Raises:
         CheckpointError / TokenizerError: the model cannot be loaded (message names the file).
@@ -97,7 +106,7 @@ class LLM:
                  num_speculative_tokens: int = 4, draft_model: str | None = None,
                  draft_heads: str | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", unroll_layers: bool | None = None,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, skip_tokenizer_init: bool = False):
         from jaxinfer.loaders import load
         from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
 
@@ -107,7 +116,11 @@ class LLM:
         if compilation_cache:
             enable_compilation_cache()
         placer = ShardedPlacer(tensor_parallel_size, data_parallel_size)
-        loaded = load(model, dtype=dtype, tokenizer=tokenizer, place=placer)
+        if not isinstance(skip_tokenizer_init, bool):
+            raise ValueError(
+                f"skip_tokenizer_init must be True or False, got {skip_tokenizer_init!r}")
+        loaded = load(model, dtype=dtype, tokenizer=tokenizer, place=placer,
+                      skip_tokenizer_init=skip_tokenizer_init)
         self.model_path = str(model)
         self.config, self.params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
         if quantization not in (None, "none"):
@@ -116,10 +129,10 @@ class LLM:
             if placer.mesh is not None:
                 raise ValueError("quantization with tensor/data parallel is not supported yet")
             self.params = apply_quantization(self.params, quantization)
+        # Without a tokenizer the engine gets a stand-in holding the config's special ids.
+        self._engine_tokenizer = self.tokenizer or IdsOnlyTokenizer(self.config, loaded.path)
         if self.tokenizer is None:
-            raise TokenizerError(
-                f"no tokenizer found for {model} (looked for tokenizer.json, *.model and a "
-                "llama2.c tokenizer .bin beside it); pass tokenizer=PATH")
+            _warn_no_tokenizer(model, self._engine_tokenizer.eos_ids, skip_tokenizer_init)
         if max_model_len is not None and not 2 <= max_model_len <= self.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} must be in [2, {self.config.max_position_embeddings}] "
@@ -140,10 +153,10 @@ class LLM:
                                          int(kv_cache_memory_gb * 2**30) * placer.plan.tp)
         ecfg = EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages})
         if self.mesh is None:
-            self.engines = [Engine(run_cfg, self.params, self.tokenizer, ecfg)]
+            self.engines = [Engine(run_cfg, self.params, self._engine_tokenizer, ecfg)]
         else:
-            self.engines = [Engine(run_cfg, replica_view(self.params, m), self.tokenizer, ecfg,
-                                   mesh=m) for m in replica_meshes(self.mesh)]
+            self.engines = [Engine(run_cfg, replica_view(self.params, m), self._engine_tokenizer,
+                                   ecfg, mesh=m) for m in replica_meshes(self.mesh)]
         if speculative is not None:
             from jaxinfer.speculative.engine import make_spec_engine
 
@@ -163,9 +176,11 @@ class LLM:
 
     def encode_prompt(self, prompt: PromptLike) -> tuple[list[int], str | None]:
         """Token ids (and text) of a prompt: a string, a list of token ids, or a dict with
-        ``"prompt"``, ``"prompt_token_ids"`` or ``"messages"`` (chat). Raises RequestError."""
+        ``"prompt"``, ``"prompt_token_ids"`` or ``"messages"`` (chat). Raises RequestError (also
+        for a text prompt when the model runs without a tokenizer)."""
+        tok = self._engine_tokenizer  # without a tokenizer, its encode raises RequestError
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt), prompt
+            return tok.encode(prompt), prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -173,12 +188,12 @@ class LLM:
                     raise RequestError("prompt_token_ids must be a list of integers")
                 return list(ids), None
             if "messages" in prompt:
-                text = self.tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True)
-                return self.tokenizer.encode(text, add_special_tokens=False), text
+                text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
+                return tok.encode(text, add_special_tokens=False), text
             if "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise RequestError("prompt must be a string")
-                return self.tokenizer.encode(prompt["prompt"]), prompt["prompt"]
+                return tok.encode(prompt["prompt"]), prompt["prompt"]
             raise RequestError("a request needs one of 'prompt', 'prompt_token_ids', 'messages'")
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             return list(prompt), None
@@ -254,10 +269,30 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
-        list of conversations, through the tokenizer's chat template."""
+        list of conversations, through the tokenizer's chat template.
+
+        Raises RequestError when the model runs without a tokenizer, TokenizerError when its
+        tokenizer has no chat template."""
+        if self.tokenizer is None:
+            raise RequestError(no_tokenizer_message(self.model_path, "chat()"))
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise TokenizerError(
                 f"the tokenizer of {self.model_path} has no chat template; use generate() with "
                 "plain prompts")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)
+
+def _warn_no_tokenizer(model, eos_ids: tuple[int, ...], asked: bool) -> None:
+    """Warns that ``model`` runs on token ids only (always when no tokenizer was found; with
+    ``skip_tokenizer_init`` only when the config names no EOS id)."""
+    if asked and eos_ids:
+        return
+    stop = (f"generation stops at EOS id(s) {list(eos_ids)} from the checkpoint's config"
+            if eos_ids else "the checkpoint's config names no EOS id, so generation stops only at "
+            "max_tokens, max_model_len or stop_token_ids")
+    why = ("skip_tokenizer_init=True" if asked else
+           f"no tokenizer found for {model} (looked for tokenizer.json, *.model and a llama2.c "
+           "tokenizer .bin beside it; pass tokenizer=PATH for text)")
+    warnings.warn(f"{why}: running on token ids only, as vLLM's skip_tokenizer_init: prompts must "
+                  "be token ids (prompt_token_ids), outputs have no text, and requests that need "
+                  f"text fail alone; {stop}", NoTokenizerWarning, stacklevel=3)

@@ -53,39 +53,41 @@ class RequestOutput:
         request_id: the caller's id (or its index in the batch as a string).
         prompt: the prompt text when one was given.
         prompt_token_ids: the tokens the model saw.
-        text: generated text (stop string removed unless asked to include it).
+        text: generated text (stop string removed unless asked to include it); None when the
+            model runs without a tokenizer (``LLM(skip_tokenizer_init=True)`` or none found).
         token_ids: generated token ids (a stop token id included).
         finish_reason: "stop", "length", "error", or None while running.
         stop_reason: the stop string or stop token id that ended it, if any.
         logprobs: one ``TokenLogprob`` per generated token when requested, else None.
         metrics: timings and counts.
         error: why the request failed (finish_reason "error"), else None.
-        delta_text: text added since the previous streamed output (streaming only).
+        delta_text: text added since the previous streamed output (streaming only); None
+            without a tokenizer.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str = ""
+    text: str | None = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
     error: str | None = None
-    delta_text: str = ""
+    delta_text: str | None = ""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def to_record(self) -> dict:
-        """The JSONL record the CLI writes."""
+        """The JSONL record the CLI writes (no "text" key when ``text`` is None)."""
         if self.error is not None:
             return {"id": self.request_id, "error": self.error, "finish_reason": "error"}
         rec = {
             "id": self.request_id,
-            "text": self.text,
+            **({} if self.text is None else {"text": self.text}),
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,

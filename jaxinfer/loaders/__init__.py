@@ -124,6 +124,7 @@ def load(
     dtype="float32",
     tokenizer: str | os.PathLike | None = None,
     place=None,
+    skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
     """Loads a checkpoint of any supported format, with its tokenizer.
 
@@ -135,16 +136,21 @@ def load(
             (the checkpoint's directory is searched when ``path`` is a file).
         place: optional ``place(cfg, field, x: np.ndarray) -> jax.Array`` putting each host
             tensor on devices (e.g. ``jaxinfer.sharding.ShardedPlacer``, which shards it).
+        skip_tokenizer_init: load no tokenizer (as vLLM's option of that name).
 
     Returns:
         LoadedModel with ``tokenizer`` None when no tokenizer was given and none is beside the
-        checkpoint.
+        checkpoint, or with ``skip_tokenizer_init``.
 
     Raises:
         CheckpointError: unrecognised path or damaged checkpoint.
         TokenizerError: the tokenizer given explicitly cannot be loaded, or does not match the
             model's vocabulary.
+        ValueError: both ``tokenizer`` and ``skip_tokenizer_init`` are given.
     """
+    if skip_tokenizer_init and tokenizer is not None:
+        raise ValueError(f"tokenizer={tokenizer!s} and skip_tokenizer_init=True contradict each "
+                         "other: pass one or the other")
     dtype = _resolve_dtype(dtype)
     fmt, ckpt = detect_format(path)
     if fmt == "hf":
@@ -162,7 +168,7 @@ def load(
 
         cfg, params = load_llama2c(ckpt, dtype, place=place)
         tok_dir = ckpt.parent
-    tok = _load_tokenizer(tokenizer, tok_dir, cfg)
+    tok = None if skip_tokenizer_init else _load_tokenizer(tokenizer, tok_dir, cfg)
     return LoadedModel(config=cfg, params=params, tokenizer=tok, path=Path(path))
 
 

@@ -23,6 +23,8 @@ class Tokenizer:
         add_bos: whether ``encode(text, add_special_tokens=True)`` prepends ``bos_id``.
         chat_template: jinja2 source, or None.
         path: the file the vocabulary was read from (for error messages).
+        has_text: False only for ``IdsOnlyTokenizer``, the stand-in of a model run without a
+            tokenizer (token ids in and out, no text).
     """
 
     vocab_size: int
@@ -31,6 +33,7 @@ class Tokenizer:
     add_bos: bool
     chat_template: str | None
     path: Path
+    has_text: bool = True
     _special_ids: frozenset[int] = frozenset()  # control / special added tokens of the backend
 
     def __init__(self, path: Path, special_tokens: dict[str, str], chat_template: str | None):
