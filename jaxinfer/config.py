@@ -8,8 +8,40 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
+
+INT32_MAX = 2**31 - 1  # token ids, positions and sizes are int32 on device
+
+
+def check_int(name: str, v, low: int = 1, high: int = INT32_MAX) -> int:
+    """``v`` as an int when it is an integer (not a bool) in [low, high]; else ValueError naming
+    ``name``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {v!r} ({type(v).__name__})")
+    if not low <= v <= high:
+        raise ValueError(f"{name}={v} is out of range: expected an integer in [{low}, {high}]")
+    return int(v)
+
+
+def check_float(name: str, v, positive: bool = True, allow_zero: bool = False) -> float:
+    """``v`` as a float when it is a finite real number (not a bool), > 0 when ``positive``
+    (>= 0 with ``allow_zero``); else ValueError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {v!r} ({type(v).__name__})")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"{name}={v!r} must be finite")
+    if positive and not (f > 0 or (allow_zero and f == 0)):
+        raise ValueError(f"{name}={v!r} must be {'>= 0' if allow_zero else '> 0'}")
+    return f
+
+
+def check_bool(name: str, v) -> bool:
+    if not isinstance(v, bool | np.bool_):
+        raise ValueError(f"{name} must be true or false, got {v!r} ({type(v).__name__})")
+    return bool(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +62,22 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(
+                f"rope_scaling type {self.rope_type!r} is not supported; supported: 'linear', "
+                "'llama3'"
+            )
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, check_float(f"rope_scaling.{name}", getattr(self, name)))
+        object.__setattr__(self, "original_max_position_embeddings", check_int(
+            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings))
+        if self.rope_type == "llama3" and self.low_freq_factor >= self.high_freq_factor:
+            raise ValueError(
+                f"rope_scaling.low_freq_factor={self.low_freq_factor} must be below "
+                f"high_freq_factor={self.high_freq_factor} (llama3 divides by their difference)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +113,13 @@ class ModelConfig:
         layer_windows: per-layer sliding window in tokens (query at position i sees keys j with
             ``i - j < window``); 0 means global attention. Length L.
         tie_word_embeddings: LM head is the embedding matrix transposed.
+
+    Raises:
+        ValueError: a field of the wrong type or out of range: sizes are integers (not bools) in
+            [1, 2**31 - 1], ``rms_norm_eps`` finite and >= 0, ``rope_theta``, the softcaps and
+            ``query_pre_attn_scalar`` finite and > 0, flags bools, windows integers >= 0; or
+            ``layer_windows`` not of length L, N not a multiple of K, odd H, an unsupported
+            activation or RoPE scaling.
     """
 
     model_type: str
@@ -93,8 +148,31 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.model_type, str):
+            raise ValueError(f"model_type must be a string, got {self.model_type!r}")
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, check_int(name, getattr(self, name)))
+        object.__setattr__(
+            self, "rms_norm_eps", check_float("rms_norm_eps", self.rms_norm_eps, allow_zero=True))
+        object.__setattr__(self, "norm_weight_offset",
+                           check_float("norm_weight_offset", self.norm_weight_offset, False))
+        object.__setattr__(self, "rope_theta", check_float("rope_theta", self.rope_theta))
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcap",
+                     "final_logit_softcap"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_float(name, getattr(self, name)))
+        for name in ("attention_bias", "qk_norm", "post_norms", "embed_scale",
+                     "tie_word_embeddings"):
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(
+                f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if not isinstance(self.layer_windows, tuple | list):
+            raise ValueError(f"layer_windows must be a tuple of ints, got {self.layer_windows!r}")
         if not self.layer_windows:
             object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        object.__setattr__(self, "layer_windows", tuple(
+            check_int(f"layer_windows[{i}]", w, low=0) for i, w in enumerate(self.layer_windows)))
         if len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries, expected num_layers="
@@ -108,11 +186,6 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act={self.hidden_act!r}; supported: 'silu', 'gelu_tanh'")
-        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ("linear", "llama3"):
-            raise ValueError(
-                f"rope_scaling type {self.rope_scaling.rope_type!r} is not supported; "
-                "supported: 'linear', 'llama3'"
-            )
 
     @property
     def queries_per_kv(self) -> int:
@@ -132,14 +205,25 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
-        d, f, n, k, h = (self.hidden_size, self.intermediate_size, self.num_heads,
-                         self.num_kv_heads, self.head_dim)
-        attn = d * n * h + 2 * d * k * h + n * h * d
-        per_layer = attn + 3 * d * f + 2 * d
-        total = self.num_layers * per_layer + self.vocab_size * d + d
-        if not self.tie_word_embeddings:
-            total += self.vocab_size * d
-        return total
+        return num_params(self.vocab_size, self.hidden_size, self.intermediate_size,
+                          self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
+                          self.tie_word_embeddings)
+
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+               "num_kv_heads", "head_dim", "max_position_embeddings")
+
+
+def num_params(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+               head_dim: int, tied: bool) -> int:
+    """Parameter count of the core weights (embedding counted once when tied; biases and q/k
+    norms left out), in Python ints so absurd sizes do not overflow. A lower bound used to check
+    sizes read from a config against the bytes of the files that should hold them."""
+    d, f, n, k, h = hidden, intermediate, heads, kv_heads, head_dim
+    attn = d * n * h + 2 * d * k * h + n * h * d
+    per_layer = attn + 3 * d * f + 2 * d
+    total = layers * per_layer + vocab * d + d
+    return total if tied else total + vocab * d
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:

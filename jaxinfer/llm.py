@@ -18,6 +18,7 @@ import jax
 from jaxinfer.engine import Engine, EngineConfig, default_num_pages, default_page_size
 from jaxinfer.engine import kv_cache_dtype as resolve_kv_dtype
 from jaxinfer.errors import JaxinferError, RequestError, TokenizerError
+from jaxinfer.llm_args import check_kv_pool, check_llm_args
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizers.ids_only import IdsOnlyTokenizer, NoTokenizerWarning, no_tokenizer_message
@@ -107,6 +108,7 @@ class LLM:
                  draft_heads: str | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", unroll_layers: bool | None = None,
                  async_scheduling: bool | None = None, skip_tokenizer_init: bool = False):
+        check_llm_args(locals())  # first: locals() is the arguments alone
         from jaxinfer.loaders import load
         from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
 
@@ -152,6 +154,8 @@ class LLM:
             kv_pages = default_num_pages(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params),
                                          int(kv_cache_memory_gb * 2**30) * placer.plan.tp)
         ecfg = EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages})
+        check_kv_pool(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params), placer.plan.tp,
+                      None if self.mesh is None else list(self.mesh.devices.flat))
         if self.mesh is None:
             self.engines = [Engine(run_cfg, self.params, self._engine_tokenizer, ecfg)]
         else:

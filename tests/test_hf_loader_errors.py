@@ -154,6 +154,7 @@ def test_unsupported_layer_type():
         "intermediate_size": 8,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
+        "num_key_value_heads": 2,  # Gemma 2's default (4) does not divide 2 heads
         "head_dim": 4,
         "layer_types": ["full_attention", "chunked_attention"],
     }

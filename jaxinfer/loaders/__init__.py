@@ -17,18 +17,11 @@ from typing import TYPE_CHECKING
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
+from jaxinfer.loaders.detect import SUPPORTED_FORMATS, detect_format
 from jaxinfer.params import Params
 
 if TYPE_CHECKING:
     from jaxinfer.tokenizer import Tokenizer
-
-SUPPORTED_FORMATS = (
-    "a Hugging Face model directory (config.json + *.safetensors); "
-    "a llama2.c checkpoint .bin file (version 0, 1 or 2); "
-    "a directory holding exactly one llama2.c checkpoint .bin; "
-    "a quantized checkpoint directory (jaxinfer_quant.json, from `jaxinfer quantize`)"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
@@ -48,75 +41,23 @@ class LoadedModel:
     path: Path
 
 
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _resolve_dtype(dtype):
+    """The jnp dtype of a weight dtype name or dtype; ValueError unless one of WEIGHT_DTYPES."""
     import jax.numpy as jnp
 
-    if isinstance(dtype, str):
-        try:
-            return jnp.dtype(dtype)
-        except TypeError as e:
-            raise ValueError(
-                f"dtype {dtype!r} is not a dtype; use e.g. 'float32' or 'bfloat16'"
-            ) from e
-    return dtype
-
-
-def _llama2c_bins(directory: Path) -> tuple[list[Path], list[Path]]:
-    """(checkpoint .bin files, other .bin files) of a directory, sorted."""
-    from jaxinfer.loaders.llama2c import is_llama2c_checkpoint_file
-
-    ckpts, others = [], []
-    for f in sorted(directory.glob("*.bin")):
-        (ckpts if f.is_file() and is_llama2c_checkpoint_file(f) else others).append(f)
-    return ckpts, others
-
-
-def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
-    """Recognises a checkpoint: returns ("hf", directory) or ("llama2c", .bin file).
-
-    Raises:
-        CheckpointError: the path does not exist or holds no supported checkpoint (the message
-            says what was found and which formats are supported).
-    """
-    from jaxinfer.loaders.llama2c import is_llama2c_checkpoint_file, is_llama2c_tokenizer_file
-
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory; supported: {SUPPORTED_FORMATS}")
-    if p.is_dir():
-        if (p / "jaxinfer_quant.json").is_file():  # before config.json, which it may also hold
-            return "quantized", p
-        if (p / "config.json").is_file():
-            return "hf", p
-        ckpts, others = _llama2c_bins(p)
-        if len(ckpts) == 1:
-            return "llama2c", ckpts[0]
-        if len(ckpts) > 1:
-            raise CheckpointError(
-                f"{p}: directory holds {len(ckpts)} llama2.c checkpoints "
-                f"({', '.join(f.name for f in ckpts)}); pass the .bin file to load"
-            )
-        found = sorted(f.name for f in p.iterdir())
-        shown = ", ".join(found[:20]) + (", ..." if len(found) > 20 else "")
-        bad = [f"{f.name} ({f.stat().st_size} bytes)" for f in others
-               if f.is_file() and not is_llama2c_tokenizer_file(f)]
-        why = (f"; {', '.join(bad)}: not a valid llama2.c checkpoint (corrupt or truncated? pass "
-               "the file itself for details)") if bad else ""
-        raise CheckpointError(
-            f"{p}: no checkpoint found: no config.json and no llama2.c checkpoint .bin "
-            f"(directory holds: {shown or 'nothing'}){why}; supported: {SUPPORTED_FORMATS}"
+    try:
+        resolved = None if isinstance(dtype, bool) else jnp.dtype(dtype)
+    except (TypeError, ValueError):
+        resolved = None
+    if resolved is None or resolved.name not in WEIGHT_DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported for weights; supported: {', '.join(WEIGHT_DTYPES)} "
+            "(int8 weights: quantization='int8')"
         )
-    if is_llama2c_checkpoint_file(p):
-        return "llama2c", p
-    if is_llama2c_tokenizer_file(p):
-        raise CheckpointError(
-            f"{p}: this is a llama2.c tokenizer file, not a checkpoint; "
-            f"supported: {SUPPORTED_FORMATS}"
-        )
-    raise CheckpointError(
-        f"{p}: unrecognised file ({p.stat().st_size} bytes, neither a llama2.c checkpoint "
-        f"header nor a model directory); supported: {SUPPORTED_FORMATS}"
-    )
+    return resolved
 
 
 def load(
@@ -195,4 +136,6 @@ def _has_tokenizer_files(d: Path) -> bool:
     return any(is_llama2c_tokenizer_file(f) for f in d.glob("*.bin"))
 
 
-__all__ = ["LoadedModel", "SUPPORTED_FORMATS", "detect_format", "load"]
+__all__ = [
+    "CheckpointError", "LoadedModel", "SUPPORTED_FORMATS", "WEIGHT_DTYPES", "detect_format", "load"
+]

@@ -1,16 +1,21 @@
 """Loader of Hugging Face checkpoint directories: config.json -> ModelConfig, safetensors -> Params.
 
-Supported ``model_type`` values: llama (Llama 2, Llama 3/3.1), mistral, qwen2, qwen3, gemma, gemma2,
-gemma3_text and gemma3 (the text tower of the multimodal checkpoint). Both the transformers 4 config
-layout (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``, ``sliding_window_pattern``) and
-the transformers 5 layout (``rope_parameters``, possibly nested per layer type, ``layer_types``) are
-read. Missing config fields take the default of transformers' configuration class of the family.
+The config is read by ``jaxinfer.loaders.hf_config`` (supported families and layouts are listed
+there). Before anything is allocated, every tensor's dtype and shape is read from the safetensors
+headers and checked against the config, the config's sizes against the files' bytes, and the
+weights' bytes against free memory; every tensor in the checkpoint must be used, except a
+documented allowlist that is ignored with a ``CheckpointWarning``:
+
+- ``*.rotary_emb.inv_freq`` (RoPE caches saved by old transformers; recomputed from the config);
+- ``lm_head.weight`` when the config ties the head (transformers ignores it too);
+- the vision tower and projector of a multimodal ``gemma3`` checkpoint (only the text runs).
 
 Tensors are read one at a time with ``safetensors.safe_open(framework="numpy")`` (bf16 comes back
-as an ``ml_dtypes.bfloat16`` array), cast to the target dtype and written into one preallocated
-numpy array per Params field (layers stacked on axis 0), which is moved to the device before the
-next field is filled. Each shard is opened per tensor so its memory map is released at once. The
-loader's transient host memory is one field (measured by ``scripts/load_memory.py``).
+as an ``ml_dtypes.bfloat16`` array), checked to be finite, cast to the target dtype and written
+into one preallocated numpy array per Params field (layers stacked on axis 0), which is moved to
+the device before the next field is filled. Each shard is opened per tensor so its memory map is
+released at once. The loader's transient host memory is one field (measured by
+``scripts/load_memory.py``).
 
 Layout changes (HF ``nn.Linear`` weights are ``[out, in]``; jaxinfer's are input-dim first):
 ``q_proj [N*H, D] -> wq [D, N, H]``, ``k/v_proj [K*H, D] -> [D, K, H]``, ``o_proj [D, N*H] -> wo
@@ -22,359 +27,29 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
+from jaxinfer.loaders.checks import (
+    CheckpointWarning,
+    check_cast,
+    check_finite,
+    check_fits,
+    param_bytes,
+)
+from jaxinfer.loaders.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
 from jaxinfer.params import Params, param_shapes, params_from_flat
 
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "gemma3",
-)
-_GEMMAS = ("gemma", "gemma2", "gemma3_text")
+__all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "load_hf"]
+
 _FILE_DTYPES = ("F32", "F16", "BF16")
-
-# Defaults of transformers' configuration classes, for fields a config.json may omit.
-_DEFAULTS: dict[str, dict] = {
-    "llama": dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        rope_theta=10000.0,
-        head_dim=None,
-        sliding_window=None,
-    ),
-    "mistral": dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096 * 32,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        rope_theta=10000.0,
-        head_dim=None,
-        sliding_window=4096,
-        num_key_value_heads=8,
-    ),
-    "qwen2": dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        rope_theta=10000.0,
-        head_dim=None,
-        sliding_window=4096,
-        num_key_value_heads=32,
-        use_sliding_window=False,
-        max_window_layers=28,
-    ),
-    "qwen3": dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        rope_theta=10000.0,
-        head_dim=128,
-        sliding_window=4096,
-        num_key_value_heads=32,
-        use_sliding_window=False,
-        max_window_layers=28,
-    ),
-    "gemma": dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        hidden_act="gelu_pytorch_tanh",
-        rope_theta=10000.0,
-        head_dim=256,
-        num_key_value_heads=16,
-        sliding_window=None,
-    ),
-    "gemma2": dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        hidden_activation="gelu_pytorch_tanh",
-        rope_theta=10000.0,
-        head_dim=256,
-        num_key_value_heads=4,
-        query_pre_attn_scalar=256,
-        sliding_window=4096,
-        final_logit_softcapping=30.0,
-        attn_logit_softcapping=50.0,
-    ),
-    "gemma3_text": dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-        hidden_activation="gelu_pytorch_tanh",
-        rope_theta=1_000_000.0,
-        rope_local_base_freq=10_000.0,
-        head_dim=256,
-        num_key_value_heads=4,
-        query_pre_attn_scalar=256,
-        sliding_window=4096,
-        sliding_window_pattern=6,
-        final_logit_softcapping=None,
-        attn_logit_softcapping=None,
-    ),
-}
-_ACTS = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_new": "gelu_tanh",
-    "gelu_tanh": "gelu_tanh",
-}
-
-
-def _text_config(config: dict, where: str) -> tuple[str, dict]:
-    """(family, the text model's config) of a config.json dict; gemma3 nests it in text_config."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{where}: field 'model_type' is {model_type!r}; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if model_type != "gemma3":
-        return model_type, config
-    text = config.get("text_config")
-    if not isinstance(text, dict):
-        text = {}  # transformers builds the default Gemma3TextConfig
-    text = dict(text)
-    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
-    return "gemma3_text", text
-
-
-def _rope(
-    params: dict | None, where: str, field: str, max_pos: int
-) -> tuple[float | None, RopeScaling | None]:
-    """(rope_theta or None, scaling) of one rope dict (``rope_scaling`` or ``rope_parameters``).
-
-    llama3's ``original_max_position_embeddings`` defaults to ``max_pos``, as in transformers.
-    """
-    if not params:
-        return None, None
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(
-            f"{where}: field '{field}.partial_rotary_factor' is {params['partial_rotary_factor']}; "
-            "only 1.0 (RoPE over the whole head) is supported"
-        )
-    if rope_type == "default":
-        return theta, None
-    if rope_type == "linear":
-        return theta, RopeScaling("linear", factor=float(params["factor"]))
-    if rope_type == "llama3":
-        try:
-            return theta, RopeScaling(
-                "llama3",
-                factor=float(params["factor"]),
-                low_freq_factor=float(params["low_freq_factor"]),
-                high_freq_factor=float(params["high_freq_factor"]),
-                original_max_position_embeddings=int(
-                    params.get("original_max_position_embeddings", max_pos)
-                ),
-            )
-        except KeyError as e:
-            raise CheckpointError(
-                f"{where}: field '{field}' of rope_type 'llama3' lacks {e}"
-            ) from None
-    raise CheckpointError(
-        f"{where}: field '{field}.rope_type' is {rope_type!r}; "
-        "supported: 'default', 'linear', 'llama3'"
-    )
-
-
-def config_from_hf(config: dict, path_for_errors: str | os.PathLike = "config.json") -> ModelConfig:
-    """Maps a Hugging Face ``config.json`` dict to a ModelConfig.
-
-    Args:
-        config: the parsed config.json.
-        path_for_errors: the file named in error messages.
-
-    Returns:
-        The architecture. Sliding windows come from ``layer_types`` when present, otherwise from the
-        family's rule (Mistral: every layer; Qwen2/3: layers >= ``max_window_layers`` when
-        ``use_sliding_window``; Gemma 2: even layers; Gemma 3: all but every
-        ``sliding_window_pattern``-th layer).
-
-    Raises:
-        CheckpointError: unknown ``model_type``, missing required field, unsupported RoPE type,
-            activation, bias or layer type; the message names the file and the field.
-    """
-    where = str(path_for_errors)
-    family, c = _text_config(config, where)
-    d = _DEFAULTS[family]
-
-    def get(key):
-        if key in c and c[key] is not None:
-            return c[key]
-        if key in d:
-            return d[key]
-        raise CheckpointError(f"{where}: required field {key!r} is missing (model_type {family!r})")
-
-    def opt(key):
-        return c[key] if key in c else d.get(key)
-
-    hidden, n_heads, n_layers = (
-        int(get("hidden_size")),
-        int(get("num_attention_heads")),
-        int(get("num_hidden_layers")),
-    )
-    n_kv = c.get("num_key_value_heads")
-    if n_kv is None:
-        n_kv = (
-            n_heads
-            if family in ("llama", "mistral", "qwen2", "qwen3")
-            else d["num_key_value_heads"]
-        )
-    head_dim = c.get("head_dim") or d["head_dim"] or hidden // n_heads
-    if family == "qwen2":  # Qwen2 has no head_dim field; transformers reads it with getattr.
-        head_dim = c.get("head_dim") or hidden // n_heads
-
-    act_key = "hidden_activation" if family in ("gemma2", "gemma3_text") else "hidden_act"
-    act_name = get(act_key)
-    if family == "gemma" and act_name == "gelu":  # legacy Gemma value, meant as the tanh gelu
-        act_name = "gelu_pytorch_tanh"
-    if act_name not in _ACTS:
-        raise CheckpointError(
-            f"{where}: field {act_key!r} is {act_name!r}; supported: {', '.join(_ACTS)}"
-        )
-    if c.get("mlp_bias"):
-        raise CheckpointError(f"{where}: field 'mlp_bias' is true; MLP biases are not supported")
-    attention_bias = family == "qwen2"
-    if family != "qwen2" and c.get("attention_bias"):
-        raise CheckpointError(
-            f"{where}: field 'attention_bias' is true for {family!r} (this adds an o_proj bias); "
-            "only Qwen2's q/k/v biases are supported"
-        )
-    if c.get("use_bidirectional_attention"):
-        raise CheckpointError(
-            f"{where}: field 'use_bidirectional_attention' is true; only causal "
-            "attention is supported"
-        )
-
-    # RoPE: transformers 5 "rope_parameters" (flat, or nested per layer type) or 4's fields.
-    rp = c.get("rope_parameters")
-    max_pos = int(get("max_position_embeddings"))
-    rope_theta = None
-    scaling = None
-    local_theta = None
-    if rp and ("full_attention" in rp or "sliding_attention" in rp):
-        rope_theta, scaling = _rope(
-            rp.get("full_attention"), where, "rope_parameters.full_attention", max_pos
-        )
-        local_theta, local_scaling = _rope(
-            rp.get("sliding_attention"), where, "rope_parameters.sliding_attention", max_pos
-        )
-        if local_scaling is not None:
-            raise CheckpointError(
-                f"{where}: field 'rope_parameters.sliding_attention.rope_type' "
-                "must be 'default'; scaled local RoPE is not supported"
-            )
-    elif rp:
-        rope_theta, scaling = _rope(rp, where, "rope_parameters", max_pos)
-    else:
-        rope_theta, scaling = _rope(c.get("rope_scaling"), where, "rope_scaling", max_pos)
-    rope_theta = float(rope_theta if rope_theta is not None else get("rope_theta"))
-    if family == "gemma3_text":
-        if local_theta is None:
-            local_theta = get("rope_local_base_freq")
-        local_theta = float(local_theta)
-    else:
-        local_theta = None
-
-    # Sliding windows per layer.
-    if family in ("qwen2", "qwen3"):
-        window = get("sliding_window") if c.get("use_sliding_window", False) else None
-    elif family in ("llama", "gemma"):
-        window = None  # these families' modeling code never slides
-    else:
-        window = opt("sliding_window")
-    window = int(window) if window else 0
-    layer_types = c.get("layer_types")
-    if family in ("mistral", "llama", "gemma"):
-        layer_types = None  # ignored by these families' modeling code
-    if layer_types is None:
-        if family == "mistral":
-            layer_types = ["sliding_attention"] * n_layers
-        elif family in ("qwen2", "qwen3"):
-            mwl = int(get("max_window_layers"))
-            layer_types = [
-                "sliding_attention" if i >= mwl else "full_attention" for i in range(n_layers)
-            ]
-        elif family == "gemma2":
-            layer_types = [
-                "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)
-            ]
-        elif family == "gemma3_text":
-            pattern = int(get("sliding_window_pattern"))
-            layer_types = [
-                "sliding_attention" if (i + 1) % pattern else "full_attention"
-                for i in range(n_layers)
-            ]
-        else:
-            layer_types = ["full_attention"] * n_layers
-    if len(layer_types) != n_layers:
-        raise CheckpointError(
-            f"{where}: field 'layer_types' has {len(layer_types)} entries, "
-            f"expected num_hidden_layers={n_layers}"
-        )
-    windows = []
-    for i, t in enumerate(layer_types):
-        if t not in ("full_attention", "sliding_attention"):
-            raise CheckpointError(
-                f"{where}: field 'layer_types[{i}]' is {t!r}; supported: "
-                "'full_attention', 'sliding_attention'"
-            )
-        windows.append(window if t == "sliding_attention" else 0)
-
-    gemma = family in _GEMMAS
-    softcap = opt("attn_logit_softcapping") if family in ("gemma2", "gemma3_text") else None
-    final_softcap = opt("final_logit_softcapping") if family in ("gemma2", "gemma3_text") else None
-    qpas = get("query_pre_attn_scalar") if family in ("gemma2", "gemma3_text") else None
-    try:
-        return ModelConfig(
-            model_type=family,
-            vocab_size=int(get("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(get("intermediate_size")),
-            num_layers=n_layers,
-            num_heads=n_heads,
-            num_kv_heads=int(n_kv),
-            head_dim=int(head_dim),
-            max_position_embeddings=int(get("max_position_embeddings")),
-            rms_norm_eps=float(get("rms_norm_eps")),
-            norm_weight_offset=1.0 if gemma else 0.0,
-            hidden_act=_ACTS[act_name],
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            rope_local_theta=local_theta,
-            attention_bias=attention_bias,
-            qk_norm=family in ("qwen3", "gemma3_text"),
-            post_norms=family in ("gemma2", "gemma3_text"),
-            embed_scale=gemma,
-            query_pre_attn_scalar=None if qpas is None else float(qpas),
-            attn_logit_softcap=None if softcap is None else float(softcap),
-            final_logit_softcap=None if final_softcap is None else float(final_softcap),
-            layer_windows=tuple(windows),
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
-        )
-    except ValueError as e:
-        raise CheckpointError(f"{where}: {e}") from None
-
+_MAX_LISTED = 10  # unexpected tensors named in one message
 
 # ----------------------------------------------------------------------------------------------
 # Tensors.
@@ -449,20 +124,36 @@ def _specs(cfg: ModelConfig) -> dict[str, _Spec]:
 
 
 def _weight_map(path: str) -> tuple[dict[str, str], str]:
-    """(HF tensor name -> safetensors file path, the file that lists them for error messages)."""
+    """(HF tensor name -> safetensors file path, the file that lists them for error messages).
+
+    Raises CheckpointError: no weights file; an index that is not JSON or whose ``weight_map`` is
+    not an object of tensor names to file names inside the directory."""
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         try:
-            with open(index) as f:
+            with open(index, encoding="utf-8") as f:
                 wm = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(
                 f"{index}: unreadable index, expected a JSON object with a 'weight_map' field ({e})"
             ) from None
+        if not isinstance(wm, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v for k, v in wm.items()
+        ):
+            raise CheckpointError(
+                f"{index}: field 'weight_map' must map tensor names to shard file names (strings)"
+            )
+        for k, v in wm.items():
+            if os.path.isabs(v) or ".." in v.replace("\\", "/").split("/"):
+                raise CheckpointError(
+                    f"{index}: tensor {k!r} is mapped to {v!r}; shard files must lie in the "
+                    "checkpoint directory"
+                )
         return {k: os.path.join(path, v) for k, v in wm.items()}, index
     if os.path.exists(single):
-        return {k: single for k in _open(single, None).keys()}, single
+        with _open(single, None) as f:
+            return {k: single for k in f.keys()}, single
     raise CheckpointError(
         f"{path}: no model.safetensors or model.safetensors.index.json found "
         f"(files: {sorted(os.listdir(path))[:20]})"
@@ -485,29 +176,63 @@ def _open(file: str, tensor: str | None):
         ) from None
 
 
+def _headers(
+    where: dict[str, str], listing: str
+) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
+    """({name: (dtype, shape)}, {name: file}) of every tensor stored in the weight files, read
+    from their headers (no tensor data is read). safetensors checks on opening that each header's
+    offsets match its dtypes, shapes and the file's size.
+
+    Raises CheckpointError: a missing or unreadable shard; a tensor the index puts in a shard
+    that does not hold it; a tensor stored in two files."""
+    by_file: dict[str, list[str]] = {}
+    for name, file in where.items():
+        by_file.setdefault(file, []).append(name)
+    info: dict[str, tuple[str, tuple[int, ...]]] = {}
+    stored_in: dict[str, str] = {}
+    for file, names in sorted(by_file.items()):
+        with _open(file, names[0] if file != listing else None) as f:
+            for name in f.keys():
+                if name in stored_in:
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} is also stored in {stored_in[name]}"
+                    )
+                sl = f.get_slice(name)
+                info[name], stored_in[name] = (sl.get_dtype(), tuple(sl.get_shape())), file
+        lost = [n for n in names if stored_in.get(n) != file]
+        if lost:
+            raise CheckpointError(
+                f"{listing}: tensor {lost[0]!r} is listed in {os.path.basename(file)}, which does "
+                f"not hold it ({len(lost)} such tensor(s))"
+            )
+    return info, stored_in
+
+
 def _read(file: str, name: str, expected: tuple[int, ...], field: str) -> np.ndarray:
     """One tensor as a numpy array in its file dtype, shape-checked."""
     with _open(file, name) as f:
         try:
             sl = f.get_slice(name)
-            dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-        except Exception as e:
-            raise CheckpointError(f"{file}: tensor {name!r} cannot be read: {e}") from None
-        if dtype not in _FILE_DTYPES:
-            raise CheckpointError(
-                f"{file}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_FILE_DTYPES)}"
-            )
-        if shape != expected:
-            raise CheckpointError(
-                f"{file}: tensor {name!r} (for {field}) has shape {list(shape)}, "
-                f"expected {list(expected)}"
-            )
-        try:
+            _check_tensor(file, name, sl.get_dtype(), tuple(sl.get_shape()), expected, field)
             return f.get_tensor(name)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(
                 f"{file}: tensor {name!r} cannot be read (truncated or corrupt?): {e}"
             ) from None
+
+
+def _check_tensor(file, name, dtype: str, shape: tuple[int, ...], expected, field: str) -> None:
+    if dtype not in _FILE_DTYPES:
+        raise CheckpointError(
+            f"{file}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_FILE_DTYPES)}"
+        )
+    if shape != tuple(expected):
+        raise CheckpointError(
+            f"{file}: tensor {name!r} (for {field}) has shape {list(shape)}, "
+            f"expected {list(expected)}"
+        )
 
 
 def _prefixes(names: set[str], family_config: dict) -> tuple[str, str]:
@@ -520,6 +245,58 @@ def _prefixes(names: set[str], family_config: dict) -> tuple[str, str]:
         if prefix + "embed_tokens.weight" in names:
             return prefix, head
     return "model.", "lm_head.weight"
+
+
+def _ignored(name: str, model_type, cfg: ModelConfig, head_name: str) -> str | None:
+    """Why an unused tensor is on the allowlist (warned, not loaded), or None."""
+    if name.endswith(".rotary_emb.inv_freq"):
+        return "RoPE caches saved by old transformers (recomputed from the config)"
+    if name == head_name and cfg.tie_word_embeddings:
+        return ("the config ties the head to the embedding (tie_word_embeddings true), so the "
+                "stored head is not used, as in transformers")
+    if model_type == "gemma3" and ("vision_tower." in name or "multi_modal_projector." in name):
+        return "the vision tower of a multimodal Gemma 3 checkpoint (only the text model runs)"
+    return None
+
+
+def _check_unused(unused: list[str], stored_in: dict[str, str], raw: dict, cfg: ModelConfig,
+                  head_name: str, cfg_file: str) -> None:
+    """Warns about allowlisted unused tensors; raises CheckpointError naming the others."""
+    by_reason: dict[str, list[str]] = {}
+    unexpected = []
+    for name in sorted(unused):
+        why = _ignored(name, raw.get("model_type"), cfg, head_name)
+        (by_reason.setdefault(why, []) if why else unexpected).append(name)
+    if unexpected:
+        first = unexpected[0]
+        shown = ", ".join(repr(n) for n in unexpected[:_MAX_LISTED])
+        more = f" and {len(unexpected) - _MAX_LISTED} more" if len(unexpected) > _MAX_LISTED else ""
+        raise CheckpointError(
+            f"{stored_in[first]}: tensor {first!r} is not used by a {cfg.model_type!r} model "
+            f"with the architecture of {cfg_file} ({len(unexpected)} unexpected tensor(s): "
+            f"{shown}{more}); the checkpoint does not match its config (e.g. a bias or layer "
+            "the config does not describe)"
+        )
+    for why, names in by_reason.items():
+        warnings.warn(
+            f"{stored_in[names[0]]}: {len(names)} tensor(s) not loaded (e.g. {names[0]!r}): {why}",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+
+
+def _read_config(cfg_file: str):
+    if not os.path.isfile(cfg_file):
+        raise CheckpointError(
+            f"{cfg_file}: config.json is missing (expected a Hugging Face model directory)"
+        )
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise CheckpointError(f"{cfg_file}: not valid JSON: {e}") from None
+    except (OSError, RecursionError) as e:
+        raise CheckpointError(f"{cfg_file}: cannot be read: {type(e).__name__}: {e}") from None
 
 
 def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[ModelConfig, Params]:
@@ -535,57 +312,72 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
             ``jnp.asarray``.
 
     Returns:
-        (config, params). When ``lm_head.weight`` is absent the head is tied to the embedding even
-        if ``tie_word_embeddings`` is false; when the config ties, a stored ``lm_head`` is ignored
-       (as
-        transformers does).
+        (config, params). When the config ties the head, a stored ``lm_head`` is ignored with a
+        ``CheckpointWarning`` (as transformers does).
 
     Raises:
-        CheckpointError: missing config.json or safetensors files, unsupported config (see
-            ``config_from_hf``), a missing tensor, a tensor of the wrong shape or dtype, a truncated
-            or corrupt file. The message names the file, the HF tensor name and the expected and
-            found shapes.
+        CheckpointError: missing config.json or safetensors files; a config that is not a JSON
+            object or has a bad field (see ``config_from_hf``), or whose sizes imply more bytes
+            than the weight files hold; a missing tensor (the LM head too, when the config says
+            it is untied); a tensor of the wrong shape or dtype; a tensor the model does not use
+            (outside the allowlist in the module docstring); weights that do not fit in memory;
+            a tensor holding NaN or Inf, or overflowing ``dtype``; a truncated or corrupt file.
+            Everything but the last three is found from the headers before any tensor is read.
+            The message names the file, the HF tensor name or field, and what was expected.
     """
     path = os.fspath(path)
     cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise CheckpointError(
-            f"{cfg_file}: config.json is missing (expected a Hugging Face model directory)"
-        )
-    try:
-        with open(cfg_file) as f:
-            raw = json.load(f)
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON: {e}") from None
-    cfg = config_from_hf(raw, cfg_file)
+    raw = _read_config(cfg_file)
     where, listing = _weight_map(path)
-    prefix, head_name = _prefixes(set(where), raw)
-    if not cfg.tie_word_embeddings and head_name not in where:
-        cfg = cfg.__class__(**{**cfg.__dict__, "tie_word_embeddings": True})
-    np_dtype = np.dtype(dtype)
+    info, stored_in = _headers(where, listing)
+    ckpt_bytes = sum(os.path.getsize(f) for f in set(where.values()))
+    cfg = config_from_hf(raw, cfg_file, checkpoint_bytes=ckpt_bytes)
+    prefix, head_name = _prefixes(set(info), raw)
+    if not cfg.tie_word_embeddings and head_name not in info:
+        fields = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+        said = ("is false" if "tie_word_embeddings" in fields else
+                f"is absent (false by default for model_type {raw.get('model_type')!r})")
+        raise CheckpointError(
+            f"{listing}: tensor {head_name!r} is missing, but tie_word_embeddings in {cfg_file} "
+            f"{said}: an untied head must be stored; set it to true if the head is the "
+            "embedding matrix"
+        )
     specs = _specs(cfg)
-    flat = {}
-    for field, shape in param_shapes(cfg).items():
-        hf_name, hf_shape_fn, convert = specs[field]
+    shapes = param_shapes(cfg)
+    plan: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for field in shapes:  # every tensor checked from the headers before anything is allocated
+        hf_name, hf_shape_fn, _ = specs[field]
         hf_shape = hf_shape_fn(cfg)
         full = head_name if field == "lm_head" else prefix + hf_name
-        names = (
-            [full.format(i=i) for i in range(cfg.num_layers)]
-            if field.startswith("layers.")
-            else [full]
-        )
-        out = np.empty(shape, np_dtype)
-        for i, name in enumerate(names):
-            if name not in where:
+        names = ([full.format(i=i) for i in range(cfg.num_layers)]
+                 if field.startswith("layers.") else [full])
+        for name in names:
+            if name not in info:
                 raise CheckpointError(
                     f"{listing}: tensor {name!r} is missing (needed for {field}, expected shape "
                     f"{list(hf_shape)})"
                 )
-            x = convert(_read(where[name], name, hf_shape, field), cfg)
-            if field.startswith("layers."):
-                out[i] = x
-            else:
-                out[...] = x
+            _check_tensor(stored_in[name], name, *info[name], hf_shape, field)
+        plan[field] = [(name, hf_shape) for name in names]
+    used = {name for names in plan.values() for name, _ in names}
+    _check_unused([n for n in info if n not in used], stored_in, raw, cfg, head_name, cfg_file)
+    np_dtype = np.dtype(dtype)
+    biggest_field = max(param_bytes([s], np_dtype) for s in shapes.values())
+    biggest_tensor = max(param_bytes([s], np.float32) for s in (info[n][1] for n in used))
+    check_fits(listing, param_bytes(shapes.values(), np_dtype), biggest_field + 2 * biggest_tensor,
+               f"the weights in {np_dtype}")
+    flat = {}
+    for field, shape in shapes.items():
+        convert = specs[field][2]
+        out = np.empty(shape, np_dtype)
+        for i, (name, hf_shape) in enumerate(plan[field]):
+            file = stored_in[name]
+            x = _read(file, name, hf_shape, field)
+            check_finite(x, file, name)
+            dst = out[i] if field.startswith("layers.") else out
+            dst[...] = convert(x, cfg)
+            if x.dtype != np_dtype:
+                check_cast(dst, file, name)
             del x
         flat[field] = place(cfg, field, out) if place is not None else jnp.asarray(out)
         del out

@@ -25,6 +25,7 @@ to the same permutation of q's and k's head dimensions.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import struct
 
@@ -33,7 +34,8 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.params import Params, params_from_flat
+from jaxinfer.loaders.checks import check_cast, check_finite, check_fits, param_bytes
+from jaxinfer.params import Params, param_shapes, params_from_flat
 
 MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32
 HEADER_V1_BYTES = 256
@@ -200,7 +202,7 @@ def _layout(h: Llama2cHeader) -> list[tuple[str, str]]:
 
 
 def _nbytes(shape: tuple[int, ...], storage: str, group_size: int) -> int:
-    n = int(np.prod(shape))
+    n = math.prod(shape)  # Python ints: a header's absurd sizes must not overflow
     if storage == "i8":
         return n
     if storage == "scale":
@@ -214,6 +216,49 @@ def expected_size(h: Llama2cHeader) -> int:
     return h.header_bytes + sum(_nbytes(shapes[n], s, h.group_size) for n, s in _layout(h))
 
 
+_STORAGE = {"f32": "float32", "i8": "Q8_0 int8 values", "scale": "Q8_0 float32 scales"}
+
+
+def check_file_size(path: str | os.PathLike, h: Llama2cHeader) -> list[tuple[str, str, int, int]]:
+    """Checks the file holds exactly the tensors its header implies, before any is read.
+
+    Returns:
+        (name, storage, offset, bytes) of each tensor in file order (see ``_layout``).
+
+    Raises:
+        CheckpointError: a tensor runs past the end of the file (naming it, with the bytes it
+            needs and the bytes left, and the expected and actual file sizes); bytes left over
+            after the last tensor.
+    """
+    path = os.fspath(path)
+    shapes = tensor_shapes(h)
+    size = os.path.getsize(path)
+    offset = h.header_bytes
+    plan = []
+    for name, storage in _layout(h):
+        nbytes = _nbytes(shapes[name], storage, h.group_size)
+        if offset + nbytes > size:
+            raise CheckpointError(
+                f"{path}: truncated llama2.c checkpoint (version {h.version}): tensor {name!r} "
+                f"({_STORAGE[storage]}, shape {shapes[name]}) needs {nbytes} bytes at offset "
+                f"{offset}, found {max(size - offset, 0)}; expected file size "
+                f"{expected_size(h)} bytes, found {size} (header: {_fmt(_fields(h))})"
+            )
+        plan.append((name, storage, offset, nbytes))
+        offset += nbytes
+    if size != offset:
+        raise CheckpointError(
+            f"{path}: llama2.c checkpoint (version {h.version}) has {size - offset} trailing "
+            f"bytes after the last tensor: expected file size {offset} bytes, found {size} "
+            f"(header: {_fmt(_fields(h))}, shared_classifier={h.shared_classifier})"
+        )
+    return plan
+
+
+def _fields(h: Llama2cHeader) -> dict[str, int]:
+    return {k: getattr(h, k) for k in _HEADER_FIELDS}
+
+
 def read_tensors(path: str | os.PathLike, h: Llama2cHeader | None = None) -> dict[str, np.ndarray]:
     """Reads every tensor of a checkpoint as float32 numpy arrays in the file's own layout.
 
@@ -222,48 +267,33 @@ def read_tensors(path: str | os.PathLike, h: Llama2cHeader | None = None) -> dic
     weights, unpermuted: useful for reference implementations of ``run.c``.
 
     Raises:
-        CheckpointError: bad header; a tensor runs past the end of the file (naming it, with
-            the bytes it needs and the bytes left); bytes left over after the last tensor.
+        CheckpointError: bad header; the file's size differs from the one its header implies
+            (``check_file_size``, before anything is read); a tensor holding NaN or Inf (naming
+            it).
     """
     path = os.fspath(path)
     if h is None:
         h = read_header(path)
     shapes = tensor_shapes(h)
-    size = os.path.getsize(path)
-    raw = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-    offset = h.header_bytes
+    plan = check_file_size(path, h)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
     f32: dict[str, np.ndarray] = {}
     q8: dict[str, np.ndarray] = {}
-    for name, storage in _layout(h):
-        nbytes = _nbytes(shapes[name], storage, h.group_size)
-        if offset + nbytes > size:
-            what = {"f32": "float32", "i8": "Q8_0 int8 values", "scale": "Q8_0 float32 scales"}
-            raise CheckpointError(
-                f"{path}: truncated llama2.c checkpoint (version {h.version}): tensor {name!r} "
-                f"({what[storage]}, shape {shapes[name]}) needs {nbytes} bytes at offset "
-                f"{offset}, found {max(size - offset, 0)}; expected file size "
-                f"{expected_size(h)} bytes, found {size}"
-            )
+    for name, storage, offset, nbytes in plan:
         chunk = raw[offset : offset + nbytes]
-        offset += nbytes
         if name.startswith("freq_cis"):
             continue
         if storage == "f32":
             f32[name] = chunk.view("<f4").astype(np.float32).reshape(shapes[name])
+            check_finite(f32[name], path, name)
         elif storage == "i8":
             q8[name] = chunk.view(np.int8)
         else:
             scales = chunk.view("<f4").astype(np.float32)
+            check_finite(scales, path, f"{name} (Q8_0 scales)")
             vals = q8.pop(name).astype(np.float32).reshape(-1, h.group_size)
             f32[name] = (vals * scales[:, None]).reshape(shapes[name])
-    if size != offset:
-        raise CheckpointError(
-            f"{path}: llama2.c checkpoint (version {h.version}) has {size - offset} trailing "
-            f"bytes after the last tensor: expected file size {offset} bytes, found {size} "
-            f"(header: dim={h.dim}, hidden_dim={h.hidden_dim}, n_layers={h.n_layers}, "
-            f"n_heads={h.n_heads}, n_kv_heads={h.n_kv_heads}, vocab_size={h.vocab_size}, "
-            f"seq_len={h.seq_len}, shared_classifier={h.shared_classifier})"
-        )
+            check_finite(f32[name], path, name)  # int8 * a huge finite scale can overflow
     return f32
 
 
@@ -279,7 +309,8 @@ def interleaved_to_half(w: np.ndarray, heads: int, head_size: int) -> np.ndarray
 
 def config_from_header(h: Llama2cHeader) -> ModelConfig:
     """The ModelConfig of a llama2.c checkpoint (RMSNorm eps 1e-5 and RoPE theta 10000, as
-    hard-coded in ``run.c``)."""
+    hard-coded in ``run.c``). Check the file's size first (``check_file_size``): an absurd
+    header is cheap to read but its config is not (a tuple of L layer windows)."""
     return ModelConfig(
         model_type="llama2c",
         vocab_size=h.vocab_size,
@@ -296,7 +327,9 @@ def config_from_header(h: Llama2cHeader) -> ModelConfig:
     )
 
 
-def load_llama2c(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[ModelConfig, Params]:
+def load_llama2c(
+    path: str | os.PathLike, dtype=jnp.float32, place=None
+) -> tuple[ModelConfig, Params]:
     """Loads a llama2.c checkpoint (version 0, 1 or 2) into the engine's layout.
 
     Args:
@@ -310,10 +343,19 @@ def load_llama2c(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tupl
         w_down [L, F, D] (w2), embed [V, D], lm_head [D, V] when untied.
 
     Raises:
-        CheckpointError: bad header, truncated file or trailing bytes (see ``read_tensors``).
+        CheckpointError: bad header; truncated file or trailing bytes (``check_file_size``,
+            before anything is allocated); weights that do not fit in memory; a tensor holding
+            NaN or Inf, or overflowing ``dtype`` (naming it).
     """
     h = read_header(path)
+    check_file_size(path, h)
     cfg = config_from_header(h)
+    np_dtype = np.dtype(dtype)
+    shapes = param_shapes(cfg)
+    f32_bytes = param_bytes((s for n, s in tensor_shapes(h).items() if "freq_cis" not in n),
+                            np.float32)  # read_tensors' float32 copies, then the layout changes
+    check_fits(path, param_bytes(shapes.values(), np_dtype), 2 * f32_bytes,
+               f"the weights in {np_dtype}")
     t = read_tensors(path, h)
     L, D, N, K, H = h.n_layers, h.dim, h.n_heads, h.n_kv_heads, h.head_size
     wq = interleaved_to_half(t["wq"], N, H)  # [L, N*H, D]
@@ -333,12 +375,21 @@ def load_llama2c(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tupl
     }
     if not h.shared_classifier:
         flat["lm_head"] = t["wcls"].T
-    if place is not None:
-        np_dtype = np.dtype(dtype)
-        flat = {k: place(cfg, k, np.ascontiguousarray(v, np_dtype)) for k, v in flat.items()}
-        return cfg, params_from_flat(flat)
-    flat = {k: jnp.asarray(np.ascontiguousarray(v), dtype=dtype) for k, v in flat.items()}
-    return cfg, params_from_flat(flat)
+    out = {}
+    for k, v in flat.items():
+        x = np.ascontiguousarray(v, np_dtype)
+        if np_dtype != np.float32:
+            check_cast(x, path, _SOURCE[k])
+        out[k] = place(cfg, k, x) if place is not None else jnp.asarray(x)
+        del x
+    return cfg, params_from_flat(out)
+
+
+# Params field -> the llama2.c tensor it comes from (named in errors).
+_SOURCE = {"embed": "token_embedding", "final_norm": "rms_final", "layers.attn_norm": "rms_att",
+           "layers.mlp_norm": "rms_ffn", "layers.wq": "wq", "layers.wk": "wk", "layers.wv": "wv",
+           "layers.wo": "wo", "layers.w_gate": "w1", "layers.w_up": "w3", "layers.w_down": "w2",
+           "lm_head": "wcls"}
 
 
 def is_llama2c_tokenizer_file(path: str | os.PathLike) -> bool:

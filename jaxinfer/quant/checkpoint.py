@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -26,7 +27,10 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.errors import CheckpointError
-from jaxinfer.params import LayerParams, Params
+from jaxinfer.loaders.checks import check_fits
+from jaxinfer.loaders.detect import detect_format
+from jaxinfer.loaders.llama2c import is_llama2c_tokenizer_file
+from jaxinfer.params import LayerParams, Params, param_shapes
 from jaxinfer.quant.tensor import MODES, QTensor, quant_mode
 
 METADATA_FILE = "jaxinfer_quant.json"
@@ -75,8 +79,6 @@ def _sha256(path: Path) -> str:
 
 def source_identity(path: str | os.PathLike) -> dict:
     """Path and (name, bytes, sha256) of each weight/config file of a source checkpoint."""
-    from jaxinfer.loaders import detect_format
-
     fmt, ckpt = detect_format(path)
     if fmt == "hf":
         files = sorted(
@@ -104,17 +106,73 @@ def _config_to_json(cfg: ModelConfig) -> dict:
 
 
 def _config_from_json(d: dict) -> ModelConfig:
+    """The ModelConfig of the metadata's "config" (ValueError/TypeError when malformed)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, found {type(d).__name__}")
     d = dict(d)
     if d.get("rope_scaling") is not None:
+        if not isinstance(d["rope_scaling"], dict):
+            raise ValueError(f"rope_scaling must be an object, found {d['rope_scaling']!r}")
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    d["layer_windows"] = tuple(d.get("layer_windows", ()))
+    # Written in full by save_quantized: required, so num_layers cannot make a huge default.
+    if not isinstance(d.get("layer_windows"), list):
+        raise ValueError("layer_windows must be a list with one window per layer")
+    d["layer_windows"] = tuple(d["layer_windows"])
     return ModelConfig(**d)
 
 
-def _copy_tokenizer(src: str | os.PathLike, out: Path) -> list[str]:
-    from jaxinfer.loaders import detect_format
-    from jaxinfer.loaders.llama2c import is_llama2c_tokenizer_file
+def _expected_arrays(cfg: ModelConfig, quantized: dict) -> dict[str, tuple[int, ...]]:
+    """Shape of every array a checkpoint of ``cfg`` holds: ``param_shapes``, quantized fields
+    as ``.values`` [*lead, *out, *in] and ``.scales`` [*lead, *out] (``quantize_tensor``)."""
+    out = {}
+    for field, s in param_shapes(cfg).items():
+        if field not in quantized:
+            out[field] = s
+            continue
+        k = quantized[field]
+        lead = 1 if field.startswith("layers.") else 0
+        src = s[::-1] if field == "embed" else s  # the embedding is quantized as embed.T
+        out[f"{field}.values"] = src[:lead] + src[lead + k :] + src[lead : lead + k]
+        out[f"{field}.scales"] = src[:lead] + src[lead + k :]
+    return out
 
+
+def _check_arrays(meta: dict, cfg: ModelConfig, f: Path) -> None:
+    """The metadata's arrays are exactly those of ``cfg`` (names and shapes), with known dtypes;
+    CheckpointError naming the array otherwise."""
+    quantized, arrays = meta["quantized"], meta["arrays"]
+    if not isinstance(quantized, dict) or not all(
+        v in (1, 2) and not isinstance(v, bool) for v in quantized.values()
+    ):
+        raise CheckpointError(f"{f}: 'quantized' must map fields to their input axes (1 or 2)")
+    if not isinstance(arrays, dict) or not all(
+        isinstance(a, dict) and isinstance(a.get("shape"), list) for a in arrays.values()
+    ):
+        raise CheckpointError(f"{f}: 'arrays' must map names to objects with a 'shape' list")
+    expected = _expected_arrays(cfg, quantized)
+    for name, spec in arrays.items():
+        if name not in expected:
+            raise CheckpointError(
+                f"{f}: array {name!r} is not used by the model its config describes (expected "
+                f"arrays: {', '.join(sorted(expected))})"
+            )
+        if tuple(spec["shape"]) != expected[name]:
+            raise CheckpointError(
+                f"{f}: array {name!r} has shape {spec['shape']}, the config implies "
+                f"{list(expected[name])}"
+            )
+        try:
+            if not isinstance(spec.get("dtype"), str):
+                raise TypeError
+            jnp.dtype(spec["dtype"])
+        except TypeError:
+            raise CheckpointError(f"{f}: array {name!r} has dtype {spec.get('dtype')!r}") from None
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        raise CheckpointError(f"{f}: array {missing[0]!r} is missing from the metadata")
+
+
+def _copy_tokenizer(src: str | os.PathLike, out: Path) -> list[str]:
     fmt, ckpt = detect_format(src)
     d = ckpt if ckpt.is_dir() else ckpt.parent
     names = [n for n in TOKENIZER_FILES if (d / n).is_file()]
@@ -227,6 +285,14 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
         cfg = _config_from_json(meta["config"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path / METADATA_FILE}: bad config: {e}") from None
+    _check_arrays(meta, cfg, path / METADATA_FILE)
+    try:
+        fdtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(meta["dtype"])
+    except TypeError:
+        raise CheckpointError(f"{path / METADATA_FILE}: dtype {meta['dtype']!r}") from None
+    nbytes = sum(math.prod(a["shape"]) * jnp.dtype(a["dtype"]).itemsize
+                 for a in meta["arrays"].values())
+    check_fits(path, nbytes, 0, "the arrays")
     if place is not None and hasattr(place, "setup"):
         place.setup(cfg, np.dtype(meta["dtype"]))
         if getattr(place, "mesh", None) is not None:
@@ -235,10 +301,18 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
                 "int8 is not supported yet"
             )
     pdir = path / "params"
-    for name in meta["arrays"]:
+    for name, spec in meta["arrays"].items():
         adir = pdir / name
         if not (adir / ".zarray").is_file() or not any(adir.glob("[0-9]*")):
             raise CheckpointError(f"{adir}: array {name!r} is missing from the checkpoint")
+        try:  # restore allocates what .zarray says: check it before
+            shape = json.loads((adir / ".zarray").read_text()).get("shape")
+        except (OSError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{adir / '.zarray'}: unreadable: {e}") from None
+        if shape != spec["shape"]:
+            raise CheckpointError(
+                f"{adir / '.zarray'}: shape {shape}, metadata says {spec['shape']}"
+            )
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
     try:
         flat = ckptr.restore(pdir.resolve())
@@ -262,8 +336,12 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
                 f"{pdir / name}: array {name!r} is corrupt (its sha256 differs from the one "
                 f"recorded in {METADATA_FILE} at save time); re-run `jaxinfer quantize`"
             )
+        if jnp.issubdtype(x.dtype, jnp.floating) and not bool(jnp.isfinite(x).all()):
+            bad = int(x.size - jnp.isfinite(x).sum())
+            raise CheckpointError(
+                f"{pdir / name}: array {name!r} holds {bad} non-finite value(s) (NaN or Inf)"
+            )
     act = "int8" if meta["quantization"] == "w8a8" else "float"
-    fdtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(meta["dtype"])
 
     def field(name):
         if name in meta["quantized"]:
