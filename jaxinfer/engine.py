@@ -257,11 +257,12 @@ class Engine:
         (``tokenizer.has_text`` False: the request's outputs then have ``text`` None)."""
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}")
-        if not self.tokenizer.has_text and params.stop:
+        has_text = getattr(self.tokenizer, "has_text", True)  # duck-typed tokenizers have text
+        if not has_text and params.stop:
             raise RequestError(no_tokenizer_message(self.tokenizer.path, "a stop string (stop)"))
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params, draw_seed(params, self._rng))
         detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
-                 if self.tokenizer.has_text else None)
+                 if has_text else None)
         self._requests[request_id] = _Request(seq, prompt, detok)
         self.scheduler.add(seq)
 
