@@ -104,6 +104,7 @@ class _Request:
     detok: IncrementalDetokenizer | None  # None without a tokenizer: token ids only, no text
     text: str = ""  # visible output text (after stop-string cuts)
     emitted: int = 0  # characters of text already streamed
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,6 +118,8 @@ class _InFlight:
 
 
 KV_CACHE_DTYPES = ("auto", "int8")
+MAX_STEP_FAILURES = 2
+"""A request in this many failed steps fails (``Engine.step``'s recovery)."""
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -198,13 +201,13 @@ class Engine:
             params = out_in_projections(params)
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.mesh = mesh  # a jax.sharding.Mesh the params are sharded over (None: one device)
+        self._kv_dtype = kv_dtype
+        self.kv = self._new_kv_cache()
         if mesh is None:
-            self.kv = init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, kv_dtype, page_major)
             self._forward = jitted_forward_step()
         else:
-            from jaxinfer.sharding import sharded_kv_cache, step_out_shardings
+            from jaxinfer.sharding import step_out_shardings
 
-            self.kv = sharded_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, params.embed.dtype, mesh)
             self._forward = jitted_forward_step(out_shardings=step_out_shardings(mesh))
         self.allocator = PageAllocator(ecfg.num_pages)
         self.scheduler = Scheduler(self.allocator, ecfg.page_size, ecfg.max_num_seqs,
@@ -217,12 +220,29 @@ class Engine:
         self._no_prev = jax.numpy.zeros(self._num_slots, jax.numpy.int32)
         self._async = ecfg.async_scheduling is not False
         self._inflight: _InFlight | None = None
+        # Step-failure recovery (``step``): sequences the current attempt's device work covers,
+        # sequences to run alone until they sample a token, failed steps per request.
+        self._culprits: list[Sequence] = []
+        self._isolate: list[Sequence] = []
+        self._failures: dict[str, int] = {}
+        self.num_step_failures = 0
         self.compile_keys: set[tuple] = set()
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
         if cfg.model_type == "llama2c" and tokenizer.bos_id is not None:
             # llama2.c's run.c ends a sample when the model emits BOS (the start of a new story).
             self.stop_ids.add(tokenizer.bos_id)
+
+    def _new_kv_cache(self):
+        """A fresh, zeroed KV page pool for this engine (sharded over the mesh when there is one)."""
+        ecfg = self.ecfg
+        if self.mesh is None:
+            return init_kv_cache(self.cfg, ecfg.num_pages, ecfg.page_size, self._kv_dtype,
+                                 self.kv_page_major)
+        from jaxinfer.sharding import sharded_kv_cache
+
+        return sharded_kv_cache(self.cfg, ecfg.num_pages, ecfg.page_size, self.params.embed.dtype,
+                                self.mesh)
 
     @property
     def num_compilations(self) -> int:
@@ -248,6 +268,11 @@ class Engine:
             )
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise RequestError(f"logprobs={params.logprobs} > {MAX_LOGPROBS}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size}) "
+                "and could never be generated")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
@@ -300,20 +325,96 @@ class Engine:
 
         With async scheduling the next step is dispatched before this one's tokens are read back,
         so a call returns the outputs of the step dispatched by the call before (or by itself,
-        when none is in flight) while the next one runs."""
+        when none is in flight) while the next one runs.
+
+        A step that raises (a device error, a host error while building or reading it) fails
+        only the requests that caused it; the engine stays usable (``_recover``)."""
+        self._culprits = []
+        try:
+            results = self._run_step()
+        except Exception as e:  # noqa: BLE001 - every step failure is recovered from, see _recover
+            return self._recover(e)
+        if self._isolate:  # an isolated request that sampled a token is innocent
+            got = {o.request_id for o in results}
+            self._isolate = [s for s in self._isolate
+                             if s.status is not SeqStatus.FINISHED and s.request_id not in got]
+        return results
+
+    def _schedule(self):
+        """The next step's rows: the first sequence to isolate alone, if any, else the usual."""
+        only = self._isolate[0] if self._isolate else None
+        sched = self.scheduler.schedule(only=only)
+        if not sched.rows:
+            raise RuntimeError("scheduler produced an empty step while requests are pending")
+        self._culprits = [row.seq for row in sched.rows]
+        return sched
+
+    def _run_step(self) -> list[RequestOutput]:
         if self._inflight is None:
-            sched = self.scheduler.schedule()
-            if not sched.rows:
-                raise RuntimeError("scheduler produced an empty step while requests are pending")
-            self._inflight = self._dispatch(sched, None)
+            self._inflight = self._dispatch(self._schedule(), None)
         done, self._inflight = self._inflight, None
-        if self._async and self.scheduler.has_work() and not any(
-                _has_penalties(seq.params) for seq, _ in done.sampled):
+        if (self._async and not self._isolate and self.scheduler.has_work()
+                and not any(_has_penalties(seq.params) for seq, _ in done.sampled)):
             # Penalties need the output tokens' counts on the host: those rows wait for them.
             sched = self.scheduler.schedule()
             if sched.rows:
+                self._culprits = [row.seq for row in sched.rows]
                 self._inflight = self._dispatch(sched, done)
+        self._culprits = [seq for seq, _ in done.sampled]
         return self._collect(done)
+
+    def _reset_device_state(self) -> None:
+        """After a failed step: a fresh KV pool when the failed call had consumed (donated) it."""
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(self.kv)):
+            self.kv = self._new_kv_cache()
+
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """Fails the requests that caused a failed step and leaves the engine usable.
+
+        Every running sequence is preempted (its KV may be half written, or the pool was donated
+        to the failed call); recomputation gives the same output, as sampling keys depend only on
+        (seed, output index). A failed step of one request fails that request with the error. A
+        failed step of several runs each of them alone, one step at a time, until it samples a
+        token (innocent) or fails alone (guilty); a request in ``MAX_STEP_FAILURES`` failed steps
+        fails. Returns the outputs of the failed requests (``finish_reason`` "error")."""
+        culprits, self._culprits = list(dict.fromkeys(self._culprits)), []
+        self._inflight = None
+        self.num_step_failures += 1
+        self._reset_device_state()
+        for seq in reversed(list(self.scheduler.running)):  # newest first: oldest ends up first
+            self.scheduler.preempt(seq)
+        for seq in self.scheduler.waiting:  # the step in flight is dropped: its tokens with it
+            seq.pending.clear()
+            seq.pending_final = False
+        msg = f"step failed: {type(exc).__name__}: {exc}"
+        results = []
+        for seq in culprits:
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            n = self._failures[seq.request_id] = self._failures.get(seq.request_id, 0) + 1
+            if len(culprits) == 1 or n >= MAX_STEP_FAILURES:
+                results.append(self.fail_request(seq.request_id, msg))
+            elif all(seq is not s for s in self._isolate):
+                self._isolate.append(seq)
+        self._isolate = [s for s in self._isolate if s.status is not SeqStatus.FINISHED]
+        return results
+
+    def fail_request(self, request_id: str, error: str) -> RequestOutput:
+        """Ends a queued or running request with ``finish_reason`` "error" and returns its output."""
+        req = self._requests[request_id]
+        req.error = error
+        self.scheduler.finish(req.seq, "error")
+        self._failures.pop(request_id, None)
+        return self._output(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drops a request (its consumer went away): its pages are freed, no output is made.
+        Unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+            self._failures.pop(request_id, None)
+            self._isolate = [s for s in self._isolate if s is not req.seq]
 
     def _dispatch(self, sched, prev: _InFlight | None) -> _InFlight:
         """Builds and dispatches one step; advances ``num_computed`` and marks each sampled
@@ -429,7 +530,7 @@ class Engine:
             text=req.text[:visible] if has_text else None, token_ids=list(seq.output_ids),
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            metrics=m, delta_text=delta if has_text else None,
+            metrics=m, delta_text=delta if has_text else None, error=req.error,
         )
         if finished:
             del self._requests[seq.request_id]

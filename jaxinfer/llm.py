@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 
 from jaxinfer.engine import Engine, EngineConfig, default_num_pages, default_page_size
+from jaxinfer.engine_loop import EngineLoop
 from jaxinfer.engine import kv_cache_dtype as resolve_kv_dtype
 from jaxinfer.errors import JaxinferError, RequestError, TokenizerError
 from jaxinfer.llm_args import check_kv_pool, check_llm_args
@@ -170,7 +171,7 @@ class LLM:
         # The engines may hold the weights unstacked: drop the stacked copy (with a mesh,
         # ``params`` is then replica 0's).
         self.params = self.engine.params
-        self._next_id = 0
+        self._loop = EngineLoop(self.engines)
 
     @property
     def num_compilations(self) -> int:
@@ -210,7 +211,15 @@ class LLM:
                         request_ids: Sequence[str] | None = None) -> Iterator[RequestOutput]:
         """Yields a ``RequestOutput`` each time a request gets new tokens (``delta_text`` holds the
         new text) and once when it finishes. A request that fails validation yields one output
-        with ``error`` set; the others go on."""
+        with ``error`` set; the others go on.
+
+        Thread-safe: concurrent calls (several threads, or interleaved streams) share one engine
+        loop and continuous batch (``jaxinfer.engine_loop``). Closing the iterator before it
+        ends aborts its unfinished requests.
+
+        Raises:
+            ValueError: ``sampling_params`` or ``request_ids`` do not match the prompts in length.
+        """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -223,23 +232,11 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
         if request_ids is None:
-            request_ids = [str(self._next_id + i) for i in range(len(prompts))]
-            self._next_id += len(prompts)
-        engines = self.engines  # data parallel: prompt i goes to replica i % dp
-        for i, (rid, prompt, sp) in enumerate(zip(request_ids, prompts, sampling_params)):
-            eng = engines[i % len(engines)]
-            text = prompt if isinstance(prompt, str) else None
-            try:
-                ids, text = self.encode_prompt(prompt)
-                eng.validate(ids, sp)
-                eng.add_request(str(rid), ids, sp, prompt=text)
-            except JaxinferError as e:
-                yield RequestOutput(request_id=str(rid), prompt=text, prompt_token_ids=[],
-                                    finish_reason="error", error=str(e))
-        while any(e.has_unfinished() for e in engines):  # replicas step in turn
-            for eng in engines:
-                if eng.has_unfinished():
-                    yield from eng.step()
+            n = self._loop.next_id()
+            request_ids = [f"{n}-{i}" for i in range(len(prompts))]
+        if len(request_ids) != len(prompts):
+            raise ValueError(f"{len(request_ids)} request_ids for {len(prompts)} prompts")
+        return self._loop.stream(request_ids, prompts, sampling_params, self.encode_prompt)
 
     def generate(self, prompts: PromptLike | Iterable[PromptLike],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -250,8 +247,8 @@ class LLM:
         prompts = list(prompts)
         if prompts and isinstance(prompts[0], int):
             prompts = [prompts]
-        ids = [f"gen-{self._next_id}-{i}" for i in range(len(prompts))]
-        self._next_id += 1
+        n = self._loop.next_id()
+        ids = [f"gen-{n}-{i}" for i in range(len(prompts))]
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -285,6 +282,7 @@ class LLM:
                 "plain prompts")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)
+
 
 def _warn_no_tokenizer(model, eos_ids: tuple[int, ...], asked: bool) -> None:
     """Warns that ``model`` runs on token ids only (always when no tokenizer was found; with

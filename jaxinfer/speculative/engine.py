@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
 from jaxinfer.batch import MIN_DECODE_ROWS, MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
@@ -169,12 +170,11 @@ class SpecEngine(Engine):
 
     # ---------------------------------------------------------------- the round
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one speculative round; returns outputs of requests with new tokens (a request
-        may appear once per emitted token, each with its ``delta_text``)."""
-        sched = self.scheduler.schedule()
-        if not sched.rows:
-            raise RuntimeError("scheduler produced an empty step while requests are pending")
+    def _run_step(self) -> list[RequestOutput]:
+        """One speculative round (``Engine.step`` calls it and recovers from its failures);
+        returns outputs of requests with new tokens (a request may appear once per emitted
+        token, each with its ``delta_text``)."""
+        sched = self._schedule()
         verify = []
         for row in sched.decode:
             seq = row.seq
@@ -243,6 +243,14 @@ class SpecEngine(Engine):
                     self._pending.pop(seq.request_id, None)
                     break
         return results
+
+    def _reset_device_state(self) -> None:
+        super()._reset_device_state()
+        leaves = jax.tree_util.tree_leaves(self.draft_kv)
+        if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+            self.draft_kv = init_kv_cache(self.draft_cfg, self.ecfg.num_pages, self.ecfg.page_size,
+                                          self.draft_params.embed.dtype, self.kv_page_major)
+        self._pending.clear()  # heads' drafts of the dropped round
 
     def _fill_metrics(self, out: RequestOutput) -> None:
         s = self._stats.get(out.request_id)
