@@ -119,9 +119,6 @@ class LLM:
         if compilation_cache:
             enable_compilation_cache()
         placer = ShardedPlacer(tensor_parallel_size, data_parallel_size)
-        if not isinstance(skip_tokenizer_init, bool):
-            raise ValueError(
-                f"skip_tokenizer_init must be True or False, got {skip_tokenizer_init!r}")
         loaded = load(model, dtype=dtype, tokenizer=tokenizer, place=placer,
                       skip_tokenizer_init=skip_tokenizer_init)
         self.model_path = str(model)
