@@ -8,6 +8,11 @@ fields>}`` or plain text, one prompt per line. Output: one JSONL record per prom
 (``RequestOutput.to_record()`` or an error record), written and flushed as each prompt finishes.
 A rerun with the same ``--out`` skips the ids already there (resume after a crash or Ctrl-C).
 stdout carries one JSON summary object; progress, messages and errors go to stderr.
+
+Reading the prompts file (`jaxinfer.jobs`: every bad line is one error record, ids) and the
+output file (`jaxinfer.outfile`: one locked writer, regular files only) live in their own modules.
+Exit status: 0 done, 1 the output file could not be written (the summary has an "error"),
+2 usage error, 130/143 interrupted.
 """
 
 from __future__ import annotations
@@ -17,41 +22,25 @@ import contextlib
 import dataclasses
 import json
 import signal
-import os
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
 
 from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.jobs import DUPLICATE_PREFIX, PROMPT_KEYS, Job, UsageError, plan, read_jobs
+from jaxinfer.outfile import Done, OutputFile, OutputWriteError
 from jaxinfer.sampling_params import SamplingParams
 
 ATTN_IMPL_CHOICES = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
                      "pallas_gpu_interpret")
 
-PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-DUPLICATE_PREFIX = "duplicate id"
-"""Error records of repeated input ids start with this; resume tells them from the first one's."""
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A bad command line or unreadable file: one line on stderr, exit code 2."""
-
-
-@dataclasses.dataclass
-class Job:
-    """One input record: ``prompt`` (for ``LLM.encode_prompt``) and its merged sampling fields,
-    or ``error`` (the message of its error record)."""
-
-    id: str
-    line: int  # 1-based line number in the prompts file
-    prompt: str | dict | None = None
-    sampling: dict | None = None
-    error: str | None = None
+EXIT_WRITE_FAILED = 1
+__all__ = ["DUPLICATE_PREFIX", "PROMPT_KEYS", "Done", "Job", "UsageError", "main", "plan",
+           "read_jobs"]
 
 
 # ------------------------------------------------------------------------- arguments
@@ -89,15 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help=(
             "prompts file: JSONL ({'id', 'prompt'|'messages'|'prompt_token_ids', sampling "
-            "fields}; read as JSONL when it ends in .jsonl or every non-empty line is a JSON "
-            "object) or plain text, one prompt per line. Ids default to the 0-based line number."
+            "fields}; read as JSONL when it ends in .jsonl or every non-blank line starts with "
+            "'{' and one at least is a JSON object) or plain UTF-8 text, one prompt per line; "
+            "lines end at \\n only. Ids default to the 0-based line number; a bad line gets an "
+            "error record (id line-N when its own id cannot be read)."
         ),
     )
     io.add_argument(
         "--out",
         required=True,
         type=Path,
-        help="output JSONL file; appended to, ids already present are skipped",
+        help="output JSONL file (a regular file); appended to, ids already present are "
+        "skipped; locked while a run writes it, so a second run on it is refused",
     )
     io.add_argument(
         "--tokenizer", default=None, help="tokenizer file overriding the one found beside the model"
@@ -299,151 +291,6 @@ def sampling_defaults_from_args(args: argparse.Namespace) -> dict:
     return d
 
 
-# ------------------------------------------------------------------------- input
-
-
-def _is_json_object(line: str) -> bool:
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
-
-
-def read_jobs(path: Path, defaults: dict) -> tuple[list[Job], bool]:
-    """The prompts file as jobs (bad records become jobs with ``error``); also whether it was
-    read as JSONL. Raises UsageError when the file cannot be read."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read prompts file {path}: {e}") from None
-    lines = text.splitlines()
-    nonempty = [ln for ln in lines if ln.strip()]
-    is_jsonl = path.suffix == ".jsonl" or (bool(nonempty) and all(map(_is_json_object, nonempty)))
-    jobs = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        if is_jsonl:
-            jobs.append(_parse_record(line, i, defaults))
-        else:
-            jobs.append(Job(id=str(i), line=i + 1, prompt=line, sampling=defaults))
-    return jobs, is_jsonl
-
-
-def _parse_record(line: str, index: int, defaults: dict) -> Job:
-    n = index + 1
-    # A line whose id cannot be read gets an id of its own namespace, never a real record's.
-    job = Job(id=f"line-{n}", line=n)
-    try:
-        rec = json.loads(line)
-    except ValueError as e:
-        job.error = f"line {n}: not valid JSON ({e})"
-        return job
-    if not isinstance(rec, dict):
-        job.error = f"line {n}: expected a JSON object, got {type(rec).__name__}"
-        return job
-    job.id = str(index)
-    if "id" in rec:
-        rid = rec.pop("id")
-        if isinstance(rid, bool) or not isinstance(rid, str | int):
-            job.error = f"line {n}: id must be a string or an integer, got {rid!r}"
-            return job
-        job.id = str(rid)
-    given = [k for k in PROMPT_KEYS if k in rec]
-    if len(given) != 1:
-        job.error = f"line {n}: a record needs exactly one of {', '.join(PROMPT_KEYS)}" + (
-            f", got {', '.join(given)}" if given else ""
-        )
-        return job
-    key = given[0]
-    value = rec.pop(key)
-    if key == "prompt" and not isinstance(value, str):
-        job.error = f"line {n}: prompt must be a string, got {type(value).__name__}"
-    elif key != "prompt" and not isinstance(value, list):
-        job.error = f"line {n}: {key} must be a list, got {type(value).__name__}"
-    elif key != "prompt" and len(value) == 0:
-        # Empty prompt *text* is valid when the tokenizer adds BOS (llama2.c's unconditional
-        # start); the engine rejects a request that ends up with zero tokens.
-        job.error = f"line {n}: empty {key}"
-    if job.error:
-        return job
-    job.prompt = value if key == "prompt" else {key: value}
-    merged = {**defaults, **rec}
-    try:
-        SamplingParams.from_dict(merged)
-    except RequestError as e:
-        job.error = f"line {n}: {e}"
-        return job
-    job.sampling = merged
-    return job
-
-
-# ------------------------------------------------------------------------- resume
-
-
-@dataclasses.dataclass
-class Done:
-    """Ids found in an existing output file."""
-
-    ids: set[str] = dataclasses.field(default_factory=set)  # results and error records
-    truncated: bool = False  # a partial last line was cut away
-
-
-def read_done(path: Path, warn) -> Done:
-    """Reads the ids of an existing output file; cuts away a partial last line (a crash in the
-    middle of a write). Raises UsageError when the file cannot be read or written."""
-    done = Done()
-    if not path.exists():
-        return done
-    try:
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            keep = data.rfind(b"\n") + 1
-            with open(path, "r+b") as f:
-                f.truncate(keep)
-            data = data[:keep]
-            done.truncated = True
-    except OSError as e:
-        raise UsageError(f"cannot read output file {path}: {e}") from None
-    for n, raw in enumerate(data.splitlines(), 1):
-        try:
-            rec = json.loads(raw)
-            rid = rec["id"]
-        except (ValueError, TypeError, KeyError):
-            if raw.strip():
-                warn(f"{path} line {n} is not a record with an id; left as is")
-            continue
-        done.ids.add(str(rid))
-    return done
-
-
-def plan(jobs: list[Job], done: Done) -> tuple[list[Job], list[Job], int]:
-    """(jobs to generate, error jobs to write, number skipped as already in the output file).
-
-    A repeated id becomes an error job with the id ``"<id>@line-<n>"`` (unless already written)."""
-    seen: dict[str, int] = {}
-    run, errors, skipped = [], [], 0
-    for job in jobs:
-        if job.id in seen:
-            first = seen[job.id]
-            job.error = f"{DUPLICATE_PREFIX} {job.id!r} on line {job.line} (first on line {first})"
-            # The error record gets its own id, so every id in the output occurs exactly once.
-            job.id = f"{job.id}@line-{job.line}"
-            if job.id in done.ids:
-                skipped += 1
-            else:
-                errors.append(job)
-            continue
-        seen[job.id] = job.line
-        if job.id in done.ids:
-            skipped += 1
-        elif job.error is not None:
-            errors.append(job)
-        else:
-            run.append(job)
-    return run, errors, skipped
-
-
 # ------------------------------------------------------------------------- the run
 
 
@@ -471,11 +318,6 @@ def _sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _write(f: TextIO, record: dict) -> None:
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write: a line is whole or absent
-    f.flush()
 
 
 def _error_record(job: Job) -> dict:
@@ -532,22 +374,22 @@ def _encode(llm, job: Job) -> list[int] | None:
         return None
 
 
-def _generate(llm, run: list[tuple[Job, list[int]]], f: TextIO, stats: dict, bar) -> None:
+def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dict, bar) -> None:
     """Generates ``run`` (jobs with their prompt token ids); writes each record (and counts it
-    in ``stats``) as its prompt finishes."""
+    in ``stats``) as its prompt finishes. Raises OutputWriteError."""
     prompts = [{"prompt_token_ids": ids} for _, ids in run]
     params = [SamplingParams.from_dict(j.sampling) for j, _ in run]
     t0 = time.perf_counter()
-    for out in llm.generate_stream(prompts, params, request_ids=[j.id for j, _ in run]):
-        if not out.finished:
+    for res in llm.generate_stream(prompts, params, request_ids=[j.id for j, _ in run]):
+        if not res.finished:
             continue
-        _write(f, out.to_record())
-        if out.error is not None:
+        out.write(res.to_record())
+        if res.error is not None:
             stats["errors"] += 1
         else:
             stats["completed"] += 1
-            stats["prompt_tokens"] += out.metrics.prompt_tokens
-            stats["completion_tokens"] += out.metrics.completion_tokens
+            stats["prompt_tokens"] += res.metrics.prompt_tokens
+            stats["completion_tokens"] += res.metrics.completion_tokens
         if bar is not None:
             bar.update(1)
             rate = stats["completion_tokens"] / max(time.perf_counter() - t0, 1e-9)
@@ -570,22 +412,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
         raise UsageError(f"tokenizer {args.tokenizer} does not exist or is not a file")
     out_path: Path = args.out
-    if out_path.exists() and (out_path.is_dir() or out_path.resolve() == args.prompts.resolve()):
-        raise UsageError(f"--out {out_path} is a directory or the prompts file itself")
-    if not out_path.parent.is_dir():
-        raise UsageError(f"directory of --out {out_path} does not exist")
     jobs, _ = read_jobs(args.prompts, defaults)
     if not jobs:
         say(f"warning: {args.prompts} holds no prompts")
-    done = read_done(out_path, say)
-    if done.truncated:
-        say(f"{out_path}: cut away a partial last line (interrupted write)")
-    run, errors, skipped = plan(jobs, done)
 
     from jaxinfer.sharding import initialize_multihost, is_output_host
 
     if initialize_multihost(args.multihost) and not is_output_host():
-        out_path = Path(os.devnull)  # every host computes; process 0 writes
+        out = OutputFile.reader(out_path)  # every host computes; process 0 writes
+    else:
+        out = OutputFile.open(out_path, args.prompts)  # locked, before the model loads
+    try:
+        return _run_jobs(args, jobs, out, say, t_start)
+    except BaseException:
+        out.close(discard=out.written == 0)  # a failed command leaves no empty file behind
+        raise
+    finally:
+        out.close()
+
+
+def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
+              t_start: float) -> int:
+    """The run of `cmd_generate` once ``out`` is open: resume, load, generate, summary."""
+    quiet = args.quiet
+    out_path = out.path
+    done = out.read_done(say)
+    if done.truncated:
+        say(f"{out_path}: cut away a partial last line (interrupted write)")
+    run, errors, skipped = plan(jobs, done.ids)
+
     llm = _load_llm(args) if run else None
     ids_run = []
     for job in run:
@@ -613,19 +468,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             total=len(ids_run), desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True
         )
     interrupted = 0  # the exit status of an interruption (130 Ctrl-C, 143 SIGTERM), else 0
+    write_error = None  # why the output file could not be written
     t_gen = time.perf_counter()
     try:
-        with open(out_path, "a", encoding="utf-8") as f:
-            try:
-                for job in errors:
-                    _write(f, _error_record(job))
-                    stats["errors"] += 1
-                if ids_run:
-                    _generate(llm, ids_run, f, stats, bar)
-            except KeyboardInterrupt as e:
-                interrupted = _interrupt_status(e)
-    except OSError as e:
-        raise UsageError(f"cannot write output file {out_path}: {e}") from None
+        for job in errors:
+            out.write(_error_record(job))
+            stats["errors"] += 1
+        if ids_run:
+            _generate(llm, ids_run, out, stats, bar)
+    except KeyboardInterrupt as e:
+        interrupted = _interrupt_status(e)
+    except OutputWriteError as e:  # disk full, I/O error: stop, but still report the run
+        write_error = str(e)
     finally:
         if bar is not None:
             bar.close()
@@ -640,7 +494,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "interrupted": bool(interrupted),
         "out": str(out_path),
     }
-    if interrupted:
+    if write_error is not None:
+        summary["error"] = write_error
+        n = stats["completed"] + stats["errors"]
+        print(
+            f"jaxinfer: error: {write_error}; stopped after {n} record(s) in this run. "
+            "Free space (or fix the file) and rerun the same command to resume.",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif interrupted:
         n = stats["completed"] + stats["errors"]
         print(
             f"jaxinfer: interrupted; {n} record(s) written to {out_path} in this run "
@@ -656,7 +519,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{summary['compilations']} compilation(s), {summary['preemptions']} preemption(s)"
         )
     print(json.dumps(summary), flush=True)
-    return interrupted or 0
+    return EXIT_WRITE_FAILED if write_error is not None else interrupted or 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -193,6 +193,10 @@ def test_killed_run_resumes_with_every_id_exactly_once(tmp_path, capsys):
             assert time.monotonic() < deadline, "no record within 120 s"
             time.sleep(0.05)
         assert proc.poll() is None, "the run finished before it could be killed"
+        # A second run given the same --out meanwhile is refused (it holds no lock to write).
+        rc, _ = _run(tmp_path, prompts, out)
+        err = capsys.readouterr().err
+        assert rc == 2 and "being written by another jaxinfer run" in err, err
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
