@@ -31,6 +31,7 @@ needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"{STORIES} is a
 NEW = 12  # tokens generated per request
 ENGINE = dict(max_model_len=64, max_num_seqs=4)  # one engine shape: LLM and CLI share compiles
 CLI_ENGINE = ["--max-model-len", "64", "--max-num-seqs", "4", "--no-progress"]
+STORIES_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]  # test_cli's
 LOGPROB_ATOL = 1e-4  # f32 against transformers f32 (logits agree to max_rel 1e-4, test_hf_parity)
 
 
@@ -169,8 +170,7 @@ def test_cli_skip_tokenizer_init_reproduces_llama2c_reference(tmp_path, capsys):
                                    "max_tokens": case["max_steps"] - 4}) + "\n"
                        + json.dumps({"id": "b", "prompt": "Once upon a time"}) + "\n")
     rc = cli.main(["generate", "--model", str(STORIES), "--prompts", str(prompts), "--out",
-                   str(out), "--skip-tokenizer-init", "--max-model-len", "128",
-                   "--max-num-seqs", "4", "--no-progress"])
+                   str(out), "--skip-tokenizer-init", *STORIES_ENGINE])
     assert rc == 0
     capsys.readouterr()
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}

@@ -42,7 +42,8 @@ def _ids_field(value, where: str, field: str, vocab_size: int) -> list[int]:
     return values
 
 
-def config_special_ids(cfg: ModelConfig, path: str | os.PathLike) -> tuple[int | None, tuple[int, ...]]:
+def config_special_ids(cfg: ModelConfig,
+                       path: str | os.PathLike) -> tuple[int | None, tuple[int, ...]]:
     """(BOS id, EOS ids) of a checkpoint from its own files, for running it without a tokenizer.
 
     llama2.c checkpoints (``cfg.model_type == "llama2c"``, also once quantized) use BOS = 1,
