@@ -7,7 +7,8 @@ Three backends behind one interface (``Tokenizer``):
 - llama2.c ``tokenizer.bin`` through our own reader and the BPE of llama2.c's ``run.c``
   (``llama2c.py``; no library reads that format).
 
-Chat templates are rendered as transformers' ``apply_chat_template`` renders them (``base.py``).
+Chat templates are rendered as transformers' ``apply_chat_template`` renders them, within
+time, size and depth limits (``chat_template.py``, ``template_limits.py``).
 Everything here is plain Python on the host. The public names are re-exported by
 ``jaxinfer.tokenizer``.
 """

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,72 +57,42 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Renders ``messages`` with the tokenizer's chat template, as transformers'
-        ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)``.
+        ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)``, within the
+        time, size and depth limits of ``chat_template.py``.
 
         Raises:
-            TokenizerError: the tokenizer has no chat template, the template does not compile, or
-                it calls ``raise_exception`` (for example on an unsupported role order).
+            TokenizerError: the tokenizer has no chat template.
+            ChatTemplateError (a TokenizerError): ``messages`` is not a list of dicts with a
+                string ``role``, the template does not compile, it raised (``raise_exception``,
+                or any Python error such as ``1/0``), or it went past a rendering limit.
         """
         if self.chat_template is None:
             raise TokenizerError(
                 f"{self.path}: the tokenizer has no chat template (no chat_template in "
                 "tokenizer_config.json and no chat_template.jinja beside it)"
             )
-        import jinja2
+        from jaxinfer.tokenizers.chat_template import ChatTemplateError, render_chat_template
 
-        try:
-            template = _compile_chat_template(self.chat_template)
-            return template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self._special_tokens,
+        if not isinstance(messages, list):
+            raise ChatTemplateError(
+                f"messages must be a list of {{'role', 'content'}} dicts, not "
+                f"{type(messages).__name__}"
             )
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"{self.path}: chat template error: {e}") from e
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_chat_template(source: str):
-    """Compiles ``source`` in the jinja2 environment of transformers' ``_compile_jinja_template``
-    (``transformers/utils/chat_template_utils.py``)."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(jinja2.ext.Extension):
-        # transformers' AssistantTracker: `{% generation %}...{% endgeneration %}` renders its body.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(
-                lineno
-            )
-
-        def _render(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise ChatTemplateError(f"messages[{i}] must be a dict, not {type(m).__name__}")
+            if not isinstance(m.get("role"), str):
+                raise ChatTemplateError(
+                    f"messages[{i}]['role'] must be a string, not {type(m.get('role')).__name__}"
+                )
+        variables = dict(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **self._special_tokens,
         )
-
-    def strftime_now(format):
-        return datetime.datetime.now().strftime(format)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+        return render_chat_template(self.chat_template, variables, where=str(self.path))
 
 
 class SideFiles:
