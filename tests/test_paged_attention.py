@@ -165,6 +165,34 @@ def test_decode_work_items_span_groups(window, softcap, gqa, page_major, monkeyp
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
 
 
+@pytest.mark.parametrize("window,softcap,int8,page_major", [
+    (0, None, False, False), (5, 30.0, False, True), (0, None, True, False), (6, 30.0, True, True)])
+def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
+    """The engine's XLA path == the kernels' own pure-jnp reference
+    (``kernels_pallas.ragged_paged_attention.reference``, independent of it), on a 2-layer pool
+    read at layer 1: decode rows (one over 4 chunks of pages: the split-KV walk) and prefill rows,
+    and int8 pages with scales, which the dense comparisons above do not cover."""
+    from jaxinfer.quant.kv import quantize_kv
+    from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
+
+    rng = np.random.default_rng(23 + window)
+    z, kh, h, gqa = 4, 2, 16, 2
+    seqs = [(1, 1), (z * 13 + 1, 1), (z, 1), (2 * z, 2 * z), (z + 3, 5), (7, 7)]
+    k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=32)
+    q = jnp.asarray(rng.standard_normal((t, kh * gqa, h)), jnp.float32)
+    kp, vp = (jnp.stack([0 * jnp.asarray(x), jnp.asarray(x)]) for x in (k_pages, v_pages))
+    (kp, ks), (vp, vs) = (quantize_kv(kp), quantize_kv(vp)) if int8 else ((kp, None), (vp, None))
+    kw = dict(scale=h**-0.5, softcap=softcap)
+    pm = (lambda x: None if x is None else x.swapaxes(1, 2)) if page_major else (lambda x: x)
+    out = ragged_paged_attention_xla(q, pm(kp), pm(vp), md, jnp.int32(window), layer=jnp.int32(1),
+                                     k_scales=pm(ks), v_scales=pm(vs), page_major=page_major, **kw)
+    ref = ragged_paged_attention_reference(
+        q, kp, vp, *map(jnp.asarray, (md.kv_lens, md.block_tables, md.cu_q_lens)),
+        jnp.int32(window), jnp.int32(1), ks, vs, num_decode=md.num_decode, **kw)
+    live = np.concatenate([np.arange(tok, tok + ql) for tok, ql, *_ in rows])
+    np.testing.assert_allclose(np.asarray(out)[live], np.asarray(ref)[live], **TOL[jnp.float32])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
 def test_page_major_pool_holds_the_same_writes(dtype):
     """write_kv into a page-major pool [L, P, K, Z, H] puts every token (and int8 scale) where the
