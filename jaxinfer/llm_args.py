@@ -11,6 +11,7 @@ import math
 import numbers
 import os
 
+from jaxinfer.batch import decode_bucket, next_pow2
 from jaxinfer.config import INT32_MAX, ModelConfig
 from jaxinfer.engine import KV_CACHE_DTYPES, EngineConfig
 from jaxinfer.kv_cache import kv_bytes_per_token
@@ -122,13 +123,15 @@ def check_llm_args(args: dict) -> None:
         raise ValueError(f"draft_model is used only with speculative='draft-model' "
                          f"(speculative={spec!r})")
     if args.get("draft_heads") is not None and spec != "heads":
-        raise ValueError(f"draft_heads is used only with speculative='heads' (speculative={spec!r})")
+        raise ValueError(
+            f"draft_heads is used only with speculative='heads' (speculative={spec!r})")
 
 
 def check_kv_pool(cfg: ModelConfig, ecfg: EngineConfig, kv_dtype, tp: int = 1,
                   devices=None) -> None:
-    """Checks the KV pool of ``ecfg`` (``num_pages`` pages of ``page_size`` tokens) fits before
-    it is allocated.
+    """Checks the engine's sized buffers fit before they are allocated: the KV pool
+    (``num_pages`` pages of ``page_size`` tokens), its page allocator, and the per-row sampling
+    buffers of ``max_num_seqs`` rows (``Engine``'s ``num_slots``, mirrored here).
 
     Args:
         cfg: the config the engine runs (with any KV heads replicated for tensor parallelism).
@@ -138,13 +141,16 @@ def check_kv_pool(cfg: ModelConfig, ecfg: EngineConfig, kv_dtype, tp: int = 1,
         devices: the devices holding the pools, every replica's (default: jax's first device).
 
     Raises:
-        ValueError: the pool needs more bytes than are free (the message gives both, and the
-            sizes that set them), or it has more token slots than int32 slot ids can address.
+        ValueError: they need more bytes than are free (the message gives both, and the sizes
+            that set them), or the pool has more token slots, or the rows more sampling slots,
+            than int32 ids address.
     """
     per_token = kv_bytes_per_token(cfg, kv_dtype)
     slots = ecfg.num_pages * ecfg.page_size
     pool = slots * per_token
-    need = -(-pool // tp) + ALLOCATOR_BYTES_PER_PAGE * ecfg.num_pages
+    num_slots = next_pow2(decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs))
+    rows = 2 * 4 * num_slots  # int32 tokens: the idle prev-token buffer and a step's padded ones
+    need = -(-pool // tp) + ALLOCATOR_BYTES_PER_PAGE * ecfg.num_pages + rows
     short = shortfall(need, devices)
     if short is not None:
         raise ValueError(
@@ -152,11 +158,17 @@ def check_kv_pool(cfg: ModelConfig, ecfg: EngineConfig, kv_dtype, tp: int = 1,
             f"tokens x {per_token} bytes a token ({cfg.num_layers} layers, {cfg.num_kv_heads} KV "
             f"heads of {cfg.head_dim}, K and V) = {fmt_bytes(pool)}"
             + (f" over {tp} devices" if tp > 1 else "")
-            + f"; with the page allocator it {short}. Lower kv_pages (or kv_cache_memory_gb, "
-            "max_model_len, max_num_seqs when kv_pages is not given)"
+            + f"; with the page allocator and the buffers of max_num_seqs={ecfg.max_num_seqs} "
+            f"rows ({fmt_bytes(rows)}) it {short}. Lower kv_pages or max_num_seqs (or "
+            "kv_cache_memory_gb or max_model_len when kv_pages is not given)"
         )
     if slots > INT32_MAX:
         raise ValueError(
             f"the KV pool has {ecfg.num_pages} pages x {ecfg.page_size} tokens = {slots} slots, "
             f"more than int32 slot ids address ({INT32_MAX}); lower kv_pages or page_size"
+        )
+    if num_slots > INT32_MAX:
+        raise ValueError(
+            f"max_num_seqs={ecfg.max_num_seqs} gives {num_slots} sampling rows, more than int32 "
+            f"row ids address ({INT32_MAX}); lower max_num_seqs"
         )

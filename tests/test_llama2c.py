@@ -433,6 +433,85 @@ def test_bad_version_and_group_size(tmp_path):
         load_llama2c(path)
 
 
+def _peak_alloc_bytes(fn) -> int:
+    """Peak bytes allocated (Python and numpy, by tracemalloc) while ``fn()`` runs."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_header_implying_more_than_the_file_is_refused_before_allocating(tmp_path, version):
+    """2**30 layers on a small file: refused from the file's size, before the config (whose
+    layer windows alone would be 8 GiB) or any tensor exists."""
+    path = tmp_path / "huge.bin"
+    ints = (32, 48, 2**30, 4, 2, 64, 24)
+    if version == 0:
+        header = struct.pack("<7i", *ints)
+    else:
+        header = struct.pack("<Ii7iB", MAGIC, 1, *ints, 1).ljust(256, b"\0")
+    path.write_bytes(header + b"\0" * 65536)
+
+    def load_it():
+        with pytest.raises(CheckpointError) as e:
+            load_llama2c(path)
+        msg = str(e.value)
+        assert str(path) in msg and f"found {len(header) + 65536}" in msg
+        assert "n_layers=1073741824" in msg and "expected file size" in msg
+
+    assert _peak_alloc_bytes(load_it) < 16 * 2**20
+
+
+@pytest.mark.parametrize("version, shared", [(0, False), (1, True)])
+def test_nan_weight_is_named(tmp_path, version, shared):
+    w = random_weights(**SMALL, seed=0, shared=shared)
+    w["wo"][1, 2, 3] = np.nan
+    path = tmp_path / "nan.bin"
+    write_checkpoint(path, w, version, SEQ_LEN, SMALL["heads"], SMALL["kv_heads"], shared=shared)
+    with pytest.raises(CheckpointError) as e:
+        load_llama2c(path)
+    msg = str(e.value)
+    assert str(path) in msg and "'wo'" in msg and "1 non-finite" in msg and "[1, 2, 3]" in msg
+
+
+def test_inf_q80_scale_is_named(tmp_path):
+    path, _, _ = _write_small(tmp_path, 2, True)
+    data = bytearray(path.read_bytes())
+    data[-4:] = struct.pack("<f", np.inf)  # the last float32 scale: w3's (shared classifier)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"tensor 'w3 \(Q8_0 scales\)' holds 1 non-finite"):
+        load_llama2c(path)
+
+
+def test_float16_overflow_is_named(tmp_path):
+    w = random_weights(**SMALL, seed=0, shared=True)
+    w["w2"][0, 0, 0] = 1e5  # float16's largest is 65504
+    path = tmp_path / "big.bin"
+    write_checkpoint(path, w, 1, SEQ_LEN, SMALL["heads"], SMALL["kv_heads"])
+    load_llama2c(path, jnp.bfloat16)  # within bfloat16's range
+    with pytest.raises(CheckpointError, match=r"'w2' has 1 value\(s\) beyond float16's range"):
+        load_llama2c(path, jnp.float16)
+
+
+def test_weights_beyond_free_memory_are_refused(tmp_path, monkeypatch):
+    from jaxinfer import memory_limits
+
+    path, _, _ = _write_small(tmp_path, 1, False)
+    load_llama2c(path)
+    monkeypatch.setattr(memory_limits, "available_host_bytes", lambda: 10_000)
+    with pytest.raises(CheckpointError) as e:
+        load_llama2c(path)
+    msg = str(e.value)
+    assert str(path) in msg and "do not fit in memory" in msg
+    assert "host memory available: 10000 bytes" in msg
+
+
 # ------------------------------------------------------------------ jaxinfer.load
 
 

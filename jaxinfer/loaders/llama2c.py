@@ -377,7 +377,8 @@ def load_llama2c(
         flat["lm_head"] = t["wcls"].T
     out = {}
     for k, v in flat.items():
-        x = np.ascontiguousarray(v, np_dtype)
+        with np.errstate(over="ignore"):  # overflow is reported by check_cast
+            x = np.ascontiguousarray(v, np_dtype)
         if np_dtype != np.float32:
             check_cast(x, path, _SOURCE[k])
         out[k] = place(cfg, k, x) if place is not None else jnp.asarray(x)
