@@ -93,6 +93,24 @@ def test_config_that_is_a_json_list(good, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, r"cannot be read: RecursionError"),
+        (b'{"model_type": "llama\xff"}', r"not valid JSON: 'utf-8' codec can't decode byte 0xff"),
+        (b'{"model_type": ', r"not valid JSON: Expecting value"),
+    ],
+    ids=["deep", "not-utf8", "truncated"],
+)
+def test_config_file_unreadable(good, tmp_path, raw, match):
+    path = _copy(good, tmp_path / "ck")
+    file = os.path.join(path, "config.json")
+    open(file, "wb").write(raw)
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_hf(path)
+    assert str(e.value).startswith(file)
+
+
+@pytest.mark.parametrize(
     "field, value, match",
     [
         ("hidden_size", 1e9, r"'hidden_size' is 1000000000.0 \(float\); expected an integer"),
@@ -371,6 +389,15 @@ def test_index_naming_a_file_outside_the_directory(sharded, tmp_path):
     assert index in str(e.value)
 
 
+def test_index_nested_too_deep(sharded, tmp_path):
+    path = _copy(sharded, tmp_path / "ck")
+    index = os.path.join(path, "model.safetensors.index.json")
+    open(index, "wb").write(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(CheckpointError, match=r"unreadable index.*RecursionError") as e:
+        load_hf(path)
+    assert str(e.value).startswith(index)
+
+
 def test_index_weight_map_of_wrong_type(sharded, tmp_path):
     path = _copy(sharded, tmp_path / "ck")
     _edit_index(path, lambda wm: wm.__setitem__("model.norm.weight", 3))
@@ -469,6 +496,25 @@ def test_quantized_metadata_checked_before_restoring(quantized, tmp_path, edit, 
         assert str(file) in str(e.value)
 
     assert _peak_bytes(load_it) < 16 * MiB
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b"[1, 2]", r"expected a JSON object, found list"),
+        (b"[" * 100_000 + b"]" * 100_000, r"cannot read quantized-checkpoint metadata: Recursion"),
+        (b'{"format": "\xff"}', r"cannot read quantized-checkpoint metadata: UnicodeDecodeError"),
+    ],
+    ids=["list", "deep", "not-utf8"],
+)
+def test_quantized_metadata_unreadable(quantized, tmp_path, raw, match):
+    from jaxinfer.quant.checkpoint import load_quantized
+
+    path = tmp_path / "q"
+    shutil.copytree(quantized, path)
+    (path / "jaxinfer_quant.json").write_bytes(raw)
+    with pytest.raises(CheckpointError, match=match):
+        load_quantized(path)
 
 
 def test_quantized_zarray_shape_that_lies(quantized, tmp_path):

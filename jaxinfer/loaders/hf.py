@@ -134,9 +134,10 @@ def _weight_map(path: str) -> tuple[dict[str, str], str]:
         try:
             with open(index, encoding="utf-8") as f:
                 wm = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(
-                f"{index}: unreadable index, expected a JSON object with a 'weight_map' field ({e})"
+                f"{index}: unreadable index, expected a JSON object with a 'weight_map' field "
+                f"({type(e).__name__}: {e})"
             ) from None
         if not isinstance(wm, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and v for k, v in wm.items()

@@ -246,9 +246,12 @@ def read_metadata(path: str | os.PathLike) -> dict:
     """The checked metadata of a quantized checkpoint directory. Raises CheckpointError."""
     f = Path(path) / METADATA_FILE
     try:
-        meta = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{f}: cannot read quantized-checkpoint metadata: {e}") from None
+        meta = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
+        raise CheckpointError(
+            f"{f}: cannot read quantized-checkpoint metadata: {type(e).__name__}: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{f}: expected a JSON object, found {type(meta).__name__}")
     if meta.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{f}: format {meta.get('format')!r}, expected {FORMAT_NAME!r}")
     if meta.get("format_version") != FORMAT_VERSION:
