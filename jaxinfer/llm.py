@@ -87,8 +87,12 @@ class LLM:
             ``self.tokenizer`` is None.
 
     Raises:
-        CheckpointError / TokenizerError: the model cannot be loaded (message names the file).
-        ValueError: the KV pool cannot hold one sequence of ``max_model_len`` tokens.
+        CheckpointError / TokenizerError: the model cannot be loaded (message names the file):
+            a damaged or inconsistent checkpoint, or weights beyond free memory.
+        ValueError: an argument of the wrong type or out of range, checked before loading
+            (``jaxinfer.llm_args``: unknown strings list what is supported); the KV pool and the
+            buffers of ``max_num_seqs`` rows need more memory than is free (the message gives
+            both in bytes); the KV pool cannot hold one sequence of ``max_model_len`` tokens.
         ShardingError: the model cannot be split over ``tensor_parallel_size`` devices, or there
             are fewer than tensor x data parallel devices (the message names the numbers).
 
