@@ -9,7 +9,6 @@ the KV-pool cases construct ``LLM`` on stories260K or a tiny checkpoint and fail
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -544,123 +543,7 @@ def test_quantized_non_finite_array(stories_dir, tmp_path):
         load_quantized(tmp_path / "q")
 
 
-# ------------------------------------------------------------------ LLM arguments
-
-
-BAD_ARGS = [
-    (dict(dtype="int4"), r"dtype='int4' is not supported; supported: float32, bfloat16, float16"),
-    (dict(dtype=True), r"dtype=True is not supported"),
-    (dict(max_model_len=1), r"max_model_len=1 is out of range"),
-    (dict(max_model_len=2**31), r"max_model_len=2147483648 is out of range"),
-    (dict(max_model_len=16.0), r"max_model_len must be an integer or None, got 16.0"),
-    (dict(kv_pages=-5), r"kv_pages=-5 is out of range"),
-    (dict(kv_pages=True), r"kv_pages must be an integer or None, got True"),
-    (dict(kv_pages=1e9), r"kv_pages must be an integer or None, got 1000000000.0"),
-    (dict(page_size=0), r"page_size=0 is out of range"),
-    (dict(page_size="16"), r"page_size must be an integer or None, got '16'"),
-    (dict(max_num_seqs=0), r"max_num_seqs=0 is out of range"),
-    (dict(max_num_seqs=None), r"max_num_seqs must be an integer, got None"),
-    (dict(max_num_batched_tokens=0), r"max_num_batched_tokens=0 is out of range"),
-    (dict(attn_impl="flash"), r"attn_impl='flash' is not supported; supported: 'auto', 'xla'"),
-    (dict(kv_cache_memory_gb=math.nan), r"kv_cache_memory_gb=nan must be a finite number > 0"),
-    (dict(kv_cache_memory_gb=math.inf), r"kv_cache_memory_gb=inf must be a finite number > 0"),
-    (dict(kv_cache_memory_gb=-1), r"kv_cache_memory_gb=-1 must be a finite number > 0"),
-    (dict(kv_cache_memory_gb="2"), r"kv_cache_memory_gb must be a number, got '2'"),
-    (dict(tokenizer=5), r"tokenizer must be a non-empty path"),
-    (dict(tokenizer=""), r"tokenizer must be a non-empty path"),
-    (dict(seed=-1), r"seed=-1 is out of range"),
-    (dict(seed=1.5), r"seed must be an integer, got 1.5"),
-    (dict(compilation_cache="yes"), r"compilation_cache must be True or False, got 'yes'"),
-    (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 is out of range"),
-    (dict(data_parallel_size=-1), r"data_parallel_size=-1 is out of range"),
-    (dict(speculative="medusa"), r"speculative='medusa' is not supported; supported: None, 'dr"),
-    (dict(num_speculative_tokens=0), r"num_speculative_tokens=0 is out of range"),
-    (dict(draft_model="x"), r"draft_model is used only with speculative='draft-model'"),
-    (dict(draft_model=3, speculative="draft-model"), r"draft_model must be a non-empty path"),
-    (dict(draft_heads="x", speculative="ngram"), r"draft_heads is used only with speculative='h"),
-    (dict(quantization="int4"), r"quantization='int4' is not supported; supported: None, 'none'"),
-    (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype='fp8' is not supported; supported: 'auto', 'i"),
-    (dict(unroll_layers="no"), r"unroll_layers must be True, False or None, got 'no'"),
-    (dict(async_scheduling=1), r"async_scheduling must be True, False or None, got 1"),
-    (dict(skip_tokenizer_init=None), r"skip_tokenizer_init must be True or False, got None"),
-]
-
-
-@pytest.mark.parametrize("kwargs, match", BAD_ARGS, ids=[next(iter(k)) for k, _ in BAD_ARGS])
-def test_llm_argument_checked_before_loading(kwargs, match):
-    """Refused with a ValueError naming the argument before the (missing) model is looked at:
-    a CheckpointError here would mean the argument was not checked first."""
-    from jaxinfer.llm import LLM
-
-    with pytest.raises(ValueError, match=match) as e:
-        LLM("/nonexistent/model", **kwargs)
-    assert not isinstance(e.value, CheckpointError)
-
-
-def test_llm_model_argument_type():
-    from jaxinfer.llm import LLM
-
-    with pytest.raises(ValueError, match=r"model must be a non-empty path .*got None"):
-        LLM(None)
-
-
-def test_every_llm_argument_has_a_check_and_its_default_passes():
-    from jaxinfer.llm import LLM
-    from jaxinfer.llm_args import RULES, check_llm_args
-
-    params = dict(inspect.signature(LLM.__init__).parameters)
-    params.pop("self")
-    assert set(params) == set(RULES)
-    check_llm_args({n: p.default for n, p in params.items() if n != "model"} | {"model": "m"})
-
-
-def test_kv_pool_beyond_memory_is_refused_with_bytes(stories_dir):
-    from jaxinfer.llm import LLM
-
-    def build():
-        with pytest.raises(ValueError) as e:
-            LLM(stories_dir, kv_pages=1_000_000_000, compilation_cache=False)
-        msg = str(e.value)
-        # stories260K: 5 layers x 4 KV heads x 8 x 2 (K, V) x 4 bytes = 1280 bytes a token.
-        assert "1000000000 pages x 8 tokens x 1280 bytes a token" in msg
-        assert f"= {10**9 * 8 * 1280} bytes" in msg and "host memory available:" in msg
-
-    assert _peak_bytes(build) < 64 * MiB
-
-
-def test_huge_page_size_pool_beyond_memory(stories_dir):
-    """page_size 2**30: the default sizing keeps its floor of 2 pages, 2**31 tokens = 2.7 TB."""
-    from jaxinfer.llm import LLM
-
-    with pytest.raises(ValueError, match=r"2 pages x 1073741824 tokens x 1280 bytes a token .*"
-                       r"= 2748779069440 bytes .*host memory available"):
-        LLM(stories_dir, page_size=2**30, compilation_cache=False)
-
-
-def test_kv_pool_slots_beyond_int32(stories_dir, monkeypatch):
-    from jaxinfer.llm import LLM
-
-    monkeypatch.setattr(memory_limits, "available_host_bytes", lambda: 2**60)
-    with pytest.raises(ValueError, match=r"268435456 pages x 16 tokens = 4294967296 slots, more"):
-        LLM(stories_dir, kv_pages=2**28, page_size=16, compilation_cache=False)
-
-
-def test_huge_max_num_seqs(stories_dir, monkeypatch):
-    """2**31 - 1 rows: 2**32 int32 sampling slots (Engine's num_slots) twice = 32 GiB; refused
-    against memory (8 GiB here), and against int32 row ids where memory would allow it."""
-    from jaxinfer.engine import EngineConfig
-    from jaxinfer.llm import LLM
-    from jaxinfer.llm_args import check_kv_pool
-
-    rows = 2**31 - 1
-    monkeypatch.setattr(memory_limits, "available_host_bytes", lambda: 2**33)
-    with pytest.raises(ValueError, match=r"buffers of max_num_seqs=2147483647 rows \(34359738368"):
-        LLM(stories_dir, max_num_seqs=rows, compilation_cache=False)
-    monkeypatch.setattr(memory_limits, "available_host_bytes", lambda: 2**60)
-    cfg = ModelConfig("llama", 512, 64, 172, 5, 8, 4, 8)
-    ecfg = EngineConfig(512, 8, 100, max_num_seqs=rows, max_num_batched_tokens=rows)
-    with pytest.raises(ValueError, match=r"max_num_seqs=2147483647 gives 4294967296 sampling rows"):
-        check_kv_pool(cfg, ecfg, np.float32)
+# ------------------------------------------------------------------ KV pool sizing
 
 
 def test_huge_context_with_default_pool_sizing(good, tmp_path):
@@ -674,16 +557,3 @@ def test_huge_context_with_default_pool_sizing(good, tmp_path):
         LLM(path, skip_tokenizer_init=True, compilation_cache=False)
     with pytest.raises(ValueError, match=r"the KV pool does not fit in memory: .*bytes"):
         LLM(path, skip_tokenizer_init=True, kv_cache_memory_gb=1e6, compilation_cache=False)
-
-
-def test_cli_kv_pages_beyond_memory_is_one_line_and_exit_2(stories_dir, tmp_path, capsys):
-    from jaxinfer import cli
-
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "Once upon a time"}\n')
-    rc = cli.main(["generate", "--model", str(stories_dir), "--prompts", str(prompts), "--out",
-                   str(tmp_path / "o.jsonl"), "--kv-pages", "1000000000", "--no-progress"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2
-    assert len(err) == 1 and err[0].startswith("jaxinfer: error: invalid engine setting: the KV")
-    assert "10240000000000 bytes" in err[0] and "host memory available" in err[0]
