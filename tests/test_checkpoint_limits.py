@@ -1,10 +1,10 @@
-"""Checkpoints, configs and LLM arguments that would break a job are refused with a clear error
-before anything of their size is allocated (issue 15, class 4).
+"""Checkpoints and configs that would break a job are refused with a clear error before anything
+of their size is allocated (issue 15, class 4; LLM arguments: tests/test_llm_args.py).
 
 Each case builds a tiny checkpoint (transformers ``save_pretrained`` of a random config, then
-edited) or a bad argument, and checks the error type, that it names the file and tensor/field,
-and (for absurd sizes) that loading allocated almost nothing (tracemalloc). Most are host-only;
-the KV-pool cases construct ``LLM`` on stories260K or a tiny checkpoint and fail before the pool.
+edited; a quantized stories260K) and checks the error type, that it names the file and the
+tensor/field, and (for absurd sizes) that loading allocated almost nothing (tracemalloc). All are
+host-only but the last, which constructs ``LLM`` on a tiny checkpoint and fails before the pool.
 """
 
 from __future__ import annotations
