@@ -273,6 +273,11 @@ class Engine:
             raise RequestError(
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size}) "
                 "and could never be generated")
+        self._check_stop_strings(params)
+
+    def _check_stop_strings(self, params: SamplingParams) -> None:
+        if params.stop and not getattr(self.tokenizer, "has_text", True):
+            raise RequestError(no_tokenizer_message(self.tokenizer.path, "a stop string (stop)"))
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
@@ -283,8 +288,7 @@ class Engine:
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}")
         has_text = getattr(self.tokenizer, "has_text", True)  # duck-typed tokenizers have text
-        if not has_text and params.stop:
-            raise RequestError(no_tokenizer_message(self.tokenizer.path, "a stop string (stop)"))
+        self._check_stop_strings(params)
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params, draw_seed(params, self._rng))
         detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
                  if has_text else None)

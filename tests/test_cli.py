@@ -250,6 +250,17 @@ def test_help_lists_every_flag_with_its_default(capsys):
         "--sampling-seed",
         "--no-progress",
         "--quiet",
+        "--skip-tokenizer-init",
+        "--quantization",
+        "--kv-cache-dtype",
+        "--async-scheduling",
+        "--tensor-parallel-size",
+        "--data-parallel-size",
+        "--multihost",
+        "--speculative",
+        "--num-speculative-tokens",
+        "--draft-model",
+        "--draft-heads",
     ]:
         assert flag in text, flag
     for default in [
