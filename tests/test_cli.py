@@ -299,12 +299,28 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
 def test_sigterm_is_an_interrupt_with_status_143():
     # SIGTERM inside the run raises like Ctrl-C (so the run finishes its line and can resume),
     # but the exit status tells the two apart: 128 + 15 vs 130.
-    import os
+    received = []
 
-    with pytest.raises(cli.Terminated):
-        with cli._sigterm_as_interrupt():
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)
+    def previous(signum, frame):  # stands in for whatever handler the caller had installed
+        received.append(signum)
+
+    outer = signal.signal(signal.SIGTERM, previous)
+    try:
+        with pytest.raises(cli.Terminated):
+            with cli._sigterm_as_interrupt():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+        assert received == []  # the signal inside went to the run's handler only
+        # On leaving, exactly the caller's handler is back (not SIG_DFL, not the run's handler),
+        # and a later SIGTERM reaches it instead of raising.
+        assert signal.getsignal(signal.SIGTERM) is previous
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(500):
+            if received:
+                break
+            time.sleep(0.01)
+        assert received == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, outer)
     assert cli._interrupt_status(cli.Terminated()) == 143
     assert cli._interrupt_status(KeyboardInterrupt()) == 130
-    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is restored
