@@ -29,6 +29,16 @@ def dense_reference(q, k, v, q_pos, scale, window, softcap):
     return np.einsum("nts,snh->tnh", p, v)
 
 
+def numpy_int8_pages(x):
+    """f32 pages [..., H] as an int8 pool in numpy, independent of ``jaxinfer.quant.kv``: per
+    token and head, scale = max|x| / 127 and values = round(x / scale). Returns (i8 values,
+    f32 scales [...], f32 dequantized pages values * scale)."""
+    x = np.asarray(x, np.float32)
+    s = np.abs(x).max(-1) / np.float32(127)
+    q = np.clip(np.round(x / np.where(s == 0, 1, s)[..., None]), -127, 127).astype(np.int8)
+    return q, s, q.astype(np.float32) * s[..., None]
+
+
 def make_batch(rng, page_size, num_kv_heads, head_dim, seqs, num_pages=64, dtype=np.float32):
     """seqs: list of (kv_len, q_len); decode rows (q_len 1) must come first.
 
@@ -172,7 +182,6 @@ def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
     (``kernels_pallas.ragged_paged_attention.reference``, independent of it), on a 2-layer pool
     read at layer 1: decode rows (one over 4 chunks of pages: the split-KV walk) and prefill rows,
     and int8 pages with scales, which the dense comparisons above do not cover."""
-    from jaxinfer.quant.kv import quantize_kv
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
 
     rng = np.random.default_rng(23 + window)
@@ -181,7 +190,8 @@ def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
     k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=32)
     q = jnp.asarray(rng.standard_normal((t, kh * gqa, h)), jnp.float32)
     kp, vp = (jnp.stack([0 * jnp.asarray(x), jnp.asarray(x)]) for x in (k_pages, v_pages))
-    (kp, ks), (vp, vs) = (quantize_kv(kp), quantize_kv(vp)) if int8 else ((kp, None), (vp, None))
+    (kp, ks), (vp, vs) = (((jnp.asarray(a), jnp.asarray(b)) for a, b, _ in map(numpy_int8_pages, (kp, vp)))
+                          if int8 else ((kp, None), (vp, None)))
     kw = dict(scale=h**-0.5, softcap=softcap)
     pm = (lambda x: None if x is None else x.swapaxes(1, 2)) if page_major else (lambda x: x)
     out = ragged_paged_attention_xla(q, pm(kp), pm(vp), md, jnp.int32(window), layer=jnp.int32(1),

@@ -20,6 +20,18 @@ from jaxinfer.quant.matmul import choose_formulation, qlinear, qmatmul_2d, quant
 EPS = float(jnp.finfo(jnp.float32).eps)
 
 
+def _np_step(a, axis) -> np.ndarray:
+    """The quantization step ``max|a| / 127`` over ``axis`` (keepdims), computed here in float64
+    numpy from the float input: the error bounds below use it, never the scales the code chose."""
+    return np.max(np.abs(np.asarray(a, np.float64)), axis=axis, keepdims=True) / 127
+
+
+def _half_step(step) -> np.ndarray:
+    """Round-to-nearest error bound ``step / 2``, plus float32 rounding of ``a / s`` and
+    ``q * s`` (each at most eps/2 of a magnitude <= 127 steps)."""
+    return step / 2 + 127 * step * EPS
+
+
 def _case(rows, i=96, o=40, seed=0):
     kx, kw = jax.random.split(jax.random.PRNGKey(seed))
     x = jax.random.normal(kx, (rows, i), jnp.float32)
@@ -50,10 +62,9 @@ def test_w8a16_two_digit_integer_dot_bound(rows, formulation):
         formulation = "int_dot2"  # on TPU/GPU the default is the exact "dot", tested above
     wd = np.asarray(dequantize(q), np.float64)
     y = np.asarray(qmatmul_2d(x, q.values, q.scales, "float", formulation), np.float64)
-    _, s1 = quantize_rows(x)
+    s1 = _np_step(x, -1)  # [R, 1], max|x_r| / 127 computed here
     ref = np.asarray(x, np.float64) @ wd.T
-    qsum = np.abs(np.asarray(q.values, np.float64)).sum(axis=1)
-    act = np.asarray(s1, np.float64) / 254 / 2 * np.asarray(q.scales, np.float64)[None] * qsum[None]
+    act = s1 / 254 / 2 * np.abs(wd).sum(axis=1)[None]  # s_o * sum_i |q_oi| = sum_i |w_deq_oi|
     rounding = 2 * x.shape[1] * EPS * (np.abs(np.asarray(x)) @ np.abs(wd).T)
     assert np.all(np.abs(y - ref) <= act + rounding)
 
@@ -66,14 +77,17 @@ def test_w8a8_within_activation_bound(rows, formulation):
     x, q = _case(rows)
     wd = np.asarray(dequantize(q), np.float64)
     y = np.asarray(qmatmul_2d(x, q.values, q.scales, "int8", formulation), np.float64)
-    _, sx = quantize_rows(x)
+    sx = _np_step(x, -1)  # [R, 1], max|x_r| / 127 computed here, not quantize_rows' scale
     ref = np.asarray(x, np.float64) @ wd.T
-    qsum = np.abs(np.asarray(q.values, np.float64)).sum(axis=1)  # [O]
-    act = np.asarray(sx, np.float64) / 2 * np.asarray(q.scales, np.float64)[None, :] * qsum[None, :]
+    act = sx / 2 * np.abs(wd).sum(axis=1)[None, :]  # s_o * sum_i |q_oi| = sum_i |w_deq_oi|
     rounding = 2 * x.shape[1] * EPS * (np.abs(np.asarray(x)) @ np.abs(wd).T)
     err = np.abs(y - ref)
     assert np.all(err <= act + rounding)
     assert err.max() > 0  # the activation quantization is really there
+    # The activations the dot used: each within half of the independent step of x.
+    xq, sxq = quantize_rows(x)
+    x_deq = np.asarray(xq, np.float64) * np.asarray(sxq, np.float64)
+    assert np.all(np.abs(x_deq - np.asarray(x, np.float64)) <= _half_step(sx))
 
 
 def test_quantized_linear_specs_match_einsum():
@@ -92,16 +106,22 @@ def test_quantized_linear_specs_match_einsum():
     np.testing.assert_allclose(
         qlinear(xo, qo, "TNH,NHD->TD", "dot"), jnp.einsum("TNH,NHD->TD", xo, wodeq), rtol=1e-5, atol=1e-6
     )
-    # Per-output-channel quantization error is at most half a step.
-    err = jnp.abs(wdeq - wq)
-    assert bool(jnp.all(err <= jnp.transpose(q.scales, (0, 1))[None] / 2 + 1e-7))
+    # Per-output-channel quantization error is at most half a step, the step max|w| / 127 over
+    # the contracted axes computed here: D for wq [D, N, H], (N, H) for wo [N, H, D], I for the
+    # 2-D [I, O] weight (the layouts quantize_tensor reorders).
+    w2 = 0.05 * jax.random.normal(k, (96, 40))
+    w2deq = dequantize(quantize_tensor(w2, 0, 1)).T
+    for w, deq, axes in [(wq, wdeq, 0), (wo, wodeq, (0, 1)), (w2, w2deq, 0)]:
+        err = np.abs(np.asarray(deq, np.float64) - np.asarray(w, np.float64))
+        assert np.all(err <= _half_step(_np_step(w, axes)))
 
 
 def test_kv_quantization_bound():
     x = jax.random.normal(jax.random.PRNGKey(2), (7, 2, 16)) * 3
     q, s = quantize_kv(x)
     assert q.dtype == jnp.int8 and s.shape == (7, 2)
-    assert bool(jnp.all(jnp.abs(dequantize_kv(q, s) - x) <= s[..., None] / 2 + 1e-6))
+    err = np.abs(np.asarray(dequantize_kv(q, s), np.float64) - np.asarray(x, np.float64))
+    assert np.all(err <= _half_step(_np_step(x, -1)))  # per token and head, over H
 
 
 def _leaves_equal(a, b):
@@ -282,3 +302,78 @@ def test_kv_bytes_count_scales_and_pallas_takes_an_int8_cache(stories_dir):
               kv_cache_dtype="int8", compilation_cache=False)
     kv = llm.engine.kv
     assert kv.k_pages.dtype == jnp.int8 and kv.k_scales.shape == kv.k_pages.shape[:-1]
+
+
+# ---------------------------------------------------------------- scales against numpy (issue 16)
+
+
+@pytest.mark.parametrize("shape,num_lead,num_in", [
+    ((48, 40), 0, 1),  # [in, out]
+    ((3, 16, 4, 8), 1, 1),  # [L, D, N, H]: wq
+    ((3, 4, 8, 16), 1, 2),  # [L, N, H, D]: wo, two contracted axes
+])
+def test_weight_scales_are_max_over_127_in_numpy(shape, num_lead, num_in):
+    """Per-output-channel scales == max|w| / 127 over the contracted axes and values ==
+    round(w / s), computed here in numpy (AQT's symmetric int8, the module docstring's rule)."""
+    w = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+    w[(0,) * w.ndim] = 9.0  # one outlier channel
+    q = quantize_tensor(jnp.asarray(w), num_lead, num_in)
+    ins = tuple(range(num_lead, num_lead + num_in))
+    s_ref = np.abs(w).max(axis=ins) / np.float32(127)  # [*lead, *out]
+    np.testing.assert_allclose(np.asarray(q.scales), s_ref, rtol=1e-6, atol=0)
+    outs = tuple(range(num_lead + num_in, w.ndim))
+    wt = np.transpose(w, tuple(range(num_lead)) + outs + ins)  # [*lead, *out, *in]
+    s_b = s_ref.reshape(s_ref.shape + (1,) * num_in)
+    q_ref = np.clip(np.round(wt / s_b), -127, 127)
+    assert np.abs(np.asarray(q.values, np.int32) - q_ref).max() <= 1  # ties may round apart
+    assert (np.asarray(q.values) == q_ref).mean() > 0.99
+    assert np.abs(np.asarray(q.values)).max() == 127  # every channel's max maps to +-127
+
+
+def test_model_weight_scales_are_max_over_127_in_numpy(stories_dir):
+    """Every quantized projection of stories260K (and the embedding, per row): scales == max|w| /
+    127 per output channel, from the float params in numpy."""
+    from jaxinfer.loaders import load
+    from jaxinfer.params import LAYER_PROJECTIONS
+
+    m = load(stories_dir)
+    qp = quantize(m.params, "int8", embed=True)
+    for name, num_in in LAYER_PROJECTIONS.items():
+        w = np.asarray(getattr(m.params.layers, name), np.float32)  # [L, *in, *out]
+        ref = np.abs(w).max(axis=tuple(range(1, 1 + num_in))) / 127
+        np.testing.assert_allclose(np.asarray(getattr(qp.layers, name).scales), ref, rtol=1e-6,
+                                   err_msg=name)
+    emb = np.asarray(m.params.embed, np.float32)  # [V, D]
+    np.testing.assert_allclose(np.asarray(qp.embed.scales), np.abs(emb).max(axis=1) / 127,
+                               rtol=1e-6)
+
+
+def test_kv_scales_are_max_over_127_per_token_and_head_in_numpy():
+    """int8 KV: one scale per token and head == max|x| / 127 over H, values == round(x / s),
+    computed in numpy; and ``write_kv`` into an int8 pool stores exactly those at each slot."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.kv_cache import init_kv_cache, write_kv
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((5, 2, 8)) * rng.uniform(0.1, 20, (5, 2, 1))).astype(np.float32)
+    x[3, 1] = 0.0  # an all-zero head: scale 0, values 0
+    s_ref = np.abs(x).max(axis=-1) / np.float32(127)  # [T, K]
+    q_ref = np.clip(np.round(x / np.where(s_ref == 0, 1, s_ref)[..., None]), -127, 127)
+    q, s = quantize_kv(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(s), s_ref, rtol=1e-6, atol=0)
+    assert np.abs(np.asarray(q, np.int32) - q_ref).max() <= 1
+    assert (np.asarray(q) == q_ref).mean() > 0.95 and not np.asarray(q)[3, 1].any()
+
+    cfg = ModelConfig("llama", 32, 16, 32, 2, 4, 2, 8)
+    v = -2 * x
+    slots = np.array([4, 5, 17, 30, 9])  # Z = 4: pages 1, 1, 4, 7, 2
+    kv = write_kv(init_kv_cache(cfg, 8, 4, jnp.int8), jnp.int32(1), jnp.asarray(x), jnp.asarray(v),
+                  jnp.asarray(slots, jnp.int32))
+    page, off = slots // 4, slots % 4
+    ks = np.asarray(kv.k_scales)[1][:, page, off].T  # [T, K]
+    vs = np.asarray(kv.v_scales)[1][:, page, off].T
+    np.testing.assert_allclose(ks, s_ref, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(vs, 2 * s_ref, rtol=1e-6, atol=0)
+    deq = np.asarray(kv.k_pages, np.float32)[1][:, page, off].transpose(1, 0, 2) * ks[..., None]
+    assert np.all(np.abs(deq - x) <= s_ref[..., None] / 2 + 1e-6)
+    assert not np.asarray(kv.k_scales)[0].any()  # layer 0 untouched

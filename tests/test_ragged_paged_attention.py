@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention import make_batch
+from test_paged_attention import make_batch, numpy_int8_pages
 
-from jaxinfer.quant.kv import dequantize_kv, quantize_kv
 from kernels_pallas.ragged_paged_attention import (
     BlockSizes,
     check_supported,
@@ -68,9 +67,10 @@ def interpret_for(backend):
 
 
 def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8=False):
-    """``int8``: the pool is the f32 pages quantized (``quantize_kv``); the kernel reads the int8
-    pages and scales, the reference their dequantized f32 pages, compared at f32 tolerance (the
-    kernel dequantizes to f32 and attends in f32 whatever the query dtype)."""
+    """``int8``: the pool is the f32 pages quantized in numpy (``numpy_int8_pages``, not the
+    code's own quantizer); the kernel reads the int8 pages and scales, the reference the pages
+    dequantized in numpy, compared at f32 tolerance (the kernel dequantizes to f32 and attends
+    in f32 whatever the query dtype)."""
     interpret = interpret_for(backend)
     rng = np.random.default_rng(z * 1000 + g * 100 + h + window)
     kh = 2 if g <= 2 else 1
@@ -82,9 +82,9 @@ def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8
     vp = jnp.stack([jnp.zeros_like(cast(v_pages)), cast(v_pages)])
     scales, ref_pages = (), (kp, vp)
     if int8:
-        (kp, ks), (vp, vs) = quantize_kv(jnp.stack([0 * k_pages, k_pages])), quantize_kv(
-            jnp.stack([0 * v_pages, v_pages]))
-        scales, ref_pages = (ks, vs), (dequantize_kv(kp, ks), dequantize_kv(vp, vs))
+        (kp, ks, kd), (vp, vs, vd) = (numpy_int8_pages(np.stack([0 * x, x]))
+                                      for x in (k_pages, v_pages))
+        kp, vp, scales, ref_pages = jnp.asarray(kp), jnp.asarray(vp), (ks, vs), (kd, vd)
     meta = (jnp.asarray(md.kv_lens), jnp.asarray(md.block_tables), jnp.asarray(md.cu_q_lens),
             jnp.int32(window), jnp.int32(1))
     kw = dict(num_decode=md.num_decode, scale=h**-0.5, softcap=softcap)

@@ -1,0 +1,233 @@
+"""Engine-level checks against references from outside the code under test (issue 16).
+
+- Logprobs and penalties: the engine's logprobs equal ``log_softmax`` of transformers' logits on
+  the same weights (raw, before penalties, vLLM's ``raw_logprobs``) while repetition, frequency
+  and presence penalties are on; each greedy token is the argmax of those logits penalised by the
+  formula written out here in numpy (vLLM's ``apply_penalties``: repetition over prompt and output
+  tokens, frequency and presence over output tokens only). The plain engine and a speculative
+  (n-gram) one are both judged.
+- ``min_tokens``: stop tokens are banned for exactly the first ``min_tokens`` outputs (vLLM's
+  ``MinTokensLogitsProcessor``: banned while ``len(output) < min_tokens``); a stop string counts
+  once the output has ``>= min_tokens`` tokens (vLLM's ``StopChecker``). The reference is the
+  model's own unconstrained greedy run: where the stop token would have been chosen, the banned
+  run must take the runner-up.
+- The host-side logits controls (``Engine._controls``) against masks written out here.
+"""
+
+from __future__ import annotations
+
+import types
+
+import hf_fixtures as H
+import numpy as np
+import pytest
+
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.scheduler import ScheduledRow, Sequence
+
+LOGPROB_ATOL = 1e-4  # f32 engine vs transformers f32 (logits agree to ~1e-4 relative)
+MARGIN = 1e-3  # penalised top-2 gap below which a float difference could flip the argmax
+REP, FREQ, PRES = 1.5, 0.4, 0.6
+NEW = 12
+
+
+class _NoText:
+    """The tiny checkpoint has no tokenizer: ids only (``decode`` gives no text)."""
+
+    eos_ids = ()
+    bos_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _penalised(raw, prompt, outputs, rep, freq, pres, *, count_prompt=False):
+    """vLLM's penalties in numpy for one step: ``raw`` f64[V], ``outputs`` the tokens so far."""
+    v = raw.shape[0]
+    counts = np.bincount(np.asarray(list(outputs) + (list(prompt) if count_prompt else []),
+                                    np.int64), minlength=v)
+    seen = counts > 0
+    seen[list(prompt)] = True
+    x = np.where(seen, np.where(raw > 0, raw / rep, raw * rep), raw)
+    return x - freq * counts - pres * (counts > 0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama saved by transformers, its loaded params and transformers' model."""
+    from jaxinfer.loaders import load
+
+    path = str(tmp_path_factory.mktemp("outside") / "llama")
+    H.build_checkpoint("llama2", path)
+    m = load(path)
+    return m.config, m.params, H.hf_model(path)
+
+
+def _run(engine, prompts, params):
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def _prompt_predicting_itself(model, freq_pres: float):
+    """A prompt whose raw greedy next token t occurs in it (as its first token) and leads by less
+    than ``freq_pres``: frequency/presence penalties that counted prompt tokens would flip the
+    first output token. Searched over seeded random prompts."""
+    for seed in range(40):
+        p = H.sample_tokens(seed=seed)[1, :8].tolist()
+        t = int(np.argmax(H.hf_logits(model, [p])[0, -1]))
+        p = [t] + p[1:]
+        raw = H.hf_logits(model, [p])[0, -1]
+        top2 = np.sort(raw)[-2:]
+        if int(np.argmax(raw)) == t and 10 * MARGIN < top2[1] - top2[0] < freq_pres - 0.1:
+            return p
+    raise AssertionError("no prompt found")
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_logprobs_are_raw_and_penalties_count_outputs_vs_transformers(tiny, spec):
+    from jaxinfer.engine import Engine, EngineConfig
+
+    cfg, params, model = tiny
+    ecfg = EngineConfig(max_model_len=48, page_size=8, num_pages=32, max_num_seqs=4,
+                        max_num_batched_tokens=64, attn_impl="xla")
+    if spec is None:
+        eng = Engine(cfg, params, _NoText(), ecfg)
+    else:
+        from jaxinfer.speculative.config import SpecConfig
+        from jaxinfer.speculative.engine import SpecEngine
+
+        eng = SpecEngine(cfg, params, _NoText(), ecfg, SpecConfig(spec, 2))
+    # Row 0: all three penalties. Row 1: frequency and presence only, on a prompt whose first
+    # output would be its own first token (so counting prompt tokens shows, and the n-gram
+    # drafter finds a match).
+    prompts = [H.sample_tokens(seed=3)[0, :8].tolist(), _prompt_predicting_itself(model, FREQ + PRES)]
+    pen = dict(repetition_penalty=REP, frequency_penalty=FREQ, presence_penalty=PRES)
+    rows = [pen, dict(pen, repetition_penalty=1.0)]
+    params_rows = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=4, **kw)
+                   for kw in rows]
+    outs = _run(eng, prompts, params_rows)
+    checked = changed = wrong_rule_differs = 0
+    for prompt, kw, out in zip(prompts, rows, outs, strict=True):
+        got = out.token_ids
+        assert len(got) == NEW and len(out.logprobs) == NEW
+        raw = H.hf_logits(model, [prompt + got[:-1]])[0, len(prompt) - 1:].astype(np.float64)
+        ref_lp = _log_softmax(raw)  # [NEW, V] raw logprobs of each step
+        rule = (kw["repetition_penalty"], FREQ, PRES)
+        for i, (tok, lp) in enumerate(zip(got, out.logprobs, strict=True)):
+            assert lp.token_id == tok
+            assert abs(lp.logprob - ref_lp[i, tok]) <= LOGPROB_ATOL, (spec, i)
+            top = np.argsort(-ref_lp[i])[:4]
+            assert [t for t, _ in lp.top] == top.tolist(), (spec, i)
+            np.testing.assert_allclose([x for _, x in lp.top], ref_lp[i, top], atol=LOGPROB_ATOL)
+            want = _penalised(raw[i], prompt, got[:i], *rule)
+            a, b = np.sort(want)[-2:][::-1]
+            if a - b > MARGIN:
+                assert tok == int(np.argmax(want)), (spec, i, tok, int(np.argmax(want)))
+                checked += 1
+            changed += tok != int(np.argmax(raw[i]))
+            wrong = _penalised(raw[i], prompt, got[:i], *rule, count_prompt=True)
+            wrong_rule_differs += int(np.argmax(wrong)) != tok
+    assert checked >= 2 * NEW - 2
+    assert changed >= 2  # the penalties changed greedy choices (the test sees them)
+    assert wrong_rule_differs >= 1  # counting prompt tokens in frequency/presence would show
+
+
+def test_logits_controls_ban_for_exactly_min_tokens_and_count_outputs_only():
+    """``Engine._controls`` on host: prompt mask = prompt tokens, counts = output tokens only
+    (pending tokens excluded: rows with penalties wait for them), stop ids and EOS banned while
+    ``len(output) + len(pending) < min_tokens``, EOS not banned with ``ignore_eos``."""
+    from jaxinfer.engine import Engine
+
+    v = 16
+    stub = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=v), stop_ids={2})
+
+    def seq(outputs, pending, **kw):
+        s = Sequence("r", [5, 6, 5, 9], SamplingParams(temperature=0.0, **kw), seed=0)
+        s.output_ids, s.pending = list(outputs), list(pending)
+        return s
+
+    rows = [
+        (seq([7, 7, 3], [], min_tokens=4, stop_token_ids=[11]), 0),  # 3 < 4: banned
+        (seq([7, 7, 3, 8], [], min_tokens=4, stop_token_ids=[11]), 1),  # 4 outputs: free
+        (seq([7, 3], [-1], min_tokens=4, stop_token_ids=[11]), 2),  # 2 + 1 pending < 4
+        (seq([7, 3], [-1, -2], min_tokens=4, stop_token_ids=[11]), 3),  # 2 + 2: free
+        (seq([7], [], min_tokens=3, stop_token_ids=[11], ignore_eos=True), 4),
+        (seq([4, 4, 4], [], frequency_penalty=0.5), 5),
+    ]
+    c = Engine._controls(stub, [(ScheduledRow(s, 1), r) for s, r in rows], 8)
+    banned = [set(np.flatnonzero(np.asarray(c.banned[r])).tolist()) for r in range(6)]
+    assert banned == [{2, 11}, set(), {2, 11}, set(), {11}, set()]
+    for s, r in rows:
+        assert set(np.flatnonzero(np.asarray(c.prompt_mask[r]))) == {5, 6, 9}
+        np.testing.assert_array_equal(np.asarray(c.output_counts[r]),
+                                      np.bincount(s.output_ids, minlength=v))
+    assert not np.asarray(c.banned[6:]).any() and not np.asarray(c.output_counts[6:]).any()
+
+
+@pytest.fixture(scope="module")
+def story_greedy(stories_llm):
+    """The unconstrained greedy run of a prompt with its raw top-2 logprobs per step."""
+    sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    out = stories_llm.generate(["Once upon a time"], sp)[0]
+    return out.token_ids, [lp.top for lp in out.logprobs]
+
+
+def _boundary(ids, tops, start=3):
+    """The first index j >= start whose token did not occur before and leads clearly."""
+    return next(j for j in range(start, len(ids))
+                if ids[j] not in ids[:j] and tops[j][0][1] - tops[j][1][1] > 0.5)
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_min_tokens_bans_stop_ids_for_exactly_min_tokens_outputs(stories_llm, story_greedy, eos):
+    """The greedy token at index j, made a stop token, is banned for min_tokens = j + 1 (the run
+    takes the runner-up there) and allowed for min_tokens = j (the run stops there). With
+    ``eos`` the token is made the engine's EOS instead of a ``stop_token_ids`` entry."""
+    ids, tops = story_greedy
+    j = _boundary(ids, tops)
+    stop = ids[j]
+    eng = stories_llm.engine
+    old = set(eng.stop_ids)
+    kw = {} if eos else dict(stop_token_ids=[stop])
+    try:
+        if eos:
+            eng.stop_ids.add(stop)
+        banned, allowed = stories_llm.generate(["Once upon a time"] * 2, [
+            SamplingParams(temperature=0.0, max_tokens=24, min_tokens=j + 1, **kw),
+            SamplingParams(temperature=0.0, max_tokens=24, min_tokens=j, **kw)])
+    finally:
+        eng.stop_ids.clear()
+        eng.stop_ids.update(old)
+    assert allowed.token_ids == ids[: j + 1] and allowed.finish_reason == "stop"
+    assert banned.token_ids[:j] == ids[:j]
+    assert banned.token_ids[j] == tops[j][1][0] != stop  # the runner-up
+    assert len(banned.token_ids) > j + 1
+
+
+def test_stop_string_counts_from_exactly_min_tokens(stories_llm, story_greedy):
+    """A stop string completed by output token j stops the run when min_tokens <= j + 1 and is
+    ignored when min_tokens = j + 2 (vLLM checks stop strings once len(output) >= min_tokens)."""
+    ids, tops = story_greedy
+    j = 5
+    text = stories_llm.generate(["Once upon a time"],
+                                SamplingParams(temperature=0.0, max_tokens=j + 1))[0].text
+    assert text and stories_llm.tokenizer.decode(ids[: j + 1]).strip() in text
+    outs = stories_llm.generate(["Once upon a time"] * 3, [
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=m, stop=[text])
+        for m in (j, j + 1, j + 2)])
+    for out in outs[:2]:
+        assert out.token_ids == ids[: j + 1] and out.finish_reason == "stop"
+        assert out.stop_reason == text and out.text == ""
+    assert outs[2].token_ids == ids and outs[2].finish_reason == "length"
