@@ -1,0 +1,372 @@
+"""Mutation check: plants small realistic bugs in core code, one at a time, and runs only the
+tests meant to catch each; prints which bugs survive (issue 16). Too slow for CI: run it by hand
+before closing work on a feature, and add a mutation for every new feature (prefix caching, the
+server, ...).
+
+Each ``Mutation`` is (name, file, exact old text, new text, test files, optional ``-k``). For each:
+the working tree is copied to a temporary directory (without .git, .venv, results), the old text
+(which must occur exactly once in the file: the script fails loudly when the code has moved) is
+replaced, and ``python -m pytest -x -q`` runs the mutation's tests there with ``PYTHONPATH`` set
+to the copy and ``JAXINFER_SHARED`` to the shared models. Exit status 1 (a test failed) counts as
+caught, 0 as survived; anything else (collection error, no test selected, timeout) is reported as
+an error, never as caught.
+
+Usage::
+
+    python scripts/mutation_check.py              # every mutation, one at a time
+    python scripts/mutation_check.py --list       # names, files and tests; checks the old texts
+    python scripts/mutation_check.py --only kv_scale_63 --only preempt_oldest
+    python scripts/mutation_check.py --jobs 2 --baseline   # 2 at once; unmutated runs first
+
+One JSON summary (tried, caught, survived with names, per-mutation seconds) goes to stdout and is
+appended to ``results/mutation_check.jsonl`` (``--results-dir``); progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("JAXINFER_SHARED", REPO.parent / "shared"))
+COPY_IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", "venv", "results", ".cache", "__pycache__", ".hypothesis", ".pytest_cache",
+    ".ruff_cache", "*.egg-info", "out*.jsonl", "build", "dist")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """One planted bug: ``old`` (exactly once in ``file``) becomes ``new``; ``tests`` (paths from
+    the repository root) with ``-k k`` must fail."""
+
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    k: str | None = None
+
+
+M = Mutation
+OUT_REF = "tests/test_outside_references.py"
+MUTATIONS: list[Mutation] = [
+    # ---- quantization scales
+    M("kv_scale_63", "jaxinfer/quant/kv.py",
+      "s = jnp.max(jnp.abs(xf), axis=-1) / 127.0", "s = jnp.max(jnp.abs(xf), axis=-1) / 63.0",
+      ("tests/test_quant.py",), "kv"),
+    M("weight_scale_63", "jaxinfer/quant/tensor.py",
+      "scales = jnp.max(jnp.abs(wt), axis=red) / 127.0",
+      "scales = jnp.max(jnp.abs(wt), axis=red) / 63.0", ("tests/test_quant.py",), "scales"),
+    M("activation_scale_63", "jaxinfer/quant/matmul.py",
+      "sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0",
+      "sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 63.0",
+      ("tests/test_quant.py",), "w8a8 or w8a16"),
+    # ---- KV writes
+    M("int8_v_scales_from_k", "jaxinfer/kv_cache.py",
+      "v_scales=cache.v_scales.at[at].set(vs)", "v_scales=cache.v_scales.at[at].set(ks)",
+      ("tests/test_quant.py",), "kv_scales"),
+    M("float_v_written_from_k", "jaxinfer/kv_cache.py",
+      "v_pages=cache.v_pages.at[at].set(v.astype(cache.v_pages.dtype))",
+      "v_pages=cache.v_pages.at[at].set(k.astype(cache.v_pages.dtype))",
+      ("tests/test_engine.py",), "chunked"),
+    # ---- scheduler, pages
+    M("preempt_oldest", "jaxinfer/scheduler.py",
+      "victim = next(s for s in reversed(self.running) if id(s) not in scheduled)",
+      "victim = next(s for s in self.running if id(s) not in scheduled)",
+      ("tests/test_scheduler.py",)),
+    M("admission_without_reserve", "jaxinfer/scheduler.py",
+      "reserve = len(self.running)", "reserve = 0", ("tests/test_scheduler.py",)),
+    M("admitted_prefill_ignores_budget", "jaxinfer/scheduler.py",
+      "            n = min(remaining, budget)\n            # Admission",
+      "            n = remaining\n            # Admission", ("tests/test_scheduler.py",)),
+    M("free_drops_every_reference", "jaxinfer/kv_cache.py",
+      "self.refcounts[p] -= 1", "self.refcounts[p] = 0", ("tests/test_scheduler.py",)),
+    M("allocate_off_by_one", "jaxinfer/kv_cache.py",
+      "if n > len(self._free):", "if n >= len(self._free):", ("tests/test_scheduler.py",)),
+    # ---- attention, RoPE, norms, logits
+    M("window_off_by_one", "jaxinfer/attention.py",
+      "q_pos - kv_pos < window)", "q_pos - kv_pos <= window)",
+      ("tests/test_paged_attention.py",), "paged_equals_dense"),
+    M("decode_sees_one_past_kv_len", "jaxinfer/paged_attention.py",
+      "mask = (kv_pos < kv_lens[:, None]) & window_mask(q_pos[:, None], kv_pos, window)",
+      "mask = (kv_pos <= kv_lens[:, None]) & window_mask(q_pos[:, None], kv_pos, window)",
+      ("tests/test_paged_attention.py",), "paged_equals_dense"),
+    M("rope_sign", "jaxinfer/model.py",
+      "x2 * c + x1 * s", "x2 * c - x1 * s", ("tests/test_greedy_reference.py",), "tok512.bin"),
+    M("local_rope_global_theta", "jaxinfer/model.py",
+      "inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None)",
+      "inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)",
+      ("tests/test_hf_parity.py",), "logits_f32 and gemma3"),
+    M("k_norm_uses_q_norm", "jaxinfer/model.py",
+      "k = rms_norm(k, lp.k_norm, eps, off)", "k = rms_norm(k, lp.q_norm, eps, off)",
+      ("tests/test_hf_parity.py",), "logits_f32 and qwen3"),
+    M("gemma_norm_offset_dropped", "jaxinfer/model.py",
+      "return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)",
+      "return (xf * w.astype(jnp.float32)).astype(x.dtype)",
+      ("tests/test_hf_parity.py",), "logits_f32 and gemma2"),
+    M("final_softcap_unscaled", "jaxinfer/model.py",
+      "logits = jnp.tanh(logits / cap) * cap", "logits = jnp.tanh(logits) * cap",
+      ("tests/test_hf_parity.py",), "logits_f32 and gemma2"),
+    # ---- sampling
+    M("top_k_keeps_one_more", "jaxinfer/sampling.py",
+      "return jnp.sum((keys >= t[:, None]).astype(jnp.float32), axis=-1) >= k",
+      "return jnp.sum((keys >= t[:, None]).astype(jnp.float32), axis=-1) > k",
+      ("tests/test_sampling.py",), "filter_support"),
+    M("top_p_strict", "jaxinfer/sampling.py",
+      "return jnp.sum(jnp.where(keys >= t[:, None], ps, 0.0), axis=-1) >= st.top_p",
+      "return jnp.sum(jnp.where(keys >= t[:, None], ps, 0.0), axis=-1) > st.top_p",
+      ("tests/test_sampling.py",), "filter_support"),
+    M("min_p_absolute", "jaxinfer/sampling.py",
+      "return jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)",
+      "return jnp.where(probs < st.min_p[:, None], neg_inf, x)",
+      ("tests/test_sampling.py",), "filter_support"),
+    M("seed_step_ignores_pending", "jaxinfer/engine.py",
+      "steps[r] = len(row.seq.output_ids) + len(row.seq.pending)",
+      "steps[r] = len(row.seq.output_ids)",
+      ("tests/test_async_scheduling.py",), "equal_sync"),
+    # ---- penalties, min_tokens, stop strings, logprobs
+    M("repetition_ignores_prompt", "jaxinfer/sampling.py",
+      "rep = jnp.where(prompt_mask | in_output,", "rep = jnp.where(in_output,",
+      ("tests/test_sampling.py",), "penalties"),
+    M("repetition_inverted", "jaxinfer/sampling.py",
+      "logits = jnp.where(logits > 0, logits / rep, logits * rep)",
+      "logits = jnp.where(logits > 0, logits * rep, logits / rep)",
+      ("tests/test_sampling.py",), "penalties or repetition"),
+    M("presence_scaled_by_count", "jaxinfer/sampling.py",
+      "logits = logits - st.presence_penalty[:, None] * in_output.astype(jnp.float32)",
+      "logits = logits - st.presence_penalty[:, None] * output_counts.astype(jnp.float32)",
+      ("tests/test_sampling.py",), "penalties"),
+    M("penalties_count_prompt", "jaxinfer/engine.py",
+      "np.add.at(counts[r], np.asarray(seq.output_ids, np.int64), 1)",
+      "np.add.at(counts[r], np.asarray(seq.prompt_ids + seq.output_ids, np.int64), 1)",
+      (OUT_REF,), "logprobs or controls"),
+    M("min_tokens_ban_ends_early", "jaxinfer/engine.py",
+      "            if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens:",
+      "            if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens - 1:",
+      (OUT_REF,), "min_tokens or controls"),
+    M("min_tokens_ignores_pending", "jaxinfer/engine.py",
+      "            if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens:",
+      "            if len(seq.output_ids) < seq.params.min_tokens:",
+      (OUT_REF,), "controls"),
+    M("eos_not_banned", "jaxinfer/engine.py",
+      "                if not seq.params.ignore_eos:\n                    stops += list(self.stop_ids)",
+      "                if seq.params.ignore_eos:\n                    stops += list(self.stop_ids)",
+      (OUT_REF,), "min_tokens or controls"),
+    M("spec_min_tokens_ends_early", "jaxinfer/speculative/engine.py",
+      "            last_pos[i] = start\n            min_left[i] = seq.params.min_tokens - len(seq.output_ids)",
+      "            last_pos[i] = start\n            min_left[i] = seq.params.min_tokens - len(seq.output_ids) - 1",
+      (OUT_REF,), "min_tokens"),
+    M("stop_string_after_min_tokens", "jaxinfer/engine.py",
+      "if p.stop and len(seq.output_ids) >= p.min_tokens:",
+      "if p.stop and len(seq.output_ids) > p.min_tokens:", (OUT_REF,), "stop_string"),
+    M("stream_ignores_stop_buffer", "jaxinfer/engine.py",
+      "max(req.emitted, len(req.text) - seq.params.stop_buffer_length)",
+      "max(req.emitted, len(req.text))", ("tests/test_engine.py",), "streaming"),
+    M("logprobs_from_penalised", "jaxinfer/step.py",
+      "logprob_logits=raw_logits)", "logprob_logits=logits)", (OUT_REF,), "logprobs"),
+    M("spec_logprobs_from_penalised", "jaxinfer/speculative/round.py",
+      "lp = jax.nn.log_softmax(logits, axis=-1)", "lp = jax.nn.log_softmax(pen, axis=-1)",
+      (OUT_REF,), "logprobs and ngram"),
+    # ---- speculative decoding
+    M("accept_ratio_inverted", "jaxinfer/speculative/rejection.py",
+      "accept = (u * q_d < p_d) | accept_always", "accept = (u * p_d < q_d) | accept_always",
+      ("tests/test_speculative.py",), "rejection_sampling_matches"),
+    M("bonus_from_residual", "jaxinfer/speculative/rejection.py",
+      "use_p = (n >= num_drafts) | (jnp.sum(resid, axis=-1) <= 0)",
+      "use_p = jnp.sum(resid, axis=-1) <= 0", ("tests/test_speculative.py",), "bonus"),
+    M("bonus_from_previous_position", "jaxinfer/speculative/rejection.py",
+      "p_n = p[rows, n]", "p_n = p[rows, jnp.minimum(n, r - 1)]",
+      ("tests/test_speculative.py",), "bonus"),
+    M("greedy_accept_not_a_prefix", "jaxinfer/speculative/rejection.py",
+      "n_greedy = jnp.sum(jnp.cumprod(valid & (drafts == greedy_tok[:, :r]), axis=1), axis=1)",
+      "n_greedy = jnp.sum(valid & (drafts == greedy_tok[:, :r]), axis=1)",
+      ("tests/test_speculative.py",), "greedy_rows"),
+    # ---- detokenizer, resume, recovery
+    M("detok_no_utf8_hold_back", "jaxinfer/tokenizers/detokenizer.py",
+      "if len(full) <= len(prefix) or full.endswith(_REPLACEMENT_CHAR):",
+      "if len(full) <= len(prefix):", ("tests/test_tokenizer.py",), "incremental"),
+    M("detok_no_prefix_context", "jaxinfer/tokenizers/detokenizer.py",
+      "self._prefix_offset = max(self._read_offset - 5, 0)",
+      "self._prefix_offset = self._read_offset", ("tests/test_engine.py",), "streaming"),
+    M("resume_rewrites_error_records", "jaxinfer/jobs.py",
+      "        if job.id in done_ids:\n",
+      "        if job.id in done_ids and job.error is None:\n",
+      ("tests/test_cli_inputs.py",), "collide"),
+    M("resume_keeps_partial_line", "jaxinfer/outfile.py",
+      "os.ftruncate(self.fd, start)", "os.ftruncate(self.fd, start + len(raw))",
+      ("tests/test_cli_outputs.py",), "resume"),
+    M("recover_keeps_consumed_pool", "jaxinfer/engine.py",
+      "        self._reset_device_state()\n", "", ("tests/test_step_recovery.py",),
+      "consumed_the_pool"),
+    M("recover_keeps_pending_tokens", "jaxinfer/engine.py",
+      "            seq.pending.clear()\n            seq.pending_final = False",
+      "            seq.pending_final = False", ("tests/test_step_recovery.py",), "failing_step"),
+    M("abandoned_stream_not_aborted", "jaxinfer/engine_loop.py",
+      "eng.abort_request(rid)", "pass", ("tests/test_step_recovery.py",), "abandoned"),
+]
+
+
+def check_list(mutations=MUTATIONS, root: Path = REPO) -> list[str]:
+    """Problems with the list against the tree at ``root``: an old text not found exactly once,
+    a duplicate name, a missing test file, a no-op mutation."""
+    problems, names = [], set()
+    for m in mutations:
+        if m.name in names:
+            problems.append(f"{m.name}: duplicate name")
+        names.add(m.name)
+        path = root / m.file
+        if not path.is_file():
+            problems.append(f"{m.name}: {m.file} not found")
+            continue
+        n = path.read_text().count(m.old)
+        if n != 1:
+            problems.append(f"{m.name}: old text found {n} times in {m.file} (the code moved: "
+                            "update the mutation)")
+        if m.old == m.new:
+            problems.append(f"{m.name}: old == new")
+        problems += [f"{m.name}: test file {t} not found" for t in m.tests
+                     if not (root / t).is_file()]
+    return problems
+
+
+def make_copy(dest: Path) -> Path:
+    """The working tree (without .git, virtual environments, caches and results) at ``dest``."""
+    shutil.copytree(REPO, dest, ignore=COPY_IGNORE)
+    return dest
+
+
+def env_for(root: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["JAXINFER_SHARED"] = str(SHARED)
+    env.setdefault("JAXINFER_CACHE_DIR", str(REPO / ".cache"))
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def check_imports_from_copy(root: Path) -> None:
+    """Raises SystemExit when the copy's ``jaxinfer`` is not the one imported there (an editable
+    install shadowing PYTHONPATH would make every mutation survive)."""
+    code = "import jaxinfer, kernels_pallas; print(jaxinfer.__file__); print(kernels_pallas.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env_for(root),
+                         capture_output=True, text=True, timeout=300)
+    files = out.stdout.split()
+    if out.returncode or len(files) != 2 or not all(
+            Path(f).resolve().is_relative_to(root.resolve()) for f in files):
+        raise SystemExit(f"the copy's modules are not the ones imported: {out.stdout}{out.stderr}")
+
+
+def pytest_cmd(m: Mutation) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
+    return cmd + (["-k", m.k] if m.k else [])
+
+
+def run_one(m: Mutation, timeout: float, mutate: bool = True) -> dict:
+    """Applies ``m`` (unless ``mutate`` is False: the baseline) in a fresh copy and runs its
+    tests. Returns {name, result, rc, seconds, tail}."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mut-{m.name}-") as tmp:
+        root = make_copy(Path(tmp) / "repo")
+        path = root / m.file
+        text = path.read_text()
+        if text.count(m.old) != 1:
+            raise SystemExit(f"{m.name}: old text found {text.count(m.old)} times in {m.file}")
+        if mutate:
+            path.write_text(text.replace(m.old, m.new))
+        try:
+            p = subprocess.run(pytest_cmd(m), cwd=root, env=env_for(root), capture_output=True,
+                               text=True, timeout=timeout)
+            rc, tail = p.returncode, (p.stdout + p.stderr)[-1500:]
+        except subprocess.TimeoutExpired as e:
+            rc, tail = None, f"timeout after {timeout:.0f} s: {str(e.stdout or '')[-500:]}"
+    result = {0: "survived", 1: "caught"}.get(rc, "timeout" if rc is None else "error")
+    return {"name": m.name, "result": result, "rc": rc,
+            "seconds": round(time.perf_counter() - t0, 1), "tail": tail}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="list the mutations, check their old "
+                    "texts against the tree, run nothing")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only this mutation (repeatable, or comma-separated)")
+    ap.add_argument("--jobs", type=int, default=1, help="mutations run at once (default 1)")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per mutation's tests")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first run each selected mutation's tests unmutated: they must pass")
+    ap.add_argument("--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR",
+                                                            str(REPO / "results")))
+    args = ap.parse_args(argv)
+
+    problems = check_list()
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:34s} {m.file:38s} {' '.join(m.tests)}" + (f" -k '{m.k}'" if m.k else ""))
+        for p in problems:
+            print("PROBLEM:", p, file=sys.stderr)
+        return 1 if problems else 0
+    if problems:
+        raise SystemExit("mutation list does not match the tree:\n" + "\n".join(problems))
+    only = {n for o in args.only for n in o.split(",") if n}
+    unknown = only - {m.name for m in MUTATIONS}
+    if unknown:
+        raise SystemExit(f"unknown mutation(s): {sorted(unknown)}; see --list")
+    chosen = [m for m in MUTATIONS if not only or m.name in only]
+    if not SHARED.is_dir():
+        raise SystemExit(f"{SHARED} not found: set JAXINFER_SHARED")
+    with tempfile.TemporaryDirectory(prefix="mut-check-") as tmp:
+        check_imports_from_copy(make_copy(Path(tmp) / "repo"))
+
+    t0 = time.perf_counter()
+    baseline_failed = []
+    if args.baseline:
+        groups = {}
+        for m in chosen:
+            groups.setdefault((m.tests, m.k), m)
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as ex:
+            for r in ex.map(lambda m: run_one(m, args.timeout, mutate=False), groups.values()):
+                ok = r["result"] == "survived"  # unmutated: the tests pass
+                print(f"baseline {r['name']:34s} {'ok' if ok else r['result']:9s} "
+                      f"{r['seconds']:7.1f} s", file=sys.stderr, flush=True)
+                if not ok:
+                    baseline_failed.append({k: r[k] for k in ("name", "result", "rc", "tail")})
+        bad = {(m.tests, m.k) for m in chosen if m.name in {b["name"] for b in baseline_failed}}
+        chosen = [m for m in chosen if (m.tests, m.k) not in bad]
+
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as ex:
+        for r in ex.map(lambda m: run_one(m, args.timeout), chosen):
+            print(f"{r['name']:34s} {r['result']:9s} {r['seconds']:7.1f} s", file=sys.stderr,
+                  flush=True)
+            results.append(r)
+
+    def names(kind):
+        return [r["name"] for r in results if r["result"] == kind]
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from benchlib import emit, host_info
+
+    summary = {
+        "script": "mutation_check", **host_info(),
+        "tried": len(results), "caught": len(names("caught")), "survived": names("survived"),
+        "errors": names("error"), "timeouts": names("timeout"),
+        "baseline_failed": baseline_failed,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "results": [{k: r[k] for k in ("name", "result", "rc", "seconds")}
+                    | ({"tail": r["tail"]} if r["result"] not in ("caught",) else {})
+                    for r in results],
+    }
+    emit(summary, "mutation_check", args.results_dir)
+    return 0 if len(names("caught")) == len(results) and not baseline_failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
