@@ -188,6 +188,19 @@ def test_save_load_round_trip_bit_exact_and_errors(tmp_path, stories_dir):
 
 
 MODES = [("int8", "auto"), ("w8a8", "auto"), (None, "int8"), ("int8", "int8"), ("w8a8", "int8")]
+# Greedy-token agreement with the float model (3 reference prompts x 40 tokens), measured
+# 2026-12 on CPU: int8 weights 1.0; every mode with int8 activations or an int8 KV cache 0.908
+# (the third prompt flips a near-tie at token 29). Each floor is the measured value minus a
+# margin of 0.05 (6 of the 120 tokens), so w8a16 falling to w8a8's level fails: dropping
+# int_dot2's second activation digit gives 0.908, an int8 weight scale of max/63 gives 0.79
+# (w8a8) and 0.72 (w8a8 + int8 KV).
+MIN_AGREEMENT = {
+    ("int8", "auto"): 0.95,
+    ("w8a8", "auto"): 0.85,
+    (None, "int8"): 0.85,
+    ("int8", "int8"): 0.85,
+    ("w8a8", "int8"): 0.85,
+}
 
 
 @pytest.fixture(scope="module")
@@ -220,11 +233,11 @@ def test_every_mode_on_stories260k(stories_dir, stories_float_greedy, quant, kv)
         [a == b for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=False)]
     )
     # Greedy decoding diverges for good once one near-tie flips, so agreement is a quality
-    # figure, not an exactness check: measured 0.87 for w8a8 (4 prompts x 48 tokens), 1.0
-    # for int8 weights and int8 KV; scripts/bench_quant.py reports it over all prompts.
+    # figure, not an exactness check (floors per mode: MIN_AGREEMENT);
+    # scripts/bench_quant.py reports it over all prompts.
     for r, g in zip(ref, got, strict=True):
         assert g[:8] == r[:8], (quant, kv)
-    assert agree >= 0.75, (quant, kv, agree)
+    assert agree >= MIN_AGREEMENT[quant, kv], (quant, kv, agree)
 
 
 class _NoTokenizer:
