@@ -6,7 +6,8 @@
 Input: JSONL records ``{"id": ..., "prompt" | "messages" | "prompt_token_ids": ..., <sampling
 fields>}`` or plain text, one prompt per line. Output: one JSONL record per prompt
 (``RequestOutput.to_record()`` or an error record), written and flushed as each prompt finishes.
-A rerun with the same ``--out`` skips the ids already there (resume after a crash or Ctrl-C).
+A rerun with the same ``--out`` skips the ids already there (resume after a crash or Ctrl-C)
+and continues the requests that were in flight from ``<out>.partial.json`` (`jaxinfer.partial`).
 stdout carries one JSON summary object; progress, messages and errors go to stderr.
 
 Reading the prompts file (`jaxinfer.jobs`: every bad line is one error record, ids) and the
@@ -31,6 +32,7 @@ from pathlib import Path
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.jobs import DUPLICATE_PREFIX, PROMPT_KEYS, Job, UsageError, plan, read_jobs
 from jaxinfer.outfile import Done, OutputFile, OutputWriteError
+from jaxinfer.partial import Checkpointer, partial_path, run_settings
 from jaxinfer.sampling_params import SamplingParams
 
 ATTN_IMPL_CHOICES = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
@@ -90,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="output JSONL file (a regular file); appended to, ids already present are "
         "skipped; locked while a run writes it, so a second run on it is refused",
+    )
+    io.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="rewrite the partial-state file <out>.partial.json (the tokens of requests in "
+        "flight) this often, and on SIGTERM/Ctrl-C, so a rerun continues them; 0 = only on "
+        "SIGTERM/Ctrl-C. Removed when the job completes",
     )
     io.add_argument(
         "--tokenizer", default=None, help="tokenizer file overriding the one found beside the model"
@@ -374,16 +385,24 @@ def _encode(llm, job: Job) -> list[int] | None:
         return None
 
 
-def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dict, bar) -> None:
-    """Generates ``run`` (jobs with their prompt token ids); writes each record (and counts it
-    in ``stats``) as its prompt finishes. Raises OutputWriteError."""
+def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dict, bar,
+              ckpt: Checkpointer) -> None:
+    """Generates ``run`` (jobs with their prompt token ids), continuing the requests ``ckpt``
+    holds partial outputs of; writes each record (and counts it in ``stats``) as its prompt
+    finishes, and gives ``ckpt`` every output. Raises OutputWriteError."""
     prompts = [{"prompt_token_ids": ids} for _, ids in run]
     params = [SamplingParams.from_dict(j.sampling) for j, _ in run]
+    resume = ckpt.plan(llm, [(j.id, ids, p) for (j, ids), p in zip(run, params, strict=True)])
+    stats["resumed"] = ckpt.resumed
     t0 = time.perf_counter()
-    for res in llm.generate_stream(prompts, params, request_ids=[j.id for j, _ in run]):
+    for res in llm.generate_stream(prompts, params, request_ids=[j.id for j, _ in run],
+                                   resume=resume):
         if not res.finished:
+            ckpt.update(res)
             continue
         out.write(res.to_record())
+        ckpt.update(res)  # after the record: a crash between the two leaves the id done
+        stats["resumed_tokens"] += res.metrics.resumed_tokens
         if res.error is not None:
             stats["errors"] += 1
         else:
@@ -405,6 +424,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     defaults = sampling_defaults_from_args(args)
+    if not (args.checkpoint_interval >= 0 and args.checkpoint_interval != float("inf")):
+        raise UsageError(f"--checkpoint-interval must be a number of seconds >= 0, got "
+                         f"{args.checkpoint_interval}")
     if not args.prompts.is_file():
         raise UsageError(f"prompts file {args.prompts} does not exist or is not a file")
     if not Path(args.model).exists():
@@ -418,12 +440,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from jaxinfer.sharding import initialize_multihost, is_output_host
 
-    if initialize_multihost(args.multihost) and not is_output_host():
+    multihost = initialize_multihost(args.multihost)
+    if multihost and not is_output_host():
         out = OutputFile.reader(out_path)  # every host computes; process 0 writes
     else:
         out = OutputFile.open(out_path, args.prompts)  # locked, before the model loads
+    # Partial states are off across hosts: every host must resume from the same state, and
+    # process 0 rewrites the file while the others may still be reading it.
+    ckpt = Checkpointer(partial_path(out_path), run_settings(args), args.checkpoint_interval,
+                        say, enabled=not multihost)
     try:
-        return _run_jobs(args, jobs, out, say, t_start)
+        return _run_jobs(args, jobs, out, say, t_start, ckpt)
     except BaseException:
         out.close(discard=out.written == 0)  # a failed command leaves no empty file behind
         raise
@@ -432,7 +459,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
-              t_start: float) -> int:
+              t_start: float, ckpt: Checkpointer) -> int:
     """The run of `cmd_generate` once ``out`` is open: resume, load, generate, summary."""
     quiet = args.quiet
     out_path = out.path
@@ -459,6 +486,8 @@ def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
         "skipped": skipped,
         "prompt_tokens": 0,
         "completion_tokens": 0,
+        "resumed": 0,  # requests continued from the partial file
+        "resumed_tokens": 0,  # their output tokens carried over (not computed by this run)
     }
     bar = None
     if ids_run and not (args.no_progress or quiet):
@@ -470,12 +499,14 @@ def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
     interrupted = 0  # the exit status of an interruption (130 Ctrl-C, 143 SIGTERM), else 0
     write_error = None  # why the output file could not be written
     t_gen = time.perf_counter()
+    completed = False
     try:
         for job in errors:
             out.write(_error_record(job))
             stats["errors"] += 1
         if ids_run:
-            _generate(llm, ids_run, out, stats, bar)
+            _generate(llm, ids_run, out, stats, bar, ckpt)
+        completed = True
     except KeyboardInterrupt as e:
         interrupted = _interrupt_status(e)
     except OutputWriteError as e:  # disk full, I/O error: stop, but still report the run
@@ -483,6 +514,7 @@ def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
     finally:
         if bar is not None:
             bar.close()
+        ckpt.close(completed)  # in-flight tokens kept for the rerun, or the file removed
     gen_s = time.perf_counter() - t_gen
     summary = {
         **stats,
@@ -507,7 +539,8 @@ def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
         n = stats["completed"] + stats["errors"]
         print(
             f"jaxinfer: interrupted; {n} record(s) written to {out_path} in this run "
-            f"({n + skipped} of {len(jobs)} in all). Rerun the same command to resume.",
+            f"({n + skipped} of {len(jobs)} in all). Rerun the same command to resume"
+            + (f" (requests in flight continue from {ckpt.path})." if ckpt.enabled else "."),
             file=sys.stderr,
             flush=True,
         )

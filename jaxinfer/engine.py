@@ -20,6 +20,7 @@ from jaxinfer.kv_cache import PageAllocator, init_kv_cache, kv_bytes_per_token
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.paged_attention import check_attn_impl, resolve_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
+from jaxinfer.resume import ResumeState, check_resume
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence, SeqStatus
 from jaxinfer.sharding import to_host
@@ -63,6 +64,10 @@ class EngineConfig:
             Outputs are the same as without it; a sequence that stops on a token (EOS, stop
             string) costs one discarded row. Steps whose rows need penalties run without overlap.
             None = on. Source: vLLM v1's async scheduling.
+        batch_invariant: every row's logits bitwise the same whatever else is in the batch
+            (its size and composition, chunking, async scheduling, preemption), at a cost in
+            speed (``jaxinfer.batch_invariant``). Needs ``attn_impl`` resolving to "xla" and no
+            mesh (ValueError otherwise).
     """
 
     max_model_len: int
@@ -79,6 +84,7 @@ class EngineConfig:
     kv_page_major: bool | None = None
     keep_host_memory: bool | None = None
     async_scheduling: bool | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name, low in (("max_model_len", 2), ("page_size", 1), ("max_num_seqs", 1),
@@ -91,6 +97,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be True, False or None, got {v!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -105,6 +113,7 @@ class _Request:
     text: str = ""  # visible output text (after stop-string cuts)
     emitted: int = 0  # characters of text already streamed
     error: str | None = None  # why the request failed (finish_reason "error")
+    resumed: int = 0  # output tokens carried over from a partial output (``add_request``)
 
 
 @dataclasses.dataclass(eq=False)
@@ -175,6 +184,12 @@ class Engine:
             raise ValueError("kv_page_major=True is not supported with a mesh: sharded KV pools are "
                              "head-major")
         self.kv_page_major = page_major
+        if ecfg.batch_invariant and (impl != "xla" or mesh is not None):
+            raise ValueError(
+                "batch_invariant=True runs its own XLA attention on one device: "
+                + (f"attn_impl={ecfg.attn_impl!r} (resolved {impl!r}) is not supported with it; "
+                   "use 'xla' or 'auto'" if impl != "xla" else
+                   "tensor/data parallel engines are not supported with it yet"))
         kv_dtype = kv_cache_dtype(ecfg, params)
         if kv_dtype == np.int8 and mesh is not None:
             raise ValueError("kv_cache_dtype='int8' with a sharded engine is not supported yet")
@@ -252,8 +267,10 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestError when a request cannot run."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams,
+                 resume: ResumeState | None = None) -> None:
+        """Raises RequestError when a request cannot run (or cannot resume from ``resume``: see
+        ``add_request``)."""
         if len(prompt_ids) == 0:
             raise RequestError("prompt has zero tokens (empty prompt on a tokenizer that adds no BOS)")
         if len(prompt_ids) >= self.ecfg.max_model_len:
@@ -274,26 +291,62 @@ class Engine:
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size}) "
                 "and could never be generated")
         self._check_stop_strings(params)
+        if resume is not None:
+            self._new_request("validate", prompt_ids, params, None, resume)
 
     def _check_stop_strings(self, params: SamplingParams) -> None:
         if params.stop and not getattr(self.tokenizer, "has_text", True):
             raise RequestError(no_tokenizer_message(self.tokenizer.path, "a stop string (stop)"))
 
+    def draw_seed(self, params: SamplingParams) -> int:
+        """The seed a request with ``params`` samples with: ``params.seed``, or one drawn from the
+        engine's host RNG (advancing it), as ``add_request`` does for a request without one."""
+        return draw_seed(params, self._rng)
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, resume: ResumeState | None = None) -> None:
         """Queues a validated request (call ``validate`` first).
 
-        Raises RequestError for a duplicate id, or stop strings on a model without a tokenizer
-        (``tokenizer.has_text`` False: the request's outputs then have ``text`` None)."""
+        With ``resume`` the request continues a partial output exactly: it samples with
+        ``resume.seed`` (no seed is drawn), starts with ``resume.token_ids`` as its output (their
+        K/V prefilled with the prompt's; the next token sampled is output index k), and its text,
+        stop-string search and min/max_tokens and penalty counts include those tokens (they are
+        replayed through the same host code that appended them). Its outputs' ``token_ids``,
+        ``text`` and ``logprobs`` are then the whole output, the first ``delta_text`` holds the
+        replayed text too, and ``metrics`` count from this call (``RequestMetrics.resumed_tokens``).
+
+        Raises RequestError for a duplicate id, stop strings on a model without a tokenizer
+        (``tokenizer.has_text`` False: the request's outputs then have ``text`` None), a bad
+        ``resume`` (``resume.check_resume``), or one whose partial output has already finished
+        (a stop token or string, ``max_tokens`` or ``max_model_len`` reached within it)."""
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}")
-        has_text = getattr(self.tokenizer, "has_text", True)  # duck-typed tokenizers have text
         self._check_stop_strings(params)
-        seq = Sequence(request_id, [int(t) for t in prompt_ids], params, draw_seed(params, self._rng))
+        req = self._new_request(request_id, prompt_ids, params, prompt, resume)
+        self._requests[request_id] = req
+        self.scheduler.add(req.seq)
+
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     prompt: str | None, resume: ResumeState | None) -> _Request:
+        """A request's host state, with ``resume``'s tokens replayed. Raises RequestError."""
+        if resume is not None:
+            check_resume(resume, params, self.cfg.vocab_size)
+        seed = self.draw_seed(params) if resume is None else resume.seed
+        seq = Sequence(request_id, [int(t) for t in prompt_ids], params, seed)
+        has_text = getattr(self.tokenizer, "has_text", True)  # duck-typed tokenizers have text
         detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
                  if has_text else None)
-        self._requests[request_id] = _Request(seq, prompt, detok)
-        self.scheduler.add(seq)
+        req = _Request(seq, prompt, detok)
+        if resume is not None:
+            lps = resume.logprobs if resume.logprobs is not None else [None] * len(resume.token_ids)
+            for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
+                reason = self._advance(req, int(tok), lp)
+                if reason is not None:
+                    raise RequestError(
+                        f"the partial output has already finished ({reason!r} at output token "
+                        f"{i} of {len(resume.token_ids)}); there is nothing to resume")
+            req.resumed = len(resume.token_ids)
+        return req
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -441,9 +494,11 @@ class Engine:
         self.compile_keys.add(("sample", b, controls is not None, num_lp))
         prev_tokens = prev.next_tokens if prev is not None else self._no_prev
         self.kv, logits = self._forward(self.params, self.kv, batch, prev_tokens, cfg=self.cfg,
-                                        attn_impl=self.ecfg.attn_impl)
+                                        attn_impl=self.ecfg.attn_impl,
+                                        batch_invariant=self.ecfg.batch_invariant)
         out, next_tokens = self._sample(logits, st, controls, num_logprobs=num_lp,
-                                        num_slots=self._num_slots)
+                                        num_slots=self._num_slots,
+                                        batch_invariant=self.ecfg.batch_invariant)
         sampled = []
         for row, r in rows:
             seq = row.seq
@@ -482,13 +537,23 @@ class Engine:
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
         req = self._requests[seq.request_id]
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        reason = self._advance(req, tok, lp)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._output(req)
+
+    def _advance(self, req: _Request, tok: int, lp: TokenLogprob | None) -> str | None:
+        """Appends one sampled token to a request's host state (ids, logprobs, text, stop checks);
+        returns the finish reason it causes ("stop", "length") or None. Also replays a resumed
+        request's partial output (``_new_request``), so both go through the same checks."""
+        seq = req.seq
         p = seq.params
         seq.output_ids.append(tok)
         if lp is not None:
             seq.logprobs.append(lp)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
         reason = None
         if tok in self.stop_ids and not p.ignore_eos:
             reason, seq.stop_reason = "stop", None
@@ -511,9 +576,7 @@ class Engine:
                 reason = "length"
             elif len(seq.prompt_ids) + len(seq.output_ids) >= self.ecfg.max_model_len:
                 reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return self._output(req)
+        return reason
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
@@ -523,10 +586,12 @@ class Engine:
         req.emitted = visible
         n_out = len(seq.output_ids)
         m = RequestMetrics(prompt_tokens=len(seq.prompt_ids), completion_tokens=n_out,
-                           num_preemptions=seq.num_preemptions)
-        if seq.first_token_time is not None:
+                           num_preemptions=seq.num_preemptions, resumed_tokens=req.resumed)
+        if seq.first_token_time is not None:  # timings of this run's tokens (``add_request``)
+            n_new = n_out - req.resumed
             m.ttft_s = seq.first_token_time - seq.arrival_time
-            m.tpot_s = (seq.last_token_time - seq.first_token_time) / (n_out - 1) if n_out > 1 else 0.0
+            m.tpot_s = ((seq.last_token_time - seq.first_token_time) / (n_new - 1)
+                        if n_new > 1 else 0.0)
             m.e2e_s = seq.last_token_time - seq.arrival_time
         has_text = req.detok is not None
         out = RequestOutput(

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.resume import ResumeState
 from jaxinfer.sampling import SamplingParams
 
 Encoder = Callable[[object], tuple[list[int], str | None]]
@@ -43,34 +44,38 @@ class EngineLoop:
         return next(self._ids)
 
     def stream(self, request_ids: Sequence[str], prompts: Sequence[object],
-               sampling_params: Sequence[SamplingParams],
-               encode: Encoder) -> Iterator[RequestOutput]:
+               sampling_params: Sequence[SamplingParams], encode: Encoder,
+               resume: Sequence[ResumeState | None] | None = None) -> Iterator[RequestOutput]:
         """Adds the requests and yields their outputs (every new-token output, then the final one).
 
         A request that cannot be encoded or validated, or whose id is already running, yields
         one output with ``error`` set, first; the others go on. Closing the iterator early
-        aborts its requests that have not finished.
+        aborts its requests that have not finished. ``resume[i]`` (if given) continues request i
+        from a partial output (``Engine.add_request``).
         """
         mine: collections.deque[RequestOutput] = collections.deque()
         errors, admitted = [], []
-        for i, (rid, prompt, sp) in enumerate(zip(request_ids, prompts, sampling_params)):
+        if resume is None:
+            resume = [None] * len(request_ids)
+        rows = zip(request_ids, prompts, sampling_params, resume, strict=True)
+        for i, (rid, prompt, sp, rs) in enumerate(rows):
             rid = str(rid)
             eng = self.engines[i % len(self.engines)]
             text = prompt if isinstance(prompt, str) else None
             try:
                 ids, text = encode(prompt)
-                eng.validate(ids, sp)
-                admitted.append((eng, rid, ids, sp, text))
+                eng.validate(ids, sp, rs)
+                admitted.append((eng, rid, ids, sp, text, rs))
             except JaxinferError as e:
                 errors.append(_error_output(rid, text, str(e)))
         pending: set[str] = set()
         with self._lock:
-            for eng, rid, ids, sp, text in admitted:
+            for eng, rid, ids, sp, text, rs in admitted:
                 try:
                     if rid in self._routes:
                         raise RequestError(f"duplicate request id {rid!r}: a request with this "
                                            "id is still running")
-                    eng.add_request(rid, ids, sp, prompt=text)
+                    eng.add_request(rid, ids, sp, prompt=text, resume=rs)
                 except JaxinferError as e:
                     errors.append(_error_output(rid, text, str(e)))
                     continue
@@ -96,6 +101,14 @@ class EngineLoop:
                         self._routes.pop(rid, None)
                         for eng in self.engines:
                             eng.abort_request(rid)
+
+    def draw_seeds(self, sampling_params: Sequence[SamplingParams]) -> list[int]:
+        """The seeds requests with these params would sample with if ``stream`` got them now in
+        this order (request i on replica i % n): each one's own, or one drawn from its replica's
+        host RNG (advancing it, so ``stream`` then draws other seeds)."""
+        with self._lock:
+            return [self.engines[i % len(self.engines)].draw_seed(sp)
+                    for i, sp in enumerate(sampling_params)]
 
     def _step_all(self) -> None:
         """One step of every replica with work; routes each output to its caller (lock held)."""

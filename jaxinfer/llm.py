@@ -21,6 +21,7 @@ from jaxinfer.engine import kv_cache_dtype as resolve_kv_dtype
 from jaxinfer.errors import JaxinferError, RequestError, TokenizerError
 from jaxinfer.llm_args import check_kv_pool, check_llm_args
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.resume import ResumeState
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizers.ids_only import IdsOnlyTokenizer, NoTokenizerWarning, no_tokenizer_message
 
@@ -85,6 +86,11 @@ class LLM:
             (``tokenizers.ids_only.config_special_ids``). A model with no tokenizer beside it
             (and no ``tokenizer``) runs this way too, with a ``NoTokenizerWarning``; then
             ``self.tokenizer`` is None.
+        batch_invariant: every request's logits (hence its greedy or seeded tokens and its
+            logprobs) bitwise the same whatever else is in the batch: batch size and
+            composition, prefill chunking, async scheduling, preemption
+            (``jaxinfer.batch_invariant``; slower, see the README). Not with ``speculative``,
+            a Pallas ``attn_impl``, or tensor/data parallel (ValueError).
 
     Raises:
         CheckpointError / TokenizerError: the model cannot be loaded (message names the file):
@@ -112,7 +118,8 @@ class LLM:
                  num_speculative_tokens: int = 4, draft_model: str | None = None,
                  draft_heads: str | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", unroll_layers: bool | None = None,
-                 async_scheduling: bool | None = None, skip_tokenizer_init: bool = False):
+                 async_scheduling: bool | None = None, skip_tokenizer_init: bool = False,
+                 batch_invariant: bool = False):
         check_llm_args(locals())  # first: locals() is the arguments alone
         from jaxinfer.loaders import load
         from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
@@ -151,6 +158,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
             attn_impl=attn_impl, seed=seed, kv_cache_dtype=kv_cache_dtype,
             unroll_layers=unroll_layers, async_scheduling=async_scheduling,
+            batch_invariant=batch_invariant,
         )
         if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
             kv_pages = default_num_pages(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params),
@@ -209,17 +217,25 @@ class LLM:
 
     def generate_stream(self, prompts: PromptLike | Iterable[PromptLike],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                        request_ids: Sequence[str] | None = None) -> Iterator[RequestOutput]:
+                        request_ids: Sequence[str] | None = None,
+                        resume: Sequence[ResumeState | None] | None = None,
+                        ) -> Iterator[RequestOutput]:
         """Yields a ``RequestOutput`` each time a request gets new tokens (``delta_text`` holds the
         new text) and once when it finishes. A request that fails validation yields one output
         with ``error`` set; the others go on.
+
+        ``resume[i]``, when not None, continues prompt i from a partial output: its seed and
+        output tokens so far (``jaxinfer.resume.ResumeState``; ``Engine.add_request`` says what
+        is rebuilt); the result equals an uninterrupted run's. A partial output that has already
+        finished, or does not fit the request, makes that request's error output.
 
         Thread-safe: concurrent calls (several threads, or interleaved streams) share one engine
         loop and continuous batch (``jaxinfer.engine_loop``). Closing the iterator before it
         ends aborts its unfinished requests.
 
         Raises:
-            ValueError: ``sampling_params`` or ``request_ids`` do not match the prompts in length.
+            ValueError: ``sampling_params``, ``request_ids`` or ``resume`` do not match the
+                prompts in length.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -237,7 +253,16 @@ class LLM:
             request_ids = [f"{n}-{i}" for i in range(len(prompts))]
         if len(request_ids) != len(prompts):
             raise ValueError(f"{len(request_ids)} request_ids for {len(prompts)} prompts")
-        return self._loop.stream(request_ids, prompts, sampling_params, self.encode_prompt)
+        if resume is not None and len(resume) != len(prompts):
+            raise ValueError(f"{len(resume)} resume states for {len(prompts)} prompts")
+        return self._loop.stream(request_ids, prompts, sampling_params, self.encode_prompt, resume)
+
+    def draw_seeds(self, sampling_params: Sequence[SamplingParams]) -> list[int]:
+        """The seeds ``generate_stream`` would give these requests (in this order) if called now:
+        each one's own ``seed``, or one drawn from the engine's host RNG (``LLM(seed=...)``),
+        which this call advances. Pin them (``ResumeState(seed)``) to keep the draws of requests
+        without a seed when a job is resumed (``jaxinfer generate`` does)."""
+        return self._loop.draw_seeds(sampling_params)
 
     def generate(self, prompts: PromptLike | Iterable[PromptLike],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

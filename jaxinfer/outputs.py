@@ -19,6 +19,10 @@ class RequestMetrics:
         acceptance_rate: accepted / proposed draft tokens (None without speculation).
         mean_accepted_tokens: accepted draft tokens per round (None without speculation); each
             round also emits one token of the target's own.
+        resumed_tokens: output tokens carried over from a partial output (``ResumeState``,
+            ``jaxinfer generate``'s partial file), not computed by this run. They count in
+            ``completion_tokens``; the timings cover this run only: ``ttft_s`` from the resumed
+            request's admission to its first new token, ``tpot_s`` over the new tokens.
     """
 
     ttft_s: float | None = None
@@ -30,6 +34,7 @@ class RequestMetrics:
     spec_rounds: int = 0
     acceptance_rate: float | None = None
     mean_accepted_tokens: float | None = None
+    resumed_tokens: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
