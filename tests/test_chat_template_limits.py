@@ -225,6 +225,11 @@ NASTY = {
         "{{ f(60) }}",
         "longer than",
     ),
+    "doubling_macro_silent": (  # no output, no loop: only the calls see the clock
+        "{% macro f(n) %}{% if n %}{% set a = f(n - 1) %}{% set b = f(n - 1) %}{% endif %}"
+        "{% endmacro %}{{ f(60) }}",
+        "longer than",
+    ),
     "slow_string_append": (
         "{% set ns = namespace(s='') %}{% for i in range(100000) %}{% for j in range(100000) %}"
         "{% set ns.s = ns.s + 'x' %}{% endfor %}{% endfor %}",

@@ -4,9 +4,9 @@ A chat template is code from the model's files and its inputs come from the requ
 template and one request can divide by zero, loop ``range(100000)`` inside ``range(100000)``,
 recurse without end or build ``'x' * 200000000``. transformers' ``apply_chat_template`` (which
 vLLM calls) renders in jinja2's ``ImmutableSandboxedEnvironment``: that stops attribute escapes
-and caps one ``range`` at 100,000 items, but bounds neither time nor size, and lets any Python
-error out. Here every render has a budget (``template_limits.py``), and any failure is that
-request's ``ChatTemplateError``:
+and caps one ``range`` at 100,000 items, but bounds neither time nor size (jinja declined a
+render time limit, pallets/jinja#1691), and lets any Python error out. Here every render has a
+budget (``template_limits.py``), and any failure is that request's ``ChatTemplateError``:
 
 - time: ``MAX_RENDER_SECONDS`` (2 s) of wall time, checked at every call (macros, methods,
   globals, ``loop()``), filter, intercepted operator, loop iteration, output and long walk;
