@@ -8,9 +8,10 @@
   (n-gram) one are both judged.
 - ``min_tokens``: stop tokens are banned for exactly the first ``min_tokens`` outputs (vLLM's
   ``MinTokensLogitsProcessor``: banned while ``len(output) < min_tokens``); a stop string counts
-  once the output has ``>= min_tokens`` tokens (vLLM's ``StopChecker``). The reference is the
-  model's own unconstrained greedy run: where the stop token would have been chosen, the banned
-  run must take the runner-up.
+  once the output has ``>= min_tokens`` tokens (vLLM's ``StopChecker``). The reference is
+  transformers' unconstrained greedy run: where the stop token would have been chosen, the
+  banned run must take transformers' runner-up (plain and speculative engines; EOS and
+  ``stop_token_ids``); stop strings are judged on stories260K's own greedy text.
 - The host-side logits controls (``Engine._controls``) against masks written out here.
 """
 
@@ -95,20 +96,23 @@ def _prompt_predicting_itself(model, freq_pres: float):
     raise AssertionError("no prompt found")
 
 
-@pytest.mark.parametrize("spec", [None, "ngram"])
-def test_logprobs_are_raw_and_penalties_count_outputs_vs_transformers(tiny, spec):
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """The plain engine and an n-gram speculative one (R = 2) over the tiny model."""
     from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.speculative.config import SpecConfig
+    from jaxinfer.speculative.engine import SpecEngine
 
-    cfg, params, model = tiny
+    cfg, params, _ = tiny
     ecfg = EngineConfig(max_model_len=48, page_size=8, num_pages=32, max_num_seqs=4,
                         max_num_batched_tokens=64, attn_impl="xla")
-    if spec is None:
-        eng = Engine(cfg, params, _NoText(), ecfg)
-    else:
-        from jaxinfer.speculative.config import SpecConfig
-        from jaxinfer.speculative.engine import SpecEngine
+    return {None: Engine(cfg, params, _NoText(), ecfg),
+            "ngram": SpecEngine(cfg, params, _NoText(), ecfg, SpecConfig("ngram", 2))}
 
-        eng = SpecEngine(cfg, params, _NoText(), ecfg, SpecConfig(spec, 2))
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_logprobs_are_raw_and_penalties_count_outputs_vs_transformers(tiny, engines, spec):
+    model, eng = tiny[2], engines[spec]
     # Row 0: all three penalties. Row 1: frequency and presence only, on a prompt whose first
     # output would be its own first token (so counting prompt tokens shows, and the n-gram
     # drafter finds a match).
@@ -144,6 +148,41 @@ def test_logprobs_are_raw_and_penalties_count_outputs_vs_transformers(tiny, spec
     assert wrong_rule_differs >= 1  # counting prompt tokens in frequency/presence would show
 
 
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_min_tokens_boundary_vs_transformers_greedy(tiny, engines, spec):
+    """transformers' greedy token at index j (new there, clearly ahead), made a stop token: with
+    min_tokens = j + 1 it is banned at j and the run takes transformers' runner-up; with
+    min_tokens = j the run stops there. Both as a ``stop_token_ids`` entry and as the engine's EOS
+    (with ``ignore_eos`` the EOS path is off and only ``stop_token_ids`` bans). The speculative
+    engine bans it at every draft position that decides output j (``min_tokens_left``)."""
+    model, eng = tiny[2], engines[spec]
+    prompt = H.sample_tokens(seed=3)[0, :8].tolist()
+    seq = list(prompt)
+    for _ in range(NEW):
+        seq.append(int(np.argmax(H.hf_logits(model, [seq])[0, -1])))
+    ref = seq[len(prompt):]
+    raw = H.hf_logits(model, [seq[:-1]])[0, len(prompt) - 1:]
+    top2 = np.argsort(-raw, -1)[:, :2]
+    gap = np.take_along_axis(raw, top2, -1) @ np.array([1.0, -1.0])
+    j = next(i for i in range(3, NEW - 1) if ref[i] not in ref[:i] and gap[i] > 0.1)
+    for eos in (False, True):  # ref[j] a stop_token_ids entry, or the engine's EOS
+        kw = dict(temperature=0.0, max_tokens=NEW, logprobs=4)
+        kw.update(dict(stop_token_ids=[]) if eos else dict(stop_token_ids=[ref[j]], ignore_eos=True))
+        saved = set(eng.stop_ids)
+        eng.stop_ids.clear()
+        eng.stop_ids.update({ref[j]} if eos else set())
+        try:
+            banned, allowed = _run(eng, [prompt, prompt], [SamplingParams(min_tokens=j + 1, **kw),
+                                                          SamplingParams(min_tokens=j, **kw)])
+        finally:
+            eng.stop_ids.clear()
+            eng.stop_ids.update(saved)
+        assert allowed.token_ids == ref[: j + 1] and allowed.finish_reason == "stop", eos
+        assert allowed.stop_reason == (None if eos else ref[j])
+        assert banned.token_ids[: j + 1] == ref[:j] + [int(top2[j, 1])], eos
+        assert len(banned.token_ids) > j + 1
+
+
 def test_logits_controls_ban_for_exactly_min_tokens_and_count_outputs_only():
     """``Engine._controls`` on host: prompt mask = prompt tokens, counts = output tokens only
     (pending tokens excluded: rows with penalties wait for them), stop ids and EOS banned while
@@ -176,50 +215,11 @@ def test_logits_controls_ban_for_exactly_min_tokens_and_count_outputs_only():
     assert not np.asarray(c.banned[6:]).any() and not np.asarray(c.output_counts[6:]).any()
 
 
-@pytest.fixture(scope="module")
-def story_greedy(stories_llm):
-    """The unconstrained greedy run of a prompt with its raw top-2 logprobs per step."""
-    sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
-    out = stories_llm.generate(["Once upon a time"], sp)[0]
-    return out.token_ids, [lp.top for lp in out.logprobs]
-
-
-def _boundary(ids, tops, start=3):
-    """The first index j >= start whose token did not occur before and leads clearly."""
-    return next(j for j in range(start, len(ids))
-                if ids[j] not in ids[:j] and tops[j][0][1] - tops[j][1][1] > 0.5)
-
-
-@pytest.mark.parametrize("eos", [False, True])
-def test_min_tokens_bans_stop_ids_for_exactly_min_tokens_outputs(stories_llm, story_greedy, eos):
-    """The greedy token at index j, made a stop token, is banned for min_tokens = j + 1 (the run
-    takes the runner-up there) and allowed for min_tokens = j (the run stops there). With
-    ``eos`` the token is made the engine's EOS instead of a ``stop_token_ids`` entry."""
-    ids, tops = story_greedy
-    j = _boundary(ids, tops)
-    stop = ids[j]
-    eng = stories_llm.engine
-    old = set(eng.stop_ids)
-    kw = {} if eos else dict(stop_token_ids=[stop])
-    try:
-        if eos:
-            eng.stop_ids.add(stop)
-        banned, allowed = stories_llm.generate(["Once upon a time"] * 2, [
-            SamplingParams(temperature=0.0, max_tokens=24, min_tokens=j + 1, **kw),
-            SamplingParams(temperature=0.0, max_tokens=24, min_tokens=j, **kw)])
-    finally:
-        eng.stop_ids.clear()
-        eng.stop_ids.update(old)
-    assert allowed.token_ids == ids[: j + 1] and allowed.finish_reason == "stop"
-    assert banned.token_ids[:j] == ids[:j]
-    assert banned.token_ids[j] == tops[j][1][0] != stop  # the runner-up
-    assert len(banned.token_ids) > j + 1
-
-
-def test_stop_string_counts_from_exactly_min_tokens(stories_llm, story_greedy):
+def test_stop_string_counts_from_exactly_min_tokens(stories_llm):
     """A stop string completed by output token j stops the run when min_tokens <= j + 1 and is
     ignored when min_tokens = j + 2 (vLLM checks stop strings once len(output) >= min_tokens)."""
-    ids, tops = story_greedy
+    ids = stories_llm.generate(["Once upon a time"],
+                               SamplingParams(temperature=0.0, max_tokens=24))[0].token_ids
     j = 5
     text = stories_llm.generate(["Once upon a time"],
                                 SamplingParams(temperature=0.0, max_tokens=j + 1))[0].text

@@ -390,3 +390,22 @@ def test_kv_scales_are_max_over_127_per_token_and_head_in_numpy():
     deq = np.asarray(kv.k_pages, np.float32)[1][:, page, off].transpose(1, 0, 2) * ks[..., None]
     assert np.all(np.abs(deq - x) <= s_ref[..., None] / 2 + 1e-6)
     assert not np.asarray(kv.k_scales)[0].any()  # layer 0 untouched
+
+
+def test_kv_float_writes_at_their_slots():
+    """``write_kv`` into a float pool: token t's K and V of each head land at page
+    slot // Z, offset slot % Z of the layer written (the slot mapping rule, written out here)."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.kv_cache import init_kv_cache, write_kv
+
+    cfg = ModelConfig("llama", 32, 16, 32, 2, 4, 2, 8)
+    rng = np.random.default_rng(8)
+    k, v = (rng.standard_normal((5, 2, 8)).astype(np.float32) for _ in range(2))
+    slots = np.array([4, 5, 17, 30, 9])
+    kv = write_kv(init_kv_cache(cfg, 8, 4, jnp.float32), jnp.int32(1), jnp.asarray(k),
+                  jnp.asarray(v), jnp.asarray(slots, jnp.int32))
+    kp, vp = np.asarray(kv.k_pages), np.asarray(kv.v_pages)  # [L, K, P, Z, H]
+    for t, slot in enumerate(slots):
+        np.testing.assert_array_equal(kp[1, :, slot // 4, slot % 4], k[t])
+        np.testing.assert_array_equal(vp[1, :, slot // 4, slot % 4], v[t])
+    assert np.count_nonzero(kp) == k.size and np.count_nonzero(vp) == v.size  # nothing else
