@@ -81,6 +81,11 @@ FILTER_CASES = [
     (log_probs(0.15, 0.5, 0.1, 0.25), dict(top_p=1e-6), {1}),
     # top-p ties at the boundary are all kept.
     (log_probs(0.3, 0.4, 0.3), dict(top_p=0.5), {0, 1, 2}),
+    # a prefix whose mass equals top_p exactly (powers of two: exact in float32) is enough.
+    (log_probs(0.5, 0.25, 0.25), dict(top_p=0.5), {0}),
+    (log_probs(0.5, 0.25, 0.125, 0.125), dict(top_p=0.75), {0, 1}),
+    # min-p keeps p == min_p * max p exactly.
+    (log_probs(0.5, 0.25, 0.125, 0.125), dict(min_p=0.5), {0, 1}),
     # min-p: p >= min_p * max p.
     (log_probs(0.05, 0.3, 0.5, 0.15), dict(min_p=0.5), {1, 2}),
     (log_probs(0.05, 0.3, 0.5, 0.15), dict(min_p=0.2), {1, 2, 3}),
