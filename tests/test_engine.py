@@ -132,17 +132,48 @@ def test_chunked_prefill_equals_one_shot(stories_llm):
     assert [o.token_ids for o in chunky.generate(prompts, sp)] == [o.token_ids for o in llm.generate(prompts, sp)]
 
 
-def test_compilations_stop_growing(stories_llm):
-    llm = stories_llm
-    work = lambda: llm.generate(MIXED, [SamplingParams(temperature=0.0, max_tokens=10 + i) for i in range(16)])
-    work()
-    before = llm.num_compilations
-    work()
-    assert llm.num_compilations == before
+def _pow2_from(floor: int, n: int) -> list[int]:
+    """floor, 2 floor, ... up to the first power of two >= n."""
+    out = [floor]
+    while out[-1] < n:
+        out.append(out[-1] * 2)
+    return out
+
+
+def test_compilations_bounded_and_stop_growing(stories_llm):
+    from jaxinfer.llm import LLM
     from jaxinfer.step import jitted_forward_step, jitted_sample_step
 
+    # A fresh engine counts only this workload's compilations; jax's jit caches are per process,
+    # so the steps stories_llm compiled are reused, not compiled again.
+    llm = LLM(stories_llm.model_path, max_num_seqs=32, compilation_cache=False)
+    ecfg = llm.engine.ecfg
+    prompts = [llm.tokenizer.encode(p) for p in MIXED]
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + i) for i in range(len(MIXED))]
+    # Upper bound from the documented buckets and the EngineConfig, not from engine state: the
+    # prompts fit one step's budget together, so prefill takes ceil(n / max_prefill_seqs) steps,
+    # each one forward and one sampling shape; every other step is decode only, with Td in
+    # {1, 4, 8, ...} (a lone decode row keeps its own bucket, else powers of two from 4) up to the
+    # live sequences, and M in powers of two from 4 up to the longest sequence's pages.
+    # All rows are greedy without logprobs: one sampling variant per row count.
+    n = len(prompts)
+    assert sum(map(len, prompts)) + ecfg.max_num_seqs <= ecfg.max_num_batched_tokens
+    prefill_steps = -(-n // ecfg.max_prefill_seqs)
+    decode_buckets = [1] + _pow2_from(4, min(n, ecfg.max_num_seqs))
+    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
+    page_buckets = _pow2_from(4, -(-longest // ecfg.page_size))
+    bound = (prefill_steps + len(decode_buckets) * len(page_buckets)  # forward steps
+             + prefill_steps + len(decode_buckets))  # sampling steps
+    jax_before = jitted_forward_step()._cache_size() + jitted_sample_step()._cache_size()
+    llm.generate(prompts, params)
+    first = llm.num_compilations
+    jax_grown = jitted_forward_step()._cache_size() + jitted_sample_step()._cache_size() - jax_before
+    assert 0 < first <= bound, (first, bound)
+    assert jax_grown <= bound, (jax_grown, bound)  # no compilation escapes the count per step
+    llm.generate(prompts, params)
+    assert llm.num_compilations == first
     # jax's own caches hold at least what we counted (they are shared by every engine)
-    assert jitted_forward_step()._cache_size() + jitted_sample_step()._cache_size() >= before
+    assert jitted_forward_step()._cache_size() + jitted_sample_step()._cache_size() >= first
 
 
 def test_bad_requests_fail_alone(stories_llm):
