@@ -62,15 +62,17 @@ def llm():
 
 
 def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
+    # Every case asks for logprobs (carried over too), so all steps share one sampling variant.
     cases = {  # name -> params; "u" has no seed: the engine draws one
-        "greedy": SamplingParams(temperature=0, max_tokens=24),
+        "greedy": SamplingParams(temperature=0, max_tokens=24, logprobs=1),
         "seeded": SamplingParams(temperature=0.8, seed=5, max_tokens=24, logprobs=2),
         "u": SamplingParams(temperature=0.8, max_tokens=24, repetition_penalty=1.3,
-                            presence_penalty=0.5, frequency_penalty=0.3),
+                            presence_penalty=0.5, frequency_penalty=0.3, logprobs=1),
         # Greedy would end at output token 10 ("."); min_tokens bans it up to 14 tokens.
-        "min": SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[DOT], min_tokens=14),
+        "min": SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[DOT], min_tokens=14,
+                              logprobs=1),
         # The greedy text ", there was a little girl named" spans tokens 5 ("g") to 8 (" named").
-        "stop": SamplingParams(temperature=0, max_tokens=24, stop=["girl named"]),
+        "stop": SamplingParams(temperature=0, max_tokens=24, stop=["girl named"], logprobs=1),
     }
     seeds = dict(zip(cases, llm.draw_seeds(list(cases.values())), strict=True))
     assert seeds["seeded"] == 5
@@ -90,8 +92,7 @@ def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
 
     def state(c, k):
         r = ref[c]
-        return ResumeState(seeds[c], tuple(r.token_ids[:k]),
-                           None if r.logprobs is None else tuple(r.logprobs[:k]))
+        return ResumeState(seeds[c], tuple(r.token_ids[:k]), tuple(r.logprobs[:k]))
 
     outs = {}
     for i in range(0, len(reqs), 8):  # 8 rows at most: the CLI tests' decode bucket
@@ -110,7 +111,7 @@ def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
             (want.token_ids, want.text, want.finish_reason, want.stop_reason), (c, k)
         _same_logprobs(got.logprobs, want.logprobs, (c, k))
-        assert got.logprobs is None or got.logprobs[:k] == want.logprobs[:k]  # carried over as is
+        assert got.logprobs[:k] == want.logprobs[:k]  # carried over as they were
         assert got.metrics.resumed_tokens == k
         assert got.metrics.completion_tokens == len(want.token_ids)
         # Streamed deltas concatenate to the text, the replayed part included.
