@@ -100,6 +100,7 @@ RULES = {
     "unroll_layers": lambda v: _flag("unroll_layers", v, optional=True),
     "async_scheduling": lambda v: _flag("async_scheduling", v, optional=True),
     "skip_tokenizer_init": lambda v: _flag("skip_tokenizer_init", v),
+    "batch_invariant": lambda v: _flag("batch_invariant", v),
 }
 
 
@@ -113,7 +114,8 @@ def check_llm_args(args: dict) -> None:
         ValueError: an argument of the wrong type or out of range (sizes are integers, not
             bools, within int32; ``kv_cache_memory_gb`` finite and > 0; strings one of the
             supported values, which the message lists); ``draft_model`` / ``draft_heads`` given
-            without the ``speculative`` method that uses them.
+            without the ``speculative`` method that uses them; ``batch_invariant`` with
+            ``speculative``.
     """
     for name, value in args.items():
         if name in RULES:  # every LLM argument has a rule (tests/test_checkpoint_limits.py)
@@ -125,6 +127,9 @@ def check_llm_args(args: dict) -> None:
     if args.get("draft_heads") is not None and spec != "heads":
         raise ValueError(
             f"draft_heads is used only with speculative='heads' (speculative={spec!r})")
+    if args.get("batch_invariant") and spec is not None:
+        raise ValueError(f"batch_invariant=True is not supported with speculative decoding "
+                         f"(speculative={spec!r}): its verify pass runs the batched attention")
 
 
 def check_kv_pool(cfg: ModelConfig, ecfg: EngineConfig, kv_dtype, tp: int = 1,

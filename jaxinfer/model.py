@@ -14,7 +14,8 @@ float32).
 from __future__ import annotations
 
 import math
-from typing import Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,56 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
+TokenMap = Callable[..., Any]
+"""``token_map(fn, *xs)``: applies ``fn`` to arrays ``xs`` that share a leading token axis T and
+returns ``fn``'s outputs with that axis; ``fn`` maps each token independently of the others."""
+
+
+def _direct(fn, *xs):
+    return fn(*xs)
+
+
+def attention_inputs(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array,
+                     sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's attention inputs of residual stream x [T, D]: (q [T, N, H], k [T, K, H],
+    v [T, K, H]); the input norm, projections, biases, q/k norms, RoPE (cos, sin f32[T, H // 2])."""
+    eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
+    h = rms_norm(x, lp.attn_norm, eps, off)
+    if lp.wqkv is not None:
+        q, k, v = linear_parts(h, lp.wqkv)
+    else:
+        q = linear(h, lp.wq, "TD,DNH->TNH")
+        k = linear(h, lp.wk, "TD,DKH->TKH")
+        v = linear(h, lp.wv, "TD,DKH->TKH")
+    if lp.bq is not None:
+        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    if lp.q_norm is not None:
+        q = rms_norm(q, lp.q_norm, eps, off)
+        k = rms_norm(k, lp.k_norm, eps, off)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array,
+                             attn: jax.Array) -> jax.Array:
+    """The rest of one layer: x [T, D] plus the output projection of ``attn`` [T, N, H] (in x's
+    dtype), then plus the MLP of the result; returns the new residual stream [T, D]."""
+    eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
+    attn = linear(attn, lp.wo, "TNH,NHD->TD")
+    if lp.post_attn_norm is not None:
+        attn = rms_norm(attn, lp.post_attn_norm, eps, off)
+    x = x + attn
+    h = rms_norm(x, lp.mlp_norm, eps, off)
+    if lp.w_gate_up is not None:
+        gate, up = linear_parts(h, lp.w_gate_up)
+    else:
+        gate = linear(h, lp.w_gate, "TD,DF->TF")
+        up = linear(h, lp.w_up, "TD,DF->TF")
+    mlp = linear(_act(cfg, gate) * up, lp.w_down, "TF,FD->TD")
+    if lp.post_mlp_norm is not None:
+        mlp = rms_norm(mlp, lp.post_mlp_norm, eps, off)
+    return x + mlp
+
+
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -130,6 +181,8 @@ def forward(
     positions: jax.Array,  # i32[T]
     cache: Cache,
     attn_fn: AttnFn[Cache],
+    *,
+    token_map: TokenMap | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Runs the decoder stack over a flat batch of tokens.
 
@@ -140,17 +193,25 @@ def forward(
         positions: i32[T] position of each token within its sequence.
         cache: KV cache pytree threaded through ``attn_fn`` (None for cache-less attention).
         attn_fn: attention of one layer, see ``AttnFn``.
+        token_map: runs every per-token computation (embedding, RoPE tables, the layers' parts
+            before and after attention, the final norm); None calls them on the whole token
+            axis. ``jaxinfer.batch_invariant.map_token_tiles`` runs them in fixed-shape tiles.
 
     Returns:
         (hidden states [T, D] after the final norm, in the params' dtype; the updated cache).
     """
+    tmap = token_map or _direct
     dtype = params.embed.dtype
-    x = params.embed[tokens]
-    if cfg.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first.
-        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=dtype)
-    cos_g, sin_g = rope_tables(cfg, positions, local=False)
-    if cfg.has_local_rope:
-        cos_l, sin_l = rope_tables(cfg, positions, local=True)
+
+    def embed(tokens):
+        x = params.embed[tokens]
+        if cfg.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first.
+            x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=dtype)
+        return x
+
+    x = tmap(embed, tokens)
+    rope_g = tmap(lambda p: rope_tables(cfg, p, local=False), positions)
+    rope_l = tmap(lambda p: rope_tables(cfg, p, local=True), positions) if cfg.has_local_rope else None
     windows = jnp.asarray(np.asarray(cfg.layer_windows, np.int32))
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
 
@@ -158,40 +219,16 @@ def forward(
         x, cache = carry
         lp, layer, window = xs
         lp: LayerParams
-        h = rms_norm(x, lp.attn_norm, eps, off)
-        if lp.wqkv is not None:
-            q, k, v = linear_parts(h, lp.wqkv)
-        else:
-            q = linear(h, lp.wq, "TD,DNH->TNH")
-            k = linear(h, lp.wk, "TD,DKH->TKH")
-            v = linear(h, lp.wv, "TD,DKH->TKH")
-        if lp.bq is not None:
-            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-        if lp.q_norm is not None:
-            q = rms_norm(q, lp.q_norm, eps, off)
-            k = rms_norm(k, lp.k_norm, eps, off)
         if cfg.has_local_rope:
             is_local = window > 0
-            cos = jnp.where(is_local, cos_l, cos_g)
-            sin = jnp.where(is_local, sin_l, sin_g)
+            cos = jnp.where(is_local, rope_l[0], rope_g[0])
+            sin = jnp.where(is_local, rope_l[1], rope_g[1])
         else:
-            cos, sin = cos_g, sin_g
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cos, sin = rope_g
+        q, k, v = tmap(lambda x, c, s: attention_inputs(cfg, lp, x, c, s), x, cos, sin)
         attn, cache = attn_fn(q, k, v, cache, layer, window)
-        attn = linear(attn.astype(dtype), lp.wo, "TNH,NHD->TD")
-        if lp.post_attn_norm is not None:
-            attn = rms_norm(attn, lp.post_attn_norm, eps, off)
-        x = x + attn
-        h = rms_norm(x, lp.mlp_norm, eps, off)
-        if lp.w_gate_up is not None:
-            gate, up = linear_parts(h, lp.w_gate_up)
-        else:
-            gate = linear(h, lp.w_gate, "TD,DF->TF")
-            up = linear(h, lp.w_up, "TD,DF->TF")
-        mlp = linear(_act(cfg, gate) * up, lp.w_down, "TF,FD->TD")
-        if lp.post_mlp_norm is not None:
-            mlp = rms_norm(mlp, lp.post_mlp_norm, eps, off)
-        return (x + mlp, cache), None
+        x = tmap(lambda x, a: attention_output_and_mlp(cfg, lp, x, a.astype(dtype)), x, attn)
+        return (x, cache), None
 
     if isinstance(params.layers, tuple):  # unstacked (params.unstack_layers): unrolled loop
         for i, lp in enumerate(params.layers):
@@ -199,7 +236,7 @@ def forward(
     else:
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(layer_fn, (x, cache), (params.layers, layers, windows))
-    return rms_norm(x, params.final_norm, eps, off), cache
+    return tmap(lambda x: rms_norm(x, params.final_norm, eps, off), x), cache
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

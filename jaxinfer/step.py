@@ -14,10 +14,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.batch_invariant import invariant_forward_logits, map_token_tiles
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.model import compute_logits, forward
-from jaxinfer.paged_attention import AttentionMetadata, paged_attn_fn
+from jaxinfer.paged_attention import AttentionMetadata, paged_attn_fn, resolve_attn_impl
 from jaxinfer.params import Params
 from jaxinfer.sampling import SampleOutput, SamplingTensors, apply_penalties, sample
 
@@ -63,6 +64,7 @@ def forward_step(
     *,
     cfg: ModelConfig,
     attn_impl: str = "xla",
+    batch_invariant: bool = False,
 ) -> tuple[KVCache, jax.Array]:
     """The model part of a step: forward over the ragged batch, logits of each row's last token.
 
@@ -76,14 +78,25 @@ def forward_step(
             when ``batch.tokens`` holds no placeholder.
         cfg: architecture (static).
         attn_impl: attention implementation (static), see ``paged_attention.ATTN_IMPLS``.
+        batch_invariant: (static) run ``batch_invariant.invariant_forward_logits``: each row's
+            logits bitwise the same whatever else is in the batch. Needs ``attn_impl``
+            resolving to "xla".
 
     Returns:
         (updated KV cache, logits f32[B, V]).
+
+    Raises:
+        ValueError: ``batch_invariant`` with an ``attn_impl`` other than "xla".
     """
     tokens = batch.tokens
     if prev_tokens is not None:
         from_prev = prev_tokens[jnp.clip(-tokens - 1, 0, prev_tokens.shape[0] - 1)]
         tokens = jnp.where(tokens < 0, from_prev, tokens)
+    if batch_invariant:
+        if resolve_attn_impl(attn_impl) != "xla":
+            raise ValueError(f"batch_invariant=True runs its own XLA attention; attn_impl="
+                             f"{attn_impl!r} is not supported with it (use 'xla' or 'auto')")
+        return invariant_forward_logits(params, cfg, kv, tokens, batch.md, batch.logits_indices)
     hidden, kv = forward(
         params, cfg, tokens, batch.md.positions, kv, paged_attn_fn(cfg, batch.md, attn_impl)
     )
@@ -125,11 +138,19 @@ def sample_step_padded(
     *,
     num_logprobs: int = 0,
     num_slots: int,
+    batch_invariant: bool = False,
 ) -> tuple[SampleOutput, jax.Array]:
     """``sample_step``, plus the sampled tokens zero-padded to i32[num_slots] (static), the
     ``prev_tokens`` of the next ``forward_step`` (one shape for every B, so the forward compiles
-    once per bucket tuple). Raises ValueError when B > num_slots."""
-    out = sample_step(logits, sampling, controls, num_logprobs=num_logprobs)
+    once per bucket tuple). ``batch_invariant`` (static): run it over fixed tiles of rows
+    (``batch_invariant.map_token_tiles``), so a row's results do not depend on B. Raises
+    ValueError when B > num_slots."""
+    if batch_invariant:
+        out = map_token_tiles(
+            lambda lg, st, ctl: sample_step(lg, st, ctl, num_logprobs=num_logprobs),
+            logits, sampling, controls)
+    else:
+        out = sample_step(logits, sampling, controls, num_logprobs=num_logprobs)
     b = out.tokens.shape[0]
     if b > num_slots:
         raise ValueError(f"{b} sampled rows do not fit num_slots={num_slots}")
@@ -141,13 +162,15 @@ def jitted_forward_step(out_shardings=None):
     """The jitted ``forward_step`` (one per process and ``out_shardings``; compilations keyed by
     shapes). Under a mesh, ``out_shardings`` = (KV pool sharding, replicated logits sharding), see
     ``sharding.step_out_shardings``; the params' own (committed) shardings fix the inputs'."""
+    static = ("cfg", "attn_impl", "batch_invariant")
     if out_shardings is None:
-        return jax.jit(forward_step, static_argnames=("cfg", "attn_impl"), donate_argnames=("kv",))
-    return jax.jit(forward_step, static_argnames=("cfg", "attn_impl"), donate_argnames=("kv",),
+        return jax.jit(forward_step, static_argnames=static, donate_argnames=("kv",))
+    return jax.jit(forward_step, static_argnames=static, donate_argnames=("kv",),
                    out_shardings=out_shardings)
 
 
 @functools.cache
 def jitted_sample_step():
     """The jitted ``sample_step_padded``."""
-    return jax.jit(sample_step_padded, static_argnames=("num_logprobs", "num_slots"))
+    return jax.jit(sample_step_padded,
+                   static_argnames=("num_logprobs", "num_slots", "batch_invariant"))
