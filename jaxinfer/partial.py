@@ -11,7 +11,8 @@ metrics aside: ``RequestMetrics.resumed_tokens``).
 - Written atomically (a temporary file, fsync, ``os.replace``, fsync of the directory) every
   ``--checkpoint-interval`` seconds while records stream in, and on SIGTERM / Ctrl-C (or any
   other stop); so a SIGKILL loses at most the last interval's tokens. Interval 0: only on a
-  stop. Removed when the job completes. ``--out``'s lock covers it (one run at a time).
+  stop. Removed when the job completes. ``--out``'s lock covers it (one run at a time). Off in
+  multi-host runs (every host would have to read the same state while process 0 rewrites it).
 - The seeds of requests without one are drawn when the run starts and stored at once, so even a
   request that had not started when the run stopped keeps the seed of the first run.
 - Trust, not faith: a file that cannot be read, is from another format version or was written
