@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="dispatch each step before the previous one's tokens are read back "
                    "(default: on, off with --speculative)")
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="every request's logits, tokens and logprobs bitwise the same whatever "
+                   "else is in the batch (its size, chunking, preemption); slower, see README")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, "
                    "per-head scales)")
@@ -355,6 +358,7 @@ def _load_llm(args: argparse.Namespace):
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             async_scheduling=args.async_scheduling,
+            batch_invariant=args.batch_invariant,
             tokenizer=args.tokenizer,
             skip_tokenizer_init=args.skip_tokenizer_init,
             seed=args.seed,
