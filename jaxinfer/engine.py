@@ -305,20 +305,14 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, resume: ResumeState | None = None) -> None:
-        """Queues a validated request (call ``validate`` first).
-
-        With ``resume`` the request continues a partial output exactly: it samples with
-        ``resume.seed`` (no seed is drawn), starts with ``resume.token_ids`` as its output (their
-        K/V prefilled with the prompt's; the next token sampled is output index k), and its text,
-        stop-string search and min/max_tokens and penalty counts include those tokens (they are
-        replayed through the same host code that appended them). Its outputs' ``token_ids``,
-        ``text`` and ``logprobs`` are then the whole output, the first ``delta_text`` holds the
-        replayed text too, and ``metrics`` count from this call (``RequestMetrics.resumed_tokens``).
+        """Queues a validated request (call ``validate`` first). With ``resume`` it continues a
+        partial output exactly (``jaxinfer.resume``): seed ``resume.seed``, output so far
+        ``resume.token_ids``, replayed through ``_advance``; its outputs hold the whole output
+        (the first ``delta_text`` the replayed text too), timings count from this call.
 
         Raises RequestError for a duplicate id, stop strings on a model without a tokenizer
         (``tokenizer.has_text`` False: the request's outputs then have ``text`` None), a bad
-        ``resume`` (``resume.check_resume``), or one whose partial output has already finished
-        (a stop token or string, ``max_tokens`` or ``max_model_len`` reached within it)."""
+        ``resume`` (``check_resume``) or one whose partial output has already finished."""
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}")
         self._check_stop_strings(params)
@@ -338,13 +332,11 @@ class Engine:
                  if has_text else None)
         req = _Request(seq, prompt, detok)
         if resume is not None:
-            lps = resume.logprobs if resume.logprobs is not None else [None] * len(resume.token_ids)
+            lps = resume.logprobs or [None] * len(resume.token_ids)
             for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
-                reason = self._advance(req, int(tok), lp)
-                if reason is not None:
-                    raise RequestError(
-                        f"the partial output has already finished ({reason!r} at output token "
-                        f"{i} of {len(resume.token_ids)}); there is nothing to resume")
+                if (reason := self._advance(req, int(tok), lp)) is not None:
+                    raise RequestError(f"the partial output has already finished ({reason!r} at "
+                                       f"output token {i} of {len(resume.token_ids)})")
             req.resumed = len(resume.token_ids)
         return req
 
