@@ -44,7 +44,7 @@ FORMAT = "jaxinfer-partial"
 VERSION = 1
 SETTINGS = ("model", "tokenizer", "skip_tokenizer_init", "dtype", "quantization",
             "kv_cache_dtype", "max_model_len", "speculative", "num_speculative_tokens",
-            "draft_model", "draft_heads")
+            "draft_model", "draft_heads", "batch_invariant")
 """Command-line settings a partial output depends on (they change the tokens); the file
 records them and is ignored when the rerun's differ."""
 MAX_WARNINGS = 5
@@ -60,7 +60,7 @@ def partial_path(out: Path) -> Path:
 
 def run_settings(args) -> dict:
     """The `SETTINGS` of a parsed ``generate`` command line, paths made absolute."""
-    d = {k: getattr(args, k) for k in SETTINGS}
+    d = {k: getattr(args, k, None) for k in SETTINGS}
     for k in ("model", "tokenizer", "draft_heads"):
         if d[k] is not None:
             d[k] = str(Path(d[k]).resolve())

@@ -118,6 +118,29 @@ def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
         assert "".join(o.delta_text for o in outs[f"{c}/{k}"]) == want.text
 
 
+def test_resume_is_bitwise_in_batch_invariant_mode():
+    """In batch-invariant mode the resumed prefill gives the very logits of the uninterrupted
+    run's decode steps: the outputs are equal bit for bit, logprobs included."""
+    from jaxinfer.llm import LLM
+
+    # test_batch_invariant's SIZES, so both share their compiled steps.
+    inv = LLM(STORIES, max_model_len=32, max_num_seqs=8, kv_pages=8, compilation_cache=False,
+              batch_invariant=True)
+    params = [SamplingParams(temperature=0.8, seed=5, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=20, logprobs=1)]
+    ref = inv.generate([PROMPT] * 2, params)
+    reqs = [(i, k) for i in range(2) for k in (1, 10, 19)]
+    outs = {o.request_id: o for o in inv.generate_stream(
+        [PROMPT] * len(reqs), [params[i] for i, _ in reqs],
+        request_ids=[f"{i}/{k}" for i, k in reqs],
+        resume=[ResumeState(5, tuple(ref[i].token_ids[:k]), tuple(ref[i].logprobs[:k]))
+                for i, k in reqs]) if o.finished}
+    for i, k in reqs:
+        got, want = outs[f"{i}/{k}"], ref[i]
+        assert (got.token_ids, got.text, got.finish_reason, got.logprobs) == \
+            (want.token_ids, want.text, want.finish_reason, want.logprobs), (i, k)
+
+
 def test_bad_resume_states_are_refused_naming_the_problem(llm):
     eng = llm.engine
     ids = llm.encode_prompt(PROMPT)[0]
