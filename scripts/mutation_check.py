@@ -160,12 +160,15 @@ MUTATIONS: list[Mutation] = [
       "            if len(seq.output_ids) < seq.params.min_tokens:",
       (OUT_REF,), "controls"),
     M("eos_not_banned", "jaxinfer/engine.py",
-      "                if not seq.params.ignore_eos:\n                    stops += list(self.stop_ids)",
+      "                if not seq.params.ignore_eos:\n"
+      "                    stops += list(self.stop_ids)",
       "                if seq.params.ignore_eos:\n                    stops += list(self.stop_ids)",
       (OUT_REF,), "min_tokens"),
     M("spec_min_tokens_ends_early", "jaxinfer/speculative/engine.py",
-      "            last_pos[i] = start\n            min_left[i] = seq.params.min_tokens - len(seq.output_ids)",
-      "            last_pos[i] = start\n            min_left[i] = seq.params.min_tokens - len(seq.output_ids) - 1",
+      "            last_pos[i] = start\n"
+      "            min_left[i] = seq.params.min_tokens - len(seq.output_ids)",
+      "            last_pos[i] = start\n"
+      "            min_left[i] = seq.params.min_tokens - len(seq.output_ids) - 1",
       (OUT_REF,), "min_tokens_boundary and ngram"),
     M("stop_string_after_min_tokens", "jaxinfer/engine.py",
       "if p.stop and len(seq.output_ids) >= p.min_tokens:",
@@ -248,7 +251,8 @@ def make_copy(dest: Path) -> Path:
 
 def env_for(root: Path) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    extra = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(root) + (os.pathsep + extra if extra else "")
     env["JAXINFER_SHARED"] = str(SHARED)
     env.setdefault("JAXINFER_CACHE_DIR", str(REPO / ".cache"))
     env.pop("PYTEST_ADDOPTS", None)
@@ -258,7 +262,8 @@ def env_for(root: Path) -> dict:
 def check_imports_from_copy(root: Path) -> None:
     """Raises SystemExit when the copy's ``jaxinfer`` is not the one imported there (an editable
     install shadowing PYTHONPATH would make every mutation survive)."""
-    code = "import jaxinfer, kernels_pallas; print(jaxinfer.__file__); print(kernels_pallas.__file__)"
+    code = ("import jaxinfer, kernels_pallas; print(jaxinfer.__file__); "
+            "print(kernels_pallas.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env_for(root),
                          capture_output=True, text=True, timeout=300)
     files = out.stdout.split()
@@ -312,7 +317,8 @@ def main(argv=None) -> int:
     problems = check_list()
     if args.list:
         for m in MUTATIONS:
-            print(f"{m.name:34s} {m.file:38s} {' '.join(m.tests)}" + (f" -k '{m.k}'" if m.k else ""))
+            k = f" -k '{m.k}'" if m.k else ""
+            print(f"{m.name:34s} {m.file:38s} {' '.join(m.tests)}{k}")
         for p in problems:
             print("PROBLEM:", p, file=sys.stderr)
         return 1 if problems else 0

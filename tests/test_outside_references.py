@@ -116,11 +116,12 @@ def test_logprobs_are_raw_and_penalties_count_outputs_vs_transformers(tiny, engi
     # Row 0: all three penalties. Row 1: frequency and presence only, on a prompt whose first
     # output would be its own first token (so counting prompt tokens shows, and the n-gram
     # drafter finds a match).
-    prompts = [H.sample_tokens(seed=3)[0, :8].tolist(), _prompt_predicting_itself(model, FREQ + PRES)]
+    prompts = [H.sample_tokens(seed=3)[0, :8].tolist(),
+               _prompt_predicting_itself(model, FREQ + PRES)]
     pen = dict(repetition_penalty=REP, frequency_penalty=FREQ, presence_penalty=PRES)
     rows = [pen, dict(pen, repetition_penalty=1.0)]
-    params_rows = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=4, **kw)
-                   for kw in rows]
+    params_rows = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=4,
+                                  **kw) for kw in rows]
     outs = _run(eng, prompts, params_rows)
     checked = changed = wrong_rule_differs = 0
     for prompt, kw, out in zip(prompts, rows, outs, strict=True):
@@ -167,7 +168,8 @@ def test_min_tokens_boundary_vs_transformers_greedy(tiny, engines, spec):
     j = next(i for i in range(3, NEW - 1) if ref[i] not in ref[:i] and gap[i] > 0.1)
     for eos in (False, True):  # ref[j] a stop_token_ids entry, or the engine's EOS
         kw = dict(temperature=0.0, max_tokens=NEW, logprobs=4)
-        kw.update(dict(stop_token_ids=[]) if eos else dict(stop_token_ids=[ref[j]], ignore_eos=True))
+        kw.update(dict(stop_token_ids=[]) if eos
+                  else dict(stop_token_ids=[ref[j]], ignore_eos=True))
         saved = set(eng.stop_ids)
         eng.stop_ids.clear()
         eng.stop_ids.update({ref[j]} if eos else set())

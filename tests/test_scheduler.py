@@ -12,7 +12,7 @@ import pytest
 
 from jaxinfer.kv_cache import OutOfPagesError, PageAllocator
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import Scheduler, Sequence, SeqStatus
+from jaxinfer.scheduler import Scheduler, SeqStatus, Sequence
 
 Z = 4  # tokens per page
 

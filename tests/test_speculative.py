@@ -142,7 +142,8 @@ def test_bonus_token_is_drawn_from_the_last_target_distribution():
     """All R drafts accepted (the target puts all its mass on them, the drafter too): the emitted
     tokens are the drafts, then a bonus token distributed as softmax(target logits at position R
     / T), written out here in numpy (Leviathan et al. 2023, Algorithm 1), chi-square against it.
-    (Greedy rows' bonus, the argmax at position R: test_greedy_rows_accept_while_draft_is_argmax.)"""
+    (Greedy rows' bonus, the argmax at position R: test_greedy_rows_accept_while_draft_is_argmax.)
+    """
     rng = np.random.default_rng(11)
     drafts = np.asarray([3, 5])
     tl = np.full((R + 1, V), -30.0, np.float32)
