@@ -167,7 +167,8 @@ def test_compilations_bounded_and_stop_growing(stories_llm):
     jax_before = jitted_forward_step()._cache_size() + jitted_sample_step()._cache_size()
     llm.generate(prompts, params)
     first = llm.num_compilations
-    jax_grown = jitted_forward_step()._cache_size() + jitted_sample_step()._cache_size() - jax_before
+    jax_grown = (jitted_forward_step()._cache_size() + jitted_sample_step()._cache_size()
+                 - jax_before)
     assert 0 < first <= bound, (first, bound)
     assert jax_grown <= bound, (jax_grown, bound)  # no compilation escapes the count per step
     llm.generate(prompts, params)
