@@ -231,12 +231,24 @@ def test_streaming_stop_strings_and_limits(stories_llm):
 
 
 def test_logprobs(stories_llm):
-    out = stories_llm.generate(["Once upon"], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0]
+    """Logprobs equal log_softmax of run.c's logits (test_llama2c's numpy port of llama2.c's
+    forward, on the checkpoint read by its own reader), not the engine's other outputs."""
+    from test_llama2c import read_legacy, runc_logits
+
+    out = stories_llm.generate(["Once upon"], SamplingParams(temperature=0.0, max_tokens=5,
+                                                             logprobs=3))[0]
     assert len(out.logprobs) == 5
-    for tok, lp in zip(out.token_ids, out.logprobs):
-        assert lp.token_id == tok and len(lp.top) == 3
-        assert lp.top[0][0] == tok  # greedy takes the most likely token
-        assert abs(lp.top[0][1] - lp.logprob) < 1e-6 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+    (heads, kv_heads), w = read_legacy(stories_llm.model_path + "/stories260K.bin")
+    prompt = stories_llm.tokenizer.encode("Once upon")
+    logits = runc_logits(w, heads, kv_heads, prompt + out.token_ids[:-1])[len(prompt) - 1:]
+    ref = logits - logits.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))  # f64[5, V]
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        top = np.argsort(-ref[i])[:3]
+        assert lp.token_id == tok == top[0]  # greedy takes run.c's most likely token
+        assert abs(lp.logprob - ref[i, tok]) <= 1e-4, i  # f32 engine vs f64 reference
+        assert [t for t, _ in lp.top] == top.tolist(), i
+        np.testing.assert_allclose([v for _, v in lp.top], ref[i, top], rtol=0, atol=1e-4)
     metrics = out.metrics
     assert metrics.ttft_s > 0 and metrics.tpot_s >= 0 and metrics.completion_tokens == 5
 
