@@ -342,6 +342,74 @@ def test_nasty_template_is_a_clean_error_in_time(name, fast_deadline):
     assert template_limits.BUDGET.get() is None
 
 
+# Random templates built from the operations that take time or grow values (every expression a
+# string, so that they grow rather than stop at a type error), sizes from tiny to 10**12: each
+# render returns a string within the size limit or raises ChatTemplateError for a limit, never
+# anything else, never runs long past the deadline, never allocates much.
+_SIZES = st.one_of(st.integers(0, 40), st.sampled_from([1000, 10**5, 10**6, 10**9, 10**12]))
+_LOOPS = st.sampled_from([0, 1, 2, 30, 1000, 100000])
+_LEAVES = st.sampled_from(["'x'", "'ab\\n'", "messages[0].content", "ns.v"])
+
+
+def _grow(e):
+    pair, sized = st.tuples(e, e), st.tuples(e, _SIZES)
+    return st.one_of(
+        sized.map(lambda t: f"({t[0]} * {t[1]})"),
+        pair.map(lambda t: f"({t[0]} + {t[1]})"),
+        pair.map(lambda t: f"({t[0]} ~ {t[1]})"),
+        sized.map(lambda t: f"({t[0]}).ljust({t[1]})"),
+        sized.map(lambda t: f"({t[0]}|center({t[1]}))"),
+        sized.map(lambda t: f"({t[0]}|indent({t[1]}))"),
+        sized.map(lambda t: f"('%*s' % ({t[1]}, {t[0]}))"),
+        sized.map(lambda t: f"('{{:>{{}}}}'.format({t[0]}, {t[1]}))"),
+        pair.map(lambda t: f"({t[0]}|replace('', {t[1]}))"),
+        pair.map(lambda t: f"({t[0]}|wordwrap(1, wrapstring={t[1]}))"),
+        st.tuples(e, e, e).map(lambda t: f"([{t[0]}, {t[1]}]|join({t[2]}))"),
+        sized.map(lambda t: f"({t[0]}|batch({t[1]}, 'y')|map('join')|join)"),
+        e.map(lambda x: f"({x}|tojson)"),
+    )
+
+
+_EXPR = st.recursive(_LEAVES, _grow, max_leaves=5)
+_STATEMENT = st.recursive(
+    st.one_of(
+        _EXPR.map(lambda e: "{% set ns.v = " + e + " %}"),
+        _EXPR.map(lambda e: "{{ " + e + " }}"),
+        st.sampled_from([
+            "{{ f(ns.d) }}", "{% set ns.d = ns.d + 1 %}",
+            "{% set ns.l = [ns.l, ns.l] %}{% set ns.m = [ns.m, ns.m] %}",
+        ]),
+    ),
+    lambda s: st.one_of(
+        st.tuples(_LOOPS, st.lists(s, min_size=1, max_size=3)).map(
+            lambda t: "{% for i in range(" + str(t[0]) + ") %}" + "".join(t[1]) + "{% endfor %}"),
+        st.lists(s, min_size=1, max_size=2).map(
+            lambda b: "{% set blk %}" + "".join(b) + "{% endset %}{{ blk|length }}"),
+    ),
+    max_leaves=5,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(_STATEMENT, min_size=1, max_size=4))
+def test_random_growing_templates_stay_within_limits(body):
+    source = ("{% set ns = namespace(v='x', d=0, l=[1], m=[1]) %}{% macro f(n) %}{% if n > 0 %}"
+              "{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}" + "".join(body)
+              + "{{ ns.l == ns.m }}")
+    max_chars, t0 = 1 << 17, time.perf_counter()
+    tracemalloc.start()
+    try:
+        out = render_chat_template(source, _vars(), max_seconds=0.1, max_chars=max_chars)
+        assert len(out) <= max_chars
+    except ChatTemplateError as e:  # only a limit: every expression is a well-typed string
+        assert "chat template stopped: " in str(e), str(e)
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < HANG_GUARD_S
+    assert peak < 32 * 2**20, f"peaked at {peak / 2**20:.0f} MiB"
+
+
 def test_error_names_the_template_line():
     source = "{{ bos_token }}\n{% for m in messages %}\n{{ m.content }}\n{{ 1 // 0 }}\n{% endfor %}"
     with pytest.raises(ChatTemplateError, match=r"ZeroDivisionError.*\(template line 4\)"):
