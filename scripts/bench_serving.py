@@ -3,6 +3,7 @@
     python scripts/bench_serving.py                         # stories260K, llama110m, llama1b
     python scripts/bench_serving.py --models llama110m --num-prompts 64
     python scripts/bench_serving.py --quick                 # smoke test, seconds
+    python scripts/bench_serving.py --batch-invariant --hf-dtypes ''  # the mode's cost
 
 For each model, N requests (``benchlib.make_workload``: ShareGPT-like log-normal lengths, seeded)
 all arrive at t=0 and run greedy with ``ignore_eos`` to their own ``max_tokens``:
@@ -20,6 +21,11 @@ all arrive at t=0 and run greedy with ``ignore_eos`` to their own ``max_tokens``
   once per generated step timestamps the steps: request i of a batch gets TTFT = first step time -
   t0 (t0: start of the whole transformers run, since all requests arrive at t=0) and TPOT =
   (time of its last requested step - its first) / (requested tokens - 1).
+
+With ``--batch-invariant`` the engine also runs the same workload with
+``LLM(batch_invariant=True)`` (``jaxinfer.batch_invariant``), reported as ``engine_batch_invariant``
+with ``batch_invariant_cost``: its throughput and latencies over the default engine's, and the
+fraction of requests whose greedy tokens are the same in both modes.
 
 Reported per model: requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99, seconds), and the
 ratios engine / transformers (throughput: higher is better for the engine; latency: lower is). One
@@ -49,12 +55,14 @@ DEFAULT_PROMPTS = {"stories260K": 64, "llama110m": 64, "llama1b": 8}
 
 
 def run_engine(
-    path, reqs, *, dtype: str, max_model_len: int, max_num_seqs: int, warmup: bool
+    path, reqs, *, dtype: str, max_model_len: int, max_num_seqs: int, warmup: bool,
+    batch_invariant: bool = False,
 ) -> dict:
     from jaxinfer import LLM
 
     t = time.perf_counter()
-    llm = LLM(path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    llm = LLM(path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              batch_invariant=batch_invariant)
     load_s = time.perf_counter() - t
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     sps = [greedy(o) for _, o in reqs]
@@ -70,6 +78,7 @@ def run_engine(
     n_out = sum(len(o.token_ids) for o in outs)
     res = {
         "dtype": dtype,
+        "batch_invariant": batch_invariant,
         "wall_s": round(wall, 3),
         "requests_s": round(len(reqs) / wall, 3),
         "output_tok_s": round(n_out / wall, 2),
@@ -197,6 +206,11 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=8, help="transformers static batch size")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also run the engine with LLM(batch_invariant=True) and report its cost",
+    )
+    ap.add_argument(
         "--no-engine-warmup",
         action="store_true",
         help="measure the engine's first pass (compilations included)",
@@ -241,6 +255,24 @@ def main() -> None:
             "hf": {},
             "ratio": {},
         }
+        if args.batch_invariant:
+            inv, inv_ids = run_engine(
+                path,
+                reqs,
+                dtype=args.engine_dtype,
+                max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs,
+                warmup=not args.no_engine_warmup,
+                batch_invariant=True,
+            )
+            entry["engine_batch_invariant"] = inv
+            entry["batch_invariant_cost"] = {
+                **{k: v for k, v in compare(inv, eng).items() if not k.startswith("requests")},
+                "same_tokens_as_default": round(
+                    float(np.mean([a == b for a, b in zip(inv_ids, eng_ids, strict=True)])), 3
+                ),
+            }
+            log(f"[serving] {name} engine, batch invariant: {inv['output_tok_s']} tok/s")
         if hf_dir is None and args.hf_dtypes:
             entry["hf_skipped"] = f"{path} is not a Hugging Face directory"
         for dt in [d for d in args.hf_dtypes.split(",") if d and hf_dir is not None]:
@@ -267,6 +299,7 @@ def main() -> None:
             "distribution": "lognormal sigma 0.8 in / 0.6 out",
         },
         "engine_dtype": args.engine_dtype,
+        "batch_invariant": args.batch_invariant,
         "hf_batch_size": args.hf_batch_size,
         "results": results,
         **host_info(),

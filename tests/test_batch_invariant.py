@@ -151,9 +151,10 @@ def test_invariant_logits_equal_dense_forward(inv_llm, alone):
 
 def test_window_softcap_random_model_chunked_among_others():
     """A tiny random Gemma-2-like model (GQA, a sliding-window layer of 5 tokens, attention and
-    final soft-caps, pages of 4): the logits of every position of a 21-token sequence, one-shot,
-    equal bitwise those of the same sequence prefilled in two chunks (12 + 9 tokens, other pages)
-    each in a batch with another sequence's tokens before it; and the dense forward's."""
+    final soft-caps, pages of 4): the logits of every position of a 21-token sequence, one-shot
+    in a step of 32 tokens, equal bitwise those of the same sequence prefilled in two chunks
+    (12 + 9 tokens, on other pages) in steps of 16 and 64 tokens, with block tables of 16 and 8
+    pages, behind other rows' tokens; and the dense forward's."""
     cfg = ModelConfig("gemma2", 96, 32, 64, 2, 4, 2, 8, max_position_embeddings=64,
                       norm_weight_offset=1.0, hidden_act="gelu_tanh", post_norms=True,
                       embed_scale=True, attn_logit_softcap=3.0, final_logit_softcap=5.0,
@@ -161,17 +162,19 @@ def test_window_softcap_random_model_chunked_among_others():
     params = init_random(cfg, jax.random.PRNGKey(0), scale=0.3)
     rng = np.random.default_rng(0)
     seq, other = rng.integers(3, 96, 21), rng.integers(3, 96, 11)
-    z, t = 4, 32
+    z = 4
 
     @jax.jit
     def step(kv, tokens, md, idx):
         return invariant_forward_logits(params, cfg, kv, tokens, md, idx)
 
-    def batch(rows):
-        """rows: (token ids, first position, pages) of each row -> a step of T = 32 tokens."""
+    def batch(rows, t, m):
+        """rows: (token ids, first position, pages) of each row -> a step of t tokens (every
+        token's logits), block tables of m pages."""
         tokens, pos, slots, seq_ids = (np.zeros(t, np.int32) for _ in range(4))
         seq_ids[:] = -1
-        tables, lens, cu, at = np.zeros((2, 8), np.int32), np.zeros(2, np.int32), [0], 0
+        b = len(rows)
+        tables, lens, cu, at = np.zeros((b, m), np.int32), np.zeros(b, np.int32), [0], 0
         for r, (ids, start, pages) in enumerate(rows):
             n, p = len(ids), np.arange(start, start + len(ids))
             tokens[at:at + n], pos[at:at + n], seq_ids[at:at + n] = ids, p, r
@@ -184,17 +187,22 @@ def test_window_softcap_random_model_chunked_among_others():
         return jnp.asarray(tokens), md, jnp.arange(t, dtype=jnp.int32)
 
     def fresh():
-        return init_kv_cache(cfg, 20, z, jnp.float32)
+        return init_kv_cache(cfg, 24, z, jnp.float32)
 
-    _, one = step(fresh(), *batch([(seq, 0, [5, 2, 9, 1, 7, 3]), (other[:0], 0, [])]))
+    _, one = step(fresh(), *batch([(seq, 0, [5, 2, 9, 1, 7, 3])], 32, 8))
     one = np.asarray(one)[:21]
     pages = [11, 4, 16, 6, 13, 8]
-    kv, first = step(fresh(), *batch([(other, 0, [10, 12, 14]), (seq[:12], 0, pages)]))
-    _, second = step(kv, *batch([(other[:7], 4, [17, 18, 19]), (seq[12:], 12, pages)]))
-    chunked = np.concatenate([np.asarray(first)[11:23], np.asarray(second)[7:16]])
+    kv, first = step(fresh(), *batch([(other[:3], 0, [10]), (seq[:12], 0, pages)], 16, 16))
+    _, second = step(kv, *batch([(other, 0, [17, 18, 19]), (other[:7], 4, [20, 21, 22]),
+                                 (seq[12:], 12, pages)], 64, 8))
+    chunked = np.concatenate([np.asarray(first)[3:15], np.asarray(second)[18:27]])
     assert chunked.tobytes() == one.tobytes()
     want = np.asarray(dense_logits(params, cfg, jnp.asarray([seq], jnp.int32)))[0]
     np.testing.assert_allclose(one, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+class _NoText:
+    eos_ids, bos_id, has_text, path = (), None, False, "<none>"
 
 
 def test_refused_where_not_supported(stories_dir):
@@ -209,3 +217,15 @@ def test_refused_where_not_supported(stories_dir):
         Engine(cfg, None, _NoText(), ecfg)  # refused before the params are looked at
     with pytest.raises(ValueError, match="batch_invariant"):
         dataclasses.replace(ecfg, batch_invariant="yes")
+
+
+def test_cli_flag_reaches_llm(monkeypatch, tmp_path):
+    import jaxinfer.llm
+    from jaxinfer.cli import _load_llm, build_parser
+
+    got = []
+    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **kw: got.append(kw))
+    base = ["generate", "--model", "m", "--prompts", "p", "--out", str(tmp_path / "o")]
+    for extra, want in (([], False), (["--batch-invariant"], True)):
+        _load_llm(build_parser().parse_args(base + extra))
+        assert got.pop()["batch_invariant"] is want
