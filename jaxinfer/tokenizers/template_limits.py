@@ -43,7 +43,7 @@ class Budget:
         self.max_chars = max_chars
         self.depth = 0
         self.produced = 0  # characters of every {{ expression }} output so far
-        self.known: dict[int, int] = {}  # id -> _count of the inputs' containers
+        self.known: dict[int, int] = {}  # id -> count() of the inputs' containers
         self.memo: collections.OrderedDict[int, tuple] = collections.OrderedDict()
 
     def tick(self) -> None:
@@ -64,6 +64,7 @@ BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("chat_bud
 
 
 def current_budget() -> Budget:
+    """The running render's budget. Raises RuntimeError outside ``render_chat_template``."""
     b = BUDGET.get()
     if b is None:
         raise RuntimeError("chat templates must be rendered through render_chat_template")
