@@ -43,7 +43,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 from jaxinfer.errors import TokenizerError
-from jaxinfer.tokenizers import template_limits as lim
+import jaxinfer.tokenizers.template_limits as lim
 from jaxinfer.tokenizers.template_limits import (  # noqa: F401  (re-exported)
     INPUT_CHARS_FACTOR,
     MAX_CALL_DEPTH,
