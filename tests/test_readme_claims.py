@@ -53,8 +53,10 @@ F32_EPS = float(np.finfo(np.float32).eps)
 
 def _tokenizer_files(d: Path) -> None:
     """A SentencePiece-like BPE tokenizer.json of exactly 256 ids (the checkpoint's vocabulary)
-    with the chat template in tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    that adds BOS to plain text as Llama 3's does (the chat template writes its own BOS, so a
+    rendered conversation must be encoded without special tokens), with the chat template in
+    tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -64,6 +66,8 @@ def _tokenizer_files(d: Path) -> None:
     tok.train_from_iterator(CORPUS + [c["expected"] for c in stories_reference()], trainer)
     assert tok.get_vocab_size() == 256
     assert [tok.token_to_id(s) for s in SPECIALS] == list(range(len(SPECIALS)))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 1)])
     tok.save(str(d / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
               "eos_token": "<|eot_id|>", "pad_token": "<pad>",
@@ -144,22 +148,22 @@ def test_chat_and_messages_records_render_and_generate_as_transformers(chat_mode
 
 def test_presence_penalty_min_p_and_special_tokens_through_the_engine(chat_model):
     """One batch: greedy rows with and without presence_penalty, sampled rows with and without
-    min_p (same seeds), and a greedy row whose output holds special tokens, decoded with and
+    min_p (same seed), and a greedy row whose output holds special tokens, decoded with and
     without them; judged against transformers' logits of the generated sequences
     (teacher-forced) and its tokenizer."""
     _, llm, hf_tok, model = chat_model
     # Greedy repeats itself after this prompt, and the prompt's tokens compete with the output's.
     lily = hf_tok.encode("Lily loved the park", add_special_tokens=False)
     fox = hf_tok.encode("the fox", add_special_tokens=False)  # greedy emits <|eot_id|> first
-    n, pres, min_p, temp = 16, 2.0, 0.3, 2.0
+    n, min_p, temp = 16, 0.3, 2.0
+    penalties = {"presence": 2.0, "presence_neg": -1.0}
     rows = {
         "greedy": SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-        "presence": SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                   presence_penalty=pres),
-        **{f"min_p{s}": SamplingParams(temperature=temp, min_p=min_p, seed=s, max_tokens=n,
-                                       ignore_eos=True) for s in (0, 1)},
-        **{f"plain{s}": SamplingParams(temperature=temp, seed=s, max_tokens=n, ignore_eos=True)
-           for s in (0, 1)},
+        **{k: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, presence_penalty=v)
+           for k, v in penalties.items()},
+        "min_p": SamplingParams(temperature=temp, min_p=min_p, seed=0, max_tokens=n,
+                                ignore_eos=True),
+        "plain": SamplingParams(temperature=temp, seed=0, max_tokens=n, ignore_eos=True),
         "specials": SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                    skip_special_tokens=False),
         "skipped": SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
@@ -171,32 +175,40 @@ def test_presence_penalty_min_p_and_special_tokens_through_the_engine(chat_model
     for k, o in outs.items():
         p = prompts[k]
         logits[k] = _hf_logits(model, p + o.token_ids)[len(p) - 1:-1].astype(np.float64)
-
-    # Presence penalty (vLLM): logit -= presence_penalty for every token already generated (the
-    # prompt's tokens are not counted). Each greedy choice is the argmax of that.
-    toks, flips, checked = outs["presence"].token_ids, 0, 0
-    for i, tok in enumerate(toks):
-        penalised = logits["presence"][i] - pres * np.isin(np.arange(256), toks[:i])
-        top2 = np.sort(penalised)[-2:]
-        if top2[1] - top2[0] > 1e-3:  # clear of float noise
-            assert tok == int(np.argmax(penalised)), (i, toks)
-            checked += 1
-        flips += tok != int(np.argmax(logits["presence"][i]))
-    assert checked >= n - 1 and flips >= 1  # the penalty changed choices
     for k in ("greedy", "specials"):
         assert outs[k].token_ids == [int(np.argmax(x)) for x in logits[k]], k
 
-    # min_p (vLLM v1 order: temperature, then keep p >= min_p * max p). The rows without min_p
-    # (same seeds) draw tokens below the cut, so the check has power.
-    below = {}
-    for k in ("min_p0", "min_p1", "plain0", "plain1"):
-        z = logits[k] / temp
-        p = np.exp(z - z.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        got = p[np.arange(n), outs[k].token_ids] / p.max(axis=1)
-        below[k] = int(np.sum(got < min_p * (1 - 1e-4)))
-    assert below["min_p0"] == below["min_p1"] == 0, below
-    assert below["plain0"] + below["plain1"] >= 2, below
+    # Presence penalty (vLLM, OpenAI): logit -= presence_penalty once for each token already
+    # generated; the prompt's tokens are not counted. Each greedy choice is the argmax of that.
+    # Power: along the same outputs, no penalty, counting the prompt's tokens too, or
+    # subtracting presence_penalty per occurrence would each have chosen differently somewhere.
+    differs = {"none": 0, "prompt counted": 0, "per occurrence": 0}
+    vocab = np.arange(256)
+    for k, pen in penalties.items():
+        toks = outs[k].token_ids
+        for i, tok in enumerate(toks):
+            seen = np.isin(vocab, toks[:i])
+            want = logits[k][i] - pen * seen
+            top2 = np.sort(want)[-2:]
+            assert top2[1] - top2[0] > 1e-4, (k, i)  # clear of f32 noise (~1e-5 here)
+            assert tok == int(np.argmax(want)), (k, i, toks)
+            alt = {"none": logits[k][i],
+                   "prompt counted": logits[k][i] - pen * (seen | np.isin(vocab, prompts[k])),
+                   "per occurrence": logits[k][i] - pen * np.bincount(toks[:i], minlength=256)}
+            for name, x in alt.items():
+                differs[name] += tok != int(np.argmax(x))
+    assert min(differs.values()) >= 1, differs
+
+    # min_p (vLLM v1 order: temperature, then keep p >= min_p * max p). The row without min_p
+    # (same seed) draws tokens below the cut; the min_p row draws tokens that a cut before the
+    # temperature (on softmax(logits)) would have removed.
+    def ratios(k, t):  # f64[n]: p(drawn) / max p at temperature t
+        z = logits[k] / t
+        return np.exp(z[np.arange(n), outs[k].token_ids] - z.max(axis=1))
+
+    assert np.all(ratios("min_p", temp) >= min_p * (1 - 1e-4)), ratios("min_p", temp)
+    assert np.sum(ratios("plain", temp) < min_p) >= 2
+    assert np.sum(ratios("min_p", 1.0) < min_p) >= 1
 
     # skip_special_tokens=False: the text is the tokenizer's own decode with the specials in.
     ids = outs["specials"].token_ids
