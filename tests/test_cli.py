@@ -261,6 +261,8 @@ def test_help_lists_every_flag_with_its_default(capsys):
         "--num-speculative-tokens",
         "--draft-model",
         "--draft-heads",
+        "--checkpoint-interval",
+        "--batch-invariant",
     ]:
         assert flag in text, flag
     for default in [
