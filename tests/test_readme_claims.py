@@ -100,6 +100,14 @@ def _hf_greedy(model, ids: list[int], new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def _hf_text(hf_tok, prompt: list[int], ids: list[int], **kw) -> str:
+    """transformers' text of output ``ids`` after ``prompt`` (vLLM's rule: the output decoded in
+    the prompt's context, less the prompt's text)."""
+    full, head = hf_tok.decode(prompt + ids, **kw), hf_tok.decode(prompt, **kw)
+    assert full.startswith(head), (full, head)
+    return full[len(head):]
+
+
 def _hf_logits(model, ids: list[int]) -> np.ndarray:
     """f32[S, V] transformers' logits of one sequence."""
     import torch
@@ -118,7 +126,7 @@ def test_chat_and_messages_records_render_and_generate_as_transformers(chat_mode
                                           return_dict=False)
         assert out.error is None and out.prompt_token_ids == want
         assert out.token_ids == _hf_greedy(model, want, NEW)
-        assert out.text == hf_tok.decode(out.token_ids, skip_special_tokens=True)
+        assert out.text == _hf_text(hf_tok, want, out.token_ids, skip_special_tokens=True)
     # One conversation (a list of messages) is one request, as the README's example.
     seen = []
     monkeypatch.setattr(llm, "generate", lambda prompts, *a, **k: seen.append(prompts))
@@ -214,8 +222,9 @@ def test_presence_penalty_min_p_and_special_tokens_through_the_engine(chat_model
     ids = outs["specials"].token_ids
     assert outs["skipped"].token_ids == ids
     assert set(ids) & set(range(len(SPECIALS))), ids  # special tokens were generated
-    assert outs["specials"].text == hf_tok.decode(ids, skip_special_tokens=False)
-    assert outs["skipped"].text == hf_tok.decode(ids, skip_special_tokens=True)
+    assert outs["specials"].text == _hf_text(hf_tok, fox, ids, skip_special_tokens=False)
+    assert outs["skipped"].text == _hf_text(hf_tok, fox, ids, skip_special_tokens=True)
+    assert "<|eot_id|>" in outs["specials"].text and "<|eot_id|>" not in outs["skipped"].text
     assert outs["specials"].text != outs["skipped"].text
 
 
