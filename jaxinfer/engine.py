@@ -568,6 +568,8 @@ class Engine:
                 reason = "length"
             elif len(seq.prompt_ids) + len(seq.output_ids) >= self.ecfg.max_model_len:
                 reason = "length"
+        if reason is not None and req.detok is not None and not isinstance(seq.stop_reason, str):
+            req.text += req.detok.finish()  # the held bytes of an unfinished character: U+FFFD
         return reason
 
     def _output(self, req: _Request) -> RequestOutput:

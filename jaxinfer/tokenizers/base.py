@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,6 +52,33 @@ class Tokenizer:
         """Text of ``ids``. Invalid UTF-8 byte sequences decode to U+FFFD; ids outside the
         vocabulary (a model's padded embedding rows) decode to nothing."""
         raise NotImplementedError
+
+    def decode_partial(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, continued: bool = False
+    ) -> tuple[str, int]:
+        """``decode(ids)`` and how many characters at its end (0 to 3) later ids may still change:
+        the U+FFFD of an incomplete UTF-8 sequence (the first 1 to 3 bytes of a character, valid
+        so far), or the start of a clean-up pattern (``HFTokenizer`` with
+        ``clean_up_tokenization_spaces``: " ", " '", " n", ...). Everything before them is final:
+        appending ids never changes it. The streaming detokenizer holds back exactly them.
+
+        ``continued``: ``ids`` follow earlier text (the detokenizer's window), so no rule for the
+        start of a text that reaches past the first piece applies (SentencePiece's dropping of
+        all leading spaces under ``remove_extra_whitespaces``); rules for the first piece alone
+        (its dummy-prefix space) may, the window's first ids being context only.
+
+        This default suits tokenizers whose tokens are whole characters (no byte tokens): 0.
+        """
+        del continued  # rules for the first piece only: that piece is context
+        return self.decode(ids, skip_special_tokens), 0
+
+    def decodes_to_nothing(self, token_id: int, skip_special_tokens: bool = True) -> bool:
+        """Whether ``decode`` drops ``token_id`` wherever it stands (an id outside the vocabulary,
+        or a special token when ``skip_special_tokens``): removing it changes no decoded text."""
+        token_id = int(token_id)
+        return not 0 <= token_id < self.vocab_size or (
+            skip_special_tokens and token_id in self._special_ids
+        )
 
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is a special (control) token: BOS, EOS or a marked added token."""
@@ -109,7 +138,17 @@ class SideFiles:
             if isinstance(value, str):
                 self.tokens[key] = value
         self.add_bos: bool | None = tc.get("add_bos_token")
+        # transformers' added tokens (special or not): their text is one token wherever it occurs.
+        added = tc.get("added_tokens_decoder")
+        self.added_tokens: list[str] = [
+            t["content"] for t in (added.values() if isinstance(added, dict) else [])
+            if isinstance(t, dict) and isinstance(t.get("content"), str) and t["content"]
+        ]
         self.clean_up_tokenization_spaces = bool(tc.get("clean_up_tokenization_spaces", False))
+        # transformers 5 ignores the clean-up for a BPE model unless this is set as well
+        self.clean_up_bpe = bool(
+            tc.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+        )
         template = tc.get("chat_template")
         if isinstance(template, list):
             # [{"name": ..., "template": ...}]: transformers uses the one named "default".
@@ -140,3 +179,48 @@ def _read_json(path: Path) -> dict:
 def unique_ids(ids: list[int | None]) -> tuple[int, ...]:
     """``ids`` without Nones and repeats, in first-seen order."""
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def incomplete_utf8_suffix(data: bytes) -> int:
+    """Length (0 to 3) of the incomplete UTF-8 sequence at the end of ``data``: a lead byte and
+    fewer continuation bytes than it needs, each valid so far (so more bytes may complete it).
+    Python's incremental UTF-8 decoder is the judge: it holds back exactly these bytes."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data[-3:], final=False)  # an incomplete sequence is at most 3 bytes long
+    tail = decoder.getstate()[0]
+    if len(tail) < 2:
+        return len(tail)  # a lone valid lead byte (C2..F4)
+    # CPython also holds back a surrogate's first two bytes (ED A0..BF), which nothing completes;
+    # past the second byte any continuation byte fits, so 0x80s complete every other prefix.
+    need = 4 if tail[0] >= 0xF0 else 3 if tail[0] >= 0xE0 else 2
+    try:
+        (tail + b"\x80" * (need - len(tail))).decode("utf-8")
+    except UnicodeDecodeError:
+        return 0
+    return len(tail)
+
+
+def special_token_pattern(tokens: dict[str, int]) -> re.Pattern | None:
+    """A regex matching any of ``tokens`` (text -> id), the longest first where several start at
+    one place (transformers' added-tokens trie splits at the leftmost longest match); None if
+    there are none."""
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
+def split_special(text: str, pattern: re.Pattern | None, tokens: dict[str, int]) -> list[str | int]:
+    """``text`` cut at the special tokens it contains, as transformers cuts it before running
+    the model's tokenizer on the pieces between them: texts (non-empty) and token ids, in order."""
+    if pattern is None:
+        return [text] if text else []
+    out: list[str | int] = []
+    start = 0
+    for m in pattern.finditer(text):
+        if m.start() > start:
+            out.append(text[start : m.start()])
+        out.append(tokens[m.group()])
+        start = m.end()
+    if start < len(text):
+        out.append(text[start:])
+    return out

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxinfer.errors import TokenizerError
-from jaxinfer.tokenizers.base import SideFiles, Tokenizer, unique_ids
+from jaxinfer.tokenizers.base import (
+    SideFiles,
+    Tokenizer,
+    incomplete_utf8_suffix,
+    special_token_pattern,
+    split_special,
+    unique_ids,
+)
 
 _LLAMA2C_CHECKPOINT_MAGIC = 0x616B3432  # "ak42", llama2.c checkpoint format version >= 1
 _BYTE_PIECE = re.compile(rb"<0x([0-9A-Fa-f]{2})>")
@@ -40,18 +47,35 @@ class Llama2cTokenizer(Tokenizer):
             "unk_token": "<unk>",
         } | side_files.tokens
         super().__init__(path, special, side_files.chat_template)
+        # The text of a special token is its id: run.c writes BOS and EOS as "\n<s>\n" and
+        # "\n</s>\n", so those are matched by name; others by their piece.
+        self._special_text = {"<unk>": 0, "<s>": 1, "</s>": 2}
+        for t in [*special.values(), *side_files.added_tokens]:
+            if (i := self._ids.get(t.encode("utf-8"))) is not None:
+                self._special_text.setdefault(t, i)
+        self._special_re = special_token_pattern(self._special_text)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """run.c's encoder, on each piece of ``text`` between the special tokens it contains
+        (``<s>``, ``</s>``, ``<unk>`` and the side files' tokens: one id each, as transformers
+        reads them); only a piece at the start of ``text`` gets run.c's dummy-prefix space (the
+        rule of transformers' Llama tokenizers)."""
+        ids: list[int] = []
+        for k, part in enumerate(split_special(text, self._special_re, self._special_text)):
+            ids += [part] if isinstance(part, int) else self._encode_text(part, prefix=k == 0)
+        return [self.bos_id, *ids] if add_special_tokens else ids
+
+    def _encode_text(self, text: str, prefix: bool) -> list[int]:
         ids: list[int] = []
         # The dummy-prefix space, then one piece per UTF-8 character; byte fallback (id b + 3).
-        for piece in ([b" "] if text else []) + [c.encode("utf-8", "surrogatepass") for c in text]:
+        pieces = [c.encode("utf-8", "surrogatepass") for c in text]
+        for piece in ([b" "] if prefix else []) + pieces:
             i = self._ids.get(piece)
             if i is None:
                 ids.extend(b + 3 for b in piece)
             else:
                 ids.append(i)
-        ids = self._merge(ids)
-        return [self.bos_id, *ids] if add_special_tokens else ids
+        return self._merge(ids)
 
     def _merge(self, ids: list[int]) -> list[int]:
         """run.c's merge loop (repeatedly merge the adjacent pair whose concatenation is the
@@ -87,8 +111,20 @@ class Llama2cTokenizer(Tokenizer):
         return [t for t, a in zip(tok, alive, strict=True) if a]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        # run.c drops the leading space of the piece after BOS; we drop it from the first
-        # non-special piece (the same whenever ids start with BOS, and SentencePiece's rule).
+        return self._bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def decode_partial(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, continued: bool = False
+    ) -> tuple[str, int]:
+        del continued  # the start rules (Strip, run.c's) touch the first piece only
+        # Python's "replace" writes one U+FFFD for an incomplete sequence at the end.
+        data = self._bytes(ids, skip_special_tokens)
+        return data.decode("utf-8", errors="replace"), min(incomplete_utf8_suffix(data), 1)
+
+    def _bytes(self, ids: Sequence[int], skip_special_tokens: bool) -> bytes:
+        """The bytes run.c prints for ``ids``. run.c drops the leading space of the piece after
+        BOS; we drop it from the first non-special piece (the same whenever ids start with BOS,
+        and SentencePiece's rule)."""
         out = bytearray()
         at_start = True
         for i in ids:
@@ -105,7 +141,7 @@ class Llama2cTokenizer(Tokenizer):
             at_start = False
             m = _BYTE_PIECE.fullmatch(piece)
             out += bytes([int(m.group(1), 16)]) if m else piece
-        return out.decode("utf-8", errors="replace")
+        return bytes(out)
 
 
 def read_llama2c_tokenizer(path: Path) -> tuple[int, list[float], list[bytes]]:
