@@ -167,7 +167,8 @@ class Engine:
     Raises:
         ValueError: at construction when the pool cannot hold one sequence of ``max_model_len``
             tokens (the message says how many pages are needed), or ``attn_impl`` is unknown,
-            unavailable on this backend, or cannot tile this model (the message says why).
+            unavailable on this backend, or cannot tile this model (the message says why), or
+            ``batch_invariant`` is asked with a Pallas ``attn_impl`` or a mesh.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
