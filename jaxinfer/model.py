@@ -211,7 +211,9 @@ def forward(
 
     x = tmap(embed, tokens)
     rope_g = tmap(lambda p: rope_tables(cfg, p, local=False), positions)
-    rope_l = tmap(lambda p: rope_tables(cfg, p, local=True), positions) if cfg.has_local_rope else None
+    rope_l = None
+    if cfg.has_local_rope:
+        rope_l = tmap(lambda p: rope_tables(cfg, p, local=True), positions)
     windows = jnp.asarray(np.asarray(cfg.layer_windows, np.int32))
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
 

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import stories_reference
-from jaxinfer.config import ModelConfig
+
 from jaxinfer.batch_invariant import invariant_forward_logits
+from jaxinfer.config import ModelConfig
 from jaxinfer.dense import dense_logits
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.kv_cache import init_kv_cache
@@ -82,8 +82,8 @@ def assert_same(tokenizer, want, got, reqs):
     """Every target row's logits bitwise equal, and its tokens and logprobs (the sampling step's
     own reductions); the greedy rows' text is a prefix of llama2.c's."""
     (outs_a, seen_a), (outs_b, seen_b) = want, got
-    by_seed = {sp.seed: o for o, (_, sp) in zip(outs_b, reqs)}
-    for (ids, sp, expected), a in zip(targets(tokenizer), outs_a):
+    by_seed = {sp.seed: o for o, (_, sp) in zip(outs_b, reqs, strict=True)}
+    for (ids, sp, expected), a in zip(targets(tokenizer), outs_a, strict=True):
         b = by_seed[sp.seed]
         assert b.token_ids == a.token_ids and len(a.token_ids) > 12, sp.seed
         assert b.logprobs == a.logprobs, sp.seed  # floats compared with ==: bitwise
@@ -139,11 +139,12 @@ def test_invariant_logits_equal_dense_forward(inv_llm, alone):
     """The mode's logits are the model's: each target's at every output index match the
     cache-less dense forward over prompt + output (float32, to 1e-5 of the scale)."""
     outs, seen = alone
-    seqs = [ids + out.token_ids[:-1] for (ids, _, _), out in zip(targets(inv_llm.tokenizer), outs)]
+    seqs = [ids + out.token_ids[:-1]
+            for (ids, _, _), out in zip(targets(inv_llm.tokenizer), outs, strict=True)]
     # One batch, right-padded: a causal model's earlier positions do not see the padding.
     padded = jnp.asarray([s + [0] * (32 - len(s)) for s in seqs], jnp.int32)
     dense = np.asarray(dense_logits(inv_llm.params, inv_llm.config, padded))
-    for (ids, sp, _), out, want in zip(targets(inv_llm.tokenizer), outs, dense):
+    for (ids, sp, _), out, want in zip(targets(inv_llm.tokenizer), outs, dense, strict=True):
         want = want[len(ids) - 1:len(ids) - 1 + len(out.token_ids)]
         got = np.stack([seen[sp.seed, k] for k in range(len(out.token_ids))])
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
