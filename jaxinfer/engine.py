@@ -61,7 +61,8 @@ class EngineConfig:
         async_scheduling: schedule and dispatch step N+1 before reading step N's sampled tokens
             back, so the host's work (batch building, readback, detokenizing, stop checks)
             overlaps the device's; step N+1 takes its decode tokens from step N's device output.
-            Outputs are the same as without it; a sequence that stops on a token (EOS, stop
+            Outputs are the same as without it (up to float near-ties when the batches differ;
+            bitwise with ``batch_invariant``); a sequence that stops on a token (EOS, stop
             string) costs one discarded row. Steps whose rows need penalties run without overlap.
             None = on. Source: vLLM v1's async scheduling.
         batch_invariant: every row's logits bitwise the same whatever else is in the batch

@@ -77,7 +77,8 @@ class LLM:
         unroll_layers: layers as an unrolled loop over per-layer weights (faster decode, longer
             compiles) or ``lax.scan`` over stacked ones; None = unrolled on CPU only.
         async_scheduling: dispatch each step before the previous one's tokens are read back, so
-            host work overlaps the device (same outputs); None = on, except with ``speculative``
+            host work overlaps the device (same outputs up to float near-ties, see
+            ``batch_invariant``); None = on, except with ``speculative``
             (its rounds run synchronously; True with it raises ValueError). See ``EngineConfig``.
         skip_tokenizer_init: load no tokenizer, as vLLM's option: prompts are token ids (a list,
             or {"prompt_token_ids": [...]}), outputs have ``token_ids`` and ``text`` None, and a
