@@ -44,6 +44,13 @@ class IncrementalDetokenizer:
     the hold-back decided from the bytes (``Tokenizer.decode_partial``) rather than from a
     trailing U+FFFD, which invalid bytes also produce.
 
+    Args:
+        tokenizer: a ``Tokenizer`` (or any object with ``decode(ids, skip_special_tokens)``,
+            whose text is then taken as final at once).
+        prompt_ids: the prompt, int[P]: the context of the output's first ids, and the start of
+            a character its last bytes begin.
+        skip_special_tokens: as in ``decode``.
+
     Attributes:
         text: all output text emitted so far (the concatenated deltas), the prompt excluded.
     """
@@ -76,7 +83,8 @@ class IncrementalDetokenizer:
 
     @property
     def held_chars(self) -> int:
-        """Characters (U+FFFD, at most 3) decoded but held back: an incomplete UTF-8 sequence."""
+        """Characters decoded but held back (at most 3): the U+FFFD of an incomplete UTF-8
+        sequence, or the start of a clean-up pattern (``Tokenizer.decode_partial``)."""
         return len(self._decode()[0]) - self._sent
 
     def add(self, token_id: int) -> str:
@@ -106,8 +114,8 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self) -> str:
-        """Flushes the held-back incomplete character (as the tokenizer decodes it: U+FFFD) at
-        the end of the request; returns it ("" when nothing is held)."""
+        """Flushes what is held back (an unfinished character as the tokenizer decodes it:
+        U+FFFD) at the end of the request; returns it ("" when nothing is held)."""
         text, _ = self._decode()
         delta = text[self._sent :]
         self._sent = len(text)
