@@ -10,9 +10,20 @@
    kernel (``kernels_pallas.flash_attention``, when present) on the prefill shape; each entry
    reports the median milliseconds and the max abs difference from the XLA reference.
 
-Prints one JSON object: {"device", "tests": {...}, "timings": [...]}. Designed to finish in
-under 8 minutes (tests capped at 270 s; each timing a few iterations). Usage:
-``python scripts/device_check_kernels.py [--skip-tests] [--iters N]``.
+On the GPU the dense 4k prefill is also timed with PyTorch's ``scaled_dot_product_attention``
+restricted to its flash backend (K/V heads repeated to the query heads) and with
+``jax.nn.dot_product_attention(implementation="cudnn")``, and ``flash_fwd_bwd`` runs our
+FlashAttention forward and backward compiled for the device against ``mha_reference`` (max abs
+differences of the output and of dq, dk, dv). Every timing entry carries ``hbm_tb_s`` / ``frac_hbm``
+(bytes: Q, the output and the K/V of every live token, once; of ``PEAK_HBM_TB_S``) and
+``tflop_s`` / ``frac_peak_tflop_s`` (4 x heads x head_dim per attended query/key pair; of
+``PEAK_BF16_TFLOP_S``): the H200's figures, so fractions are meaningful on an H200 only.
+
+Prints one JSON object: {"device", "tests": {...}, "timings": [...], "flash_fwd_bwd": {...}}.
+Designed to finish in under 8 minutes (tests capped at 270 s; each timing a few iterations).
+Usage: ``python scripts/device_check_kernels.py [--skip-tests] [--iters N] [--quick]``;
+``--cpu-smoke`` runs the same code paths on CPU in seconds (kernels interpreted, tiny shapes, no
+tests, torch SDPA's math backend; figures meaningless) to check the script before a device run.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_TIMEOUT_S = 270
+PEAK_HBM_TB_S = 4.8  # H200 HBM3e
+PEAK_BF16_TFLOP_S = 790.0  # H200 dense bf16, measured (the issue's figure)
 
 
 def run_tests(backend: str) -> list[dict]:
@@ -107,7 +120,8 @@ def make_case(rng, rows, *, n=32, kh=8, h=128, z=16, dtype="bfloat16"):
     return q, kp, vp, md
 
 
-def timings(backend: str, iters: int, quick: bool) -> list[dict]:
+def timings(backend: str, iters: int, quick: bool, smoke: bool = False) -> list[dict]:
+    """Timing table; ``smoke``: CPU, kernels interpreted, tiny shapes (checks the code paths)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -116,40 +130,168 @@ def timings(backend: str, iters: int, quick: bool) -> list[dict]:
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
     rng = np.random.default_rng(0)
-    scale = 128**-0.5
-    ctx = 4096 if not quick else 256
+    heads = dict(n=8, kh=2, h=64) if smoke else dict(n=32, kh=8, h=128)
+    scale = heads["h"] ** -0.5
+    ctx = 64 if smoke else 256 if quick else 4096
+    nb = 4 if smoke else 64
     shapes = {
-        f"decode_b64_ctx{ctx}": [(ctx - int(rng.integers(0, 16)), 1) for _ in range(64)],
-        f"mixed_d32_ctx{ctx // 2}_p4x256": [(ctx // 2, 1)] * 32 + [(1024, 256)] * 4,
+        f"decode_b{nb}_ctx{ctx}": [(ctx - int(rng.integers(0, 16)), 1) for _ in range(nb)],
+        f"mixed_d{nb // 2}_ctx{ctx // 2}_p4x{ctx // 16}": [(ctx // 2, 1)] * (nb // 2)
+        + [(ctx // 4, ctx // 16)] * 4,
         f"prefill_1x{ctx}": [(ctx, ctx)],
     }
     results = []
     for name, rows in shapes.items():
-        q, kp, vp, md = make_case(rng, rows)
+        q, kp, vp, md = make_case(rng, rows, **heads)
         impls = {
             "xla": jax.jit(lambda q, kp, vp, md: ragged_paged_attention_xla(
                 q, kp, vp, md, jnp.int32(0), scale=scale)),
-            f"ours_pallas_{backend}": jax.jit(lambda q, kp, vp, md: ragged_paged_attention(
-                q, kp, vp, md.kv_lens, md.block_tables, md.cu_q_lens, jnp.int32(0), jnp.int32(0),
-                num_decode=md.num_decode, scale=scale, backend=backend)),
+            f"ours_pallas_{backend}" + ("_interpret" if smoke else ""): jax.jit(
+                lambda q, kp, vp, md: ragged_paged_attention(
+                    q, kp, vp, md.kv_lens, md.block_tables, md.cu_q_lens, jnp.int32(0),
+                    jnp.int32(0), num_decode=md.num_decode, scale=scale, backend=backend,
+                    interpret=smoke)),
         }
-        impls.update(shipped_ops(backend, name, q, kp, vp, md, scale))
+        if not smoke:
+            impls.update(shipped_ops(backend, name, q, kp, vp, md, scale))
+        elif name.startswith("prefill"):
+            impls["jax_gpu_mha"] = _raiser(RuntimeError("skipped: --cpu-smoke (GPU only)"))
+        if name.startswith("prefill"):
+            impls.update(dense_prefill_peers(backend, q, kp, vp, md, scale, smoke))
         ref = None
+        pairs = sum(kl * ql - ql * (ql - 1) // 2 for kl, ql in rows)  # causal query/key pairs
+        n, h, kh = q.shape[1], q.shape[2], kp.shape[0]
+        isz = q.dtype.itemsize
+        nbytes = 2 * q.size * isz + 2 * int(np.asarray(md.kv_lens).sum()) * kh * h * isz
         for impl, fn in impls.items():
             entry = {"shape": name, "impl": impl, "tokens": int(q.shape[0]),
                      "kv_tokens": int(np.asarray(md.kv_lens).sum())}
             try:
-                args = (q, kp, vp, md)
-                out = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
+                if getattr(fn, "torch_ms", None):  # PyTorch: timed with CUDA events
+                    out, ms = fn.torch_ms(iters)
+                    entry["ms"] = round(ms, 4)
+                else:
+                    args = (q, kp, vp, md)
+                    out = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
+                    entry["ms"] = round(bench(fn, args, iters), 4)
                 if impl == "xla":
                     ref = out
-                entry["ms"] = round(bench(fn, args, iters), 4)
                 if ref is not None:
                     entry["max_abs_diff_vs_xla"] = float(np.abs(out - ref).max())
+                sec = entry["ms"] / 1e3
+                entry["hbm_tb_s"] = round(nbytes / sec / 1e12, 4)
+                entry["frac_hbm"] = round(nbytes / sec / 1e12 / PEAK_HBM_TB_S, 4)
+                entry["tflop_s"] = round(4 * n * h * pairs / sec / 1e12, 3)
+                entry["frac_peak_tflop_s"] = round(entry["tflop_s"] / PEAK_BF16_TFLOP_S, 4)
             except Exception as e:  # reported in the table, never replaced by another impl
                 entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             results.append(entry)
     return results
+
+
+def dense_prefill_peers(backend, q, kp, vp, md, scale, smoke) -> dict:
+    """The one-sequence prefill as dense attention by cuDNN (jax) and PyTorch SDPA's flash backend;
+    outputs f32[T, N, H] like ours. The page gather to a dense K/V is done outside the timing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    n, kh = q.shape[1], kp.shape[0]
+    kd = kp[:, md.block_tables[0]].reshape(kh, -1, kp.shape[-1])[:, : q.shape[0]]  # [K, S, H]
+    vd = vp[:, md.block_tables[0]].reshape(kh, -1, vp.shape[-1])[:, : q.shape[0]]
+    out = {}
+    if backend == "gpu" and not smoke:
+        kb, vb = kd.transpose(1, 0, 2)[None], vd.transpose(1, 0, 2)[None]  # [1, S, K, H]
+        f = jax.jit(lambda q: jax.nn.dot_product_attention(
+            q[None], kb, vb, scale=scale, is_causal=True, implementation="cudnn")[0])
+        out["jax_cudnn_dot_product_attention(dense)"] = lambda q, kp, vp, md: f(q)
+    else:
+        out["jax_cudnn_dot_product_attention(dense)"] = _raiser(
+            RuntimeError(f"skipped: cuDNN needs a GPU (backend {backend!r}, smoke={smoke})"))
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        out["torch_sdpa_flash(dense)"] = _raiser(RuntimeError(f"skipped: no PyTorch ({e})"))
+        return out
+    cuda = torch.cuda.is_available() and not smoke
+    if not cuda and not smoke:
+        out["torch_sdpa_flash(dense)"] = _raiser(RuntimeError("skipped: torch.cuda unavailable"))
+        return out
+    dev, kind = ("cuda", SDPBackend.FLASH_ATTENTION) if cuda else ("cpu", SDPBackend.MATH)
+    dt = torch.bfloat16 if q.dtype == jnp.bfloat16 else torch.float32
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(dev, dt)
+    tq = t(q).transpose(0, 1)[None]  # [1, N, T, H]
+    tk = t(kd).repeat_interleave(n // kh, 0)[None]  # [1, N, S, H]: flash has no GQA here
+    tv = t(vd).repeat_interleave(n // kh, 0)[None]
+
+    class TorchSdpa:
+        def torch_ms(self, iters):
+            import torch.nn.functional as F
+
+            def run():
+                with sdpa_kernel(kind):
+                    return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale)
+
+            o = run()
+            ts = []
+            for _ in range(iters):
+                if cuda:
+                    s = torch.cuda.Event(enable_timing=True)
+                    e = torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    run()
+                    e.record()
+                    torch.cuda.synchronize()
+                    ts.append(s.elapsed_time(e))
+                else:
+                    t0 = time.perf_counter()
+                    run()
+                    ts.append((time.perf_counter() - t0) * 1e3)
+            return o[0].transpose(0, 1).float().cpu().numpy(), float(np.median(ts))
+
+    out["torch_sdpa_flash(dense)" if cuda else "torch_sdpa_math_cpu(dense)"] = TorchSdpa()
+    return out
+
+
+def flash_fwd_bwd(backend: str, iters: int, smoke: bool) -> dict:
+    """Our FlashAttention forward and backward (compiled for ``backend``, interpreted when
+    ``smoke``) against ``mha_reference`` in float32: max abs differences and median ms."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    try:
+        from kernels_pallas.flash_attention import BlockSizes, flash_attention, mha_reference
+    except ImportError as e:
+        return {"error": f"skipped: {e}"}
+    b, n, kh, t, h = (1, 4, 2, 128, 64) if smoke else (1, 32, 8, 2048, 128)
+    rng = np.random.default_rng(1)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
+    q, k, v, ct = mk(b, n, t, h), mk(b, kh, t, h), mk(b, kh, t, h), mk(b, n, t, h)
+    scale = h**-0.5
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=True, sm_scale=scale, backend=backend,
+                                           block_sizes=BlockSizes(block_q=64, block_k=64),
+                                           interpret=smoke)
+    ref = lambda q, k, v: mha_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                        v.astype(jnp.float32), causal=True, sm_scale=scale)
+
+    def fwd_bwd(f):
+        return jax.jit(lambda q, k, v: (lambda o, vjp: (o, *vjp(ct.astype(o.dtype))))(
+            *jax.vjp(f, q, k, v)))
+
+    res = {"shape": {"B": b, "N": n, "K": kh, "T": t, "H": h, "dtype": "bfloat16"}}
+    try:
+        got = [np.asarray(x, np.float32) for x in fwd_bwd(ours)(q, k, v)]
+        want = [np.asarray(x, np.float32) for x in fwd_bwd(ref)(q, k, v)]
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            res[f"max_abs_diff_{name}"] = float(np.abs(g - w).max())
+            res[f"max_abs_{name}_ref"] = float(np.abs(w).max())
+        res["fwd_ms"] = round(bench(jax.jit(ours), (q, k, v), iters), 4)
+        res["fwd_bwd_ms"] = round(bench(fwd_bwd(ours), (q, k, v), iters), 4)
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return res
 
 
 def shipped_ops(backend, name, q, kp, vp, md, scale) -> dict:
@@ -226,24 +368,33 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="short contexts (smoke run)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="CPU: interpreted kernels, tiny shapes, no tests (checks the script)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     t0 = time.time()
     import jax  # noqa: F401  (backend query only; the tests run in a subprocess first)
 
-    backend = _backend()
-    report = {"device": backend, "tests": None, "timings": []}
+    backend = "gpu" if args.cpu_smoke else _backend()
+    report = {"device": backend, "cpu_smoke": args.cpu_smoke, "tests": None, "timings": [],
+              "peak_hbm_tb_s": PEAK_HBM_TB_S, "peak_bf16_tflop_s": PEAK_BF16_TFLOP_S}
     if backend not in ("tpu", "gpu"):
         report["error"] = f"jax backend is {backend!r}: this script needs a TPU or GPU"
         print(json.dumps(report, indent=1))
         return 2
-    if not args.skip_tests:
+    if args.cpu_smoke:
+        report["device"] = f"cpu (smoke: {jax.default_backend()}, kernels interpreted)"
+    elif not args.skip_tests:
         report["tests"] = run_tests(backend)
-    report["timings"] = timings(backend, args.iters, args.quick)
+    iters = 2 if args.cpu_smoke else args.iters
+    report["timings"] = timings(backend, iters, args.quick, smoke=args.cpu_smoke)
+    report["flash_fwd_bwd"] = flash_fwd_bwd(backend, iters, args.cpu_smoke)
     report["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(report, indent=1))
-    ok = args.skip_tests or all(r["rc"] == 0 for r in report["tests"])
-    return 0 if ok and not any("error" in t for t in report["timings"]) else 1
+    ok = args.skip_tests or args.cpu_smoke or all(r["rc"] == 0 for r in report["tests"])
+    bad = [t for t in report["timings"] if "error" in t and not t["error"].startswith(
+        "RuntimeError: skipped")]
+    return 0 if ok and not bad and "error" not in report["flash_fwd_bwd"] else 1
 
 
 def _backend() -> str:
