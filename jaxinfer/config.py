@@ -35,7 +35,15 @@ def check_float(name: str, v, positive: bool = True, allow_zero: bool = False) -
         raise ValueError(f"{name}={v!r} must be finite")
     if positive and not (f > 0 or (allow_zero and f == 0)):
         raise ValueError(f"{name}={v!r} must be {'>= 0' if allow_zero else '> 0'}")
+    if f != 0 and not _F32_TINY <= abs(f) <= _F32_MAX:
+        raise ValueError(f"{name}={v!r} cannot be represented in float32, where the model "
+                         f"computes (non-zero magnitudes must be in [{_F32_TINY:.8g}, "
+                         f"{_F32_MAX:.8g}])")
     return f
+
+
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_bool(name: str, v) -> bool:

@@ -285,8 +285,9 @@ class Engine:
             raise RequestError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})"
             )
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise RequestError(f"logprobs={params.logprobs} > {MAX_LOGPROBS}")
+        if params.logprobs is not None and params.logprobs > min(MAX_LOGPROBS, self.cfg.vocab_size):
+            raise RequestError(f"logprobs={params.logprobs} > {MAX_LOGPROBS} or the vocabulary "
+                               f"size {self.cfg.vocab_size}")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(
@@ -483,7 +484,7 @@ class Engine:
         st = SamplingTensors.from_params(params_rows, seeds, steps, pad_to=b)
         controls = self._controls(rows, b)
         want_lp = any(row.seq.params.logprobs is not None for row, _ in rows)
-        num_lp = MAX_LOGPROBS if want_lp else 0
+        num_lp = min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0
         self.compile_keys.add(("forward", bk.key))
         self.compile_keys.add(("sample", b, controls is not None, num_lp))
         prev_tokens = prev.next_tokens if prev is not None else self._no_prev

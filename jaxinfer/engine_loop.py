@@ -68,6 +68,9 @@ class EngineLoop:
                 admitted.append((eng, rid, ids, sp, text, rs))
             except JaxinferError as e:
                 errors.append(_error_output(rid, text, str(e)))
+            except Exception as e:  # noqa: BLE001 - a tokenizer's own error on this prompt
+                errors.append(_error_output(rid, text, f"cannot encode the prompt: "
+                                                       f"{type(e).__name__}: {str(e)[:500]}"))
         pending: set[str] = set()
         with self._lock:
             for eng, rid, ids, sp, text, rs in admitted:

@@ -160,13 +160,16 @@ class OutputFile:
         try:
             with open(os.dup(self.fd), "rb") as f:
                 f.seek(0)
-                for n, raw in enumerate(f, 1):
-                    if not raw.endswith(b"\n"):  # a partial last line
+                for n, (raw, size, whole) in enumerate(_bounded_lines(f, MAX_RECORD_BYTES), 1):
+                    if not whole:  # a partial last line
                         if cut_partial and not self.sink:
                             os.ftruncate(self.fd, start)
                             done.truncated = True
                         break
-                    start += len(raw)
+                    start += size
+                    if raw is None:  # longer than any record: skipped unread
+                        bad.append(n)
+                        continue
                     try:
                         rid = json.loads(raw)["id"]
                     except (ValueError, TypeError, KeyError, IndexError, RecursionError):
@@ -213,3 +216,29 @@ class OutputFile:
         finally:
             os.close(self.fd)
             self.fd = -1
+
+
+MAX_RECORD_BYTES = 64 * 2**20
+"""Longest output line read back on resume; a longer one is read through unkept (not a record)."""
+
+
+def _bounded_lines(f, limit: int):
+    """(line or None, bytes, whole) for each line of binary file ``f``: ``whole`` is False for a
+    partial last line (no newline); a line longer than ``limit`` is read through in chunks and
+    given as None, never held in memory."""
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw, len(raw), raw.endswith(b"\n")
+            continue
+        size = len(raw)
+        while True:
+            chunk = f.readline(1 << 20)
+            size += len(chunk)
+            if not chunk or chunk.endswith(b"\n"):
+                break
+        yield None, size, bool(chunk)
+        if not chunk:
+            return

@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,7 +104,7 @@ def _entry(d) -> tuple[str, str, ResumeState]:
         raise ValueError("not an object")
     for key, ok in (("id", lambda v: isinstance(v, str)),
                     ("fingerprint", lambda v: isinstance(v, str)),
-                    ("seed", lambda v: _is_int(v) and v >= 0),
+                    ("seed", _is_int),
                     ("token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v))):
         if key not in d or not ok(d[key]):
             raise ValueError(f"field {key!r} missing or of the wrong type")
@@ -122,11 +123,20 @@ def _state_record(rid: str, fp: str, state: ResumeState) -> dict:
     return rec
 
 
+MAX_PARTIAL_BYTES = 1 << 30
+"""Largest partial file read back (a device, FIFO or larger file is ignored, never read)."""
+
+
 def load(path: Path, settings: dict, warn: Warn) -> dict[str, tuple[str, ResumeState]]:
     """The usable entries of partial file ``path``: id -> (fingerprint, state). A missing file is
     empty; an unreadable one, another format or version, or other `settings` are warned about
     and give nothing; a bad or repeated entry is warned about and left out."""
     try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PARTIAL_BYTES:
+            warn(f"partial file {path} is not a regular file of at most {MAX_PARTIAL_BYTES} "
+                 "bytes; ignored, in-flight work is redone")
+            return {}
         raw = path.read_bytes()
     except FileNotFoundError:
         return {}

@@ -42,8 +42,9 @@ def check_resume(resume: ResumeState, params: SamplingParams, vocab_size: int) -
         RequestError: the seed is not an integer, a token id is outside [0, vocab_size), or the
             logprobs are missing, present without ``params.logprobs``, or not one per token.
     """
-    if not isinstance(resume.seed, int) or isinstance(resume.seed, bool) or resume.seed < 0:
-        raise RequestError(f"resume seed must be an integer >= 0, got {resume.seed!r}")
+    if not isinstance(resume.seed, int) or isinstance(resume.seed, bool):
+        # Any integer, as SamplingParams.seed: only its low 32 bits reach the device.
+        raise RequestError(f"resume seed must be an integer, got {resume.seed!r}")
     bad = [t for t in resume.token_ids
            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:

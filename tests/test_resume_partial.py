@@ -148,7 +148,7 @@ def test_bad_resume_states_are_refused_naming_the_problem(llm):
     plain = SamplingParams(temperature=0, max_tokens=8)
     tl = TokenLogprob(432, -0.1, [(432, -0.1)])
     for params, state, words in [
-        (plain, ResumeState(-1), "seed"),
+        (plain, ResumeState(1.5), "seed"),
         (plain, ResumeState(0, (10**6,)), "outside the vocabulary"),
         (plain, ResumeState(0, (432,), (tl,)), "without logprobs"),
         (lp, ResumeState(0, (432,)), "one per token"),
@@ -380,7 +380,7 @@ def test_partial_file_is_trusted_only_when_it_fits(tmp_path):
         warnings = []
         assert partial_mod.load(path, SETTINGS, warnings.append) == {}
         assert len(warnings) == 1 and words in warnings[0] and str(path) in warnings[0], warnings
-    bad = [dict(good, id="b", seed=-1), dict(good, id="c", token_ids=[1, True]),
+    bad = [dict(good, id="b", seed="7"), dict(good, id="c", token_ids=[1, True]),
            dict(good, id="d", logprobs=[{"token_id": 1}]), dict(good), "x"]
     path.write_text(json.dumps(_doc([good, *bad])))
     warnings = []

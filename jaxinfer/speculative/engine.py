@@ -198,7 +198,7 @@ class SpecEngine(Engine):
         rows = [(ScheduledRow(seq, 0), i) for i, seq in enumerate(seqs)]
         controls = self._controls(rows, b)
         want_lp = any(seq.params.logprobs is not None for seq in seqs)
-        num_lp = MAX_LOGPROBS if want_lp else 0
+        num_lp = min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0
         key = (batch.tokens.shape[0], b, batch.md.block_tables.shape[1])
         self.compile_keys.add(("spec_round", key, controls is not None, num_lp))
         self.kv, self.draft_kv, out = self._round(

@@ -150,13 +150,23 @@ class SideFiles:
             tc.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
         )
         template = tc.get("chat_template")
+        where = directory / "tokenizer_config.json"
         if isinstance(template, list):
             # [{"name": ..., "template": ...}]: transformers uses the one named "default".
+            if not all(isinstance(t, dict) for t in template):
+                raise TokenizerError(f"{where}: chat_template must be a string or a list of "
+                                     "{\"name\", \"template\"} objects")
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{where}: chat_template must be a string, got "
+                                 f"{type(template).__name__}")
         jinja_file = directory / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{jinja_file}: cannot read the chat template: {e}") from None
         self.chat_template: str | None = template
         self.eos_ids: list[int] = []
         for name in ("generation_config.json", "config.json"):

@@ -276,6 +276,9 @@ def render_chat_template(source: str, variables: dict, where: str = "chat templa
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"{where}: chat template does not compile: {e} "
                                 f"(template line {e.lineno})") from e
+    except Exception as e:  # RecursionError, SyntaxError from nesting, a non-string source...
+        raise ChatTemplateError(f"{where}: chat template does not compile: "
+                                f"{type(e).__name__}: {str(e)[:500]}") from e
     seconds = lim.MAX_RENDER_SECONDS if max_seconds is None else max_seconds
     b = lim.Budget(seconds, max_chars or 0)
     token = lim.BUDGET.set(b)
