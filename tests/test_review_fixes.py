@@ -131,3 +131,12 @@ def test_logprobs_on_a_vocabulary_smaller_than_the_top_list(tmp_path):
             np.testing.assert_allclose(lp.logprob, row[lp.token_id], atol=1e-4)
     bad = llm.generate([prompt], SamplingParams(max_tokens=2, logprobs=9))[0]
     assert bad.finish_reason == "error" and "vocabulary size 8" in bad.error
+
+
+def test_wordwrap_of_a_huge_text_stops_at_once():
+    t0 = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="wordwrap"):
+        render_chat_template("{% for m in messages %}{{ m.content|wordwrap(1) }}{% endfor %}",
+                             {"messages": [{"role": "user", "content": "x" * 3_000_000}]},
+                             where="t")
+    assert time.perf_counter() - t0 < 30  # hang guard (it ran for minutes before)
