@@ -325,13 +325,25 @@ def _sigterm_as_interrupt():
         return
 
     def handler(signum, frame):
+        _TERMINATED.set()  # seen by the run loop if the raise lands where it is swallowed
         raise Terminated
 
+    _TERMINATED.clear()
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+_TERMINATED = threading.Event()
+"""Set by the SIGTERM handler. Its ``raise`` can land inside a callback whose exceptions Python
+only prints (JAX's garbage-collection callback), so the run loop also checks this flag."""
+
+
+def _check_terminated() -> None:
+    if _TERMINATED.is_set():
+        raise Terminated
 
 
 def _error_record(job: Job) -> dict:
@@ -401,6 +413,7 @@ def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dic
     t0 = time.perf_counter()
     for res in llm.generate_stream(prompts, params, request_ids=[j.id for j, _ in run],
                                    resume=resume):
+        _check_terminated()
         if not res.finished:
             ckpt.update(res)
             continue
