@@ -189,8 +189,12 @@ def write_atomic(path: Path, data: bytes) -> None:
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
-    finally:
+    except OSError:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a disk that is full gets its space back
+        raise
+    os.close(fd)
     os.replace(tmp, path)
     with contextlib.suppress(OSError):  # the rename's durability; not every FS lets us
         dfd = os.open(path.parent, os.O_RDONLY | os.O_CLOEXEC)

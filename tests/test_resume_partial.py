@@ -429,5 +429,6 @@ def test_write_atomic_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
         with pytest.raises(OSError):
             partial_mod.write_atomic(path, b"new and longer")
     assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no .tmp left on a full disk
     partial_mod.write_atomic(path, b"new")
     assert path.read_bytes() == b"new"
