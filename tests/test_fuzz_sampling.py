@@ -105,7 +105,7 @@ def test_valid_params_never_break_a_step(fuzz_llm, batch):
     failures = llm.engine.num_step_failures
     outs = llm.generate(["Once upon a time"] * len(batch), batch)
     assert llm.engine.num_step_failures == failures
-    for sp, out in zip(batch, outs):
+    for sp, out in zip(batch, outs, strict=True):
         assert out.error is None, out.error
         assert 1 <= len(out.token_ids) <= sp.max_tokens
         assert all(0 <= t < llm.config.vocab_size for t in out.token_ids)

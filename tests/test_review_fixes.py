@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import stories_reference
+
 from jaxinfer.config import check_float
 from jaxinfer.errors import TokenizerError
 from jaxinfer.sampling import SamplingParams
@@ -123,7 +123,7 @@ def test_logprobs_on_a_vocabulary_smaller_than_the_top_list(tmp_path):
     seq = prompt + outs[1].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1).numpy()
-    for out, k in zip(outs, (0, 8)):
+    for out, k in zip(outs, (0, 8), strict=True):
         assert out.error is None, out.error
         for j, lp in enumerate(out.logprobs):
             row = ref[len(prompt) - 1 + j]

@@ -9,8 +9,8 @@ import threading
 
 import numpy as np
 import pytest
+from test_engine import reference_requests
 
-from conftest import stories_reference
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling import SamplingParams
 
@@ -44,17 +44,11 @@ def test_float32_boundaries_and_int32_top_k():
 
 
 def _reference_requests(tokenizer):
-    out = []
-    for case in stories_reference():
-        ids = tokenizer.encode(case["prompt"])
-        sp = SamplingParams(temperature=0.0, max_tokens=case["max_steps"] - (len(ids) - 1),
-                            stop_token_ids=(1,))
-        out.append((ids, sp, case["expected"]))
-    return out
+    return reference_requests(tokenizer)
 
 
 def _assert_references(llm, outs, refs):
-    for (ids, _, expected), out in zip(refs, outs):
+    for (ids, _, expected), out in zip(refs, outs, strict=True):
         assert out.error is None, out.error
         assert llm.tokenizer.decode(ids + out.token_ids) == expected
 
@@ -74,7 +68,8 @@ def test_out_of_vocabulary_stop_token_ids_fail_alone(stories_llm):
     _assert_references(llm, outs[:-1], refs)
     assert outs[-1].finish_reason == "error" and "stop_token_ids" in outs[-1].error
     SamplingParams(stop_token_ids=[v - 1])  # the last id is in the vocabulary
-    assert llm.generate(["Once"], dataclasses.replace(bad, stop_token_ids=(v - 1,)))[0].error is None
+    last = dataclasses.replace(bad, stop_token_ids=(v - 1,))
+    assert llm.generate(["Once"], last)[0].error is None
 
 
 def _unvalidated(**fields) -> SamplingParams:
@@ -178,7 +173,7 @@ def test_interleaved_streams_and_an_abandoned_one(stories_llm):
     next(s2)
     s2.close()  # the consumer goes away: its request is aborted, its pages freed
     outs0, outs1 = [], []
-    for a, b in zip(s0, s1):  # one output of each in turn
+    for a, b in zip(s0, s1):  # noqa: B905 - one output of each in turn, then the rest
         outs0.append(a)
         outs1.append(b)
     outs0 += list(s0)
