@@ -19,6 +19,19 @@ def pytest_configure(config):
             "shared/ folder)")
 
 
+def peak_alloc_bytes(fn) -> int:
+    """Peak bytes allocated (Python and numpy, by tracemalloc) while ``fn()`` runs."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
 def stories_reference() -> list[dict]:
     return json.loads((STORIES / "greedy_reference.json").read_text())
 

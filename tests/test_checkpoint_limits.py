@@ -19,6 +19,7 @@ import tracemalloc
 import hf_fixtures as H
 import numpy as np
 import pytest
+from conftest import peak_alloc_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
@@ -70,14 +71,6 @@ def _edit_tensors(path, edit):
     return file
 
 
-def _peak_bytes(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peak
 
 
 # ------------------------------------------------------------------ config.json
@@ -191,7 +184,7 @@ def test_absurd_sizes_refused_against_the_files_without_allocating(good, tmp_pat
         assert os.path.join(path, "config.json") in msg and f"{field}={value}" in msg
         assert f"the checkpoint's weight files hold {ckpt_bytes} bytes" in msg
 
-    assert _peak_bytes(load_it) < 16 * MiB
+    assert peak_alloc_bytes(load_it) < 16 * MiB
 
 
 def test_head_dim_times_heads_mismatch_names_the_tensor(good, tmp_path):
@@ -332,7 +325,7 @@ def test_safetensors_header_that_lies(good, tmp_path, lie):
             load_hf(path)
         assert file in str(e.value) and "not a readable safetensors file" in str(e.value)
 
-    assert _peak_bytes(load_it) < 16 * MiB
+    assert peak_alloc_bytes(load_it) < 16 * MiB
 
 
 def test_safetensors_header_length_that_lies(good, tmp_path):
@@ -340,7 +333,7 @@ def test_safetensors_header_length_that_lies(good, tmp_path):
     file = os.path.join(path, "model.safetensors")
     data = open(file, "rb").read()
     open(file, "wb").write(struct.pack("<Q", 2**62) + data[8:])
-    assert _peak_bytes(lambda: pytest.raises(CheckpointError, load_hf, path)) < 16 * MiB
+    assert peak_alloc_bytes(lambda: pytest.raises(CheckpointError, load_hf, path)) < 16 * MiB
 
 
 @pytest.fixture(scope="module")
@@ -494,7 +487,7 @@ def test_quantized_metadata_checked_before_restoring(quantized, tmp_path, edit, 
             load_quantized(path)
         assert str(file) in str(e.value)
 
-    assert _peak_bytes(load_it) < 16 * MiB
+    assert peak_alloc_bytes(load_it) < 16 * MiB
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import peak_alloc_bytes
 
 import jaxinfer
 from jaxinfer.dense import dense_logits
@@ -433,17 +434,6 @@ def test_bad_version_and_group_size(tmp_path):
         load_llama2c(path)
 
 
-def _peak_alloc_bytes(fn) -> int:
-    """Peak bytes allocated (Python and numpy, by tracemalloc) while ``fn()`` runs."""
-    import tracemalloc
-
-    tracemalloc.start()
-    try:
-        fn()
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peak
 
 
 @pytest.mark.parametrize("version", [0, 1])
@@ -465,7 +455,7 @@ def test_header_implying_more_than_the_file_is_refused_before_allocating(tmp_pat
         assert str(path) in msg and f"found {len(header) + 65536}" in msg
         assert "n_layers=1073741824" in msg and "expected file size" in msg
 
-    assert _peak_alloc_bytes(load_it) < 16 * 2**20
+    assert peak_alloc_bytes(load_it) < 16 * 2**20
 
 
 @pytest.mark.parametrize("version, shared", [(0, False), (1, True)])

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import inspect
 import math
-import tracemalloc
 
 import numpy as np
 import pytest
+from conftest import peak_alloc_bytes
 
 from jaxinfer import memory_limits
 from jaxinfer.config import ModelConfig
@@ -22,14 +22,6 @@ from jaxinfer.errors import CheckpointError
 MiB = 2**20
 
 
-def _peak_bytes(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peak
 
 
 BAD_ARGS = [
@@ -110,7 +102,7 @@ def test_kv_pool_beyond_memory_is_refused_with_bytes(stories_dir):
         assert "1000000000 pages x 8 tokens x 1280 bytes a token" in msg
         assert f"= {10**9 * 8 * 1280} bytes" in msg and "host memory available:" in msg
 
-    assert _peak_bytes(build) < 64 * MiB
+    assert peak_alloc_bytes(build) < 64 * MiB
 
 
 def test_huge_page_size_pool_beyond_memory(stories_dir):
