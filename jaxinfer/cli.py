@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-invariant", action="store_true",
                    help="every request's logits, tokens and logprobs bitwise the same whatever "
                    "else is in the batch (its size, chunking, preemption); slower, see README")
+    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV pages of prompt prefixes that earlier requests "
+                   "computed (prefix caching is on by default; outputs are the same)")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, "
                    "per-head scales)")
@@ -371,6 +374,7 @@ def _load_llm(args: argparse.Namespace):
             kv_cache_dtype=args.kv_cache_dtype,
             async_scheduling=args.async_scheduling,
             batch_invariant=args.batch_invariant,
+            enable_prefix_caching=args.enable_prefix_caching,
             tokenizer=args.tokenizer,
             skip_tokenizer_init=args.skip_tokenizer_init,
             seed=args.seed,

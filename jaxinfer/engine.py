@@ -65,6 +65,8 @@ class EngineConfig:
             bitwise with ``batch_invariant``); a sequence that stops on a token (EOS, stop
             string) costs one discarded row. Steps whose rows need penalties run without overlap.
             None = on. Source: vLLM v1's async scheduling.
+        enable_prefix_caching: share the KV pages of prompt prefixes between requests
+            (``jaxinfer.prefix_cache``); outputs are unchanged.
         batch_invariant: every row's logits bitwise the same whatever else is in the batch
             (its size and composition, chunking, async scheduling, preemption), at a cost in
             speed (``jaxinfer.batch_invariant``). Needs ``attn_impl`` resolving to "xla" and no
@@ -86,6 +88,7 @@ class EngineConfig:
     keep_host_memory: bool | None = None
     async_scheduling: bool | None = None
     batch_invariant: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         for name, low in (("max_model_len", 2), ("page_size", 1), ("max_num_seqs", 1),
@@ -98,8 +101,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be True, False or None, got {v!r}")
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        for name in ("batch_invariant", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def max_pages_per_seq(self) -> int:

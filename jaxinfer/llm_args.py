@@ -101,6 +101,7 @@ RULES = {
     "async_scheduling": lambda v: _flag("async_scheduling", v, optional=True),
     "skip_tokenizer_init": lambda v: _flag("skip_tokenizer_init", v),
     "batch_invariant": lambda v: _flag("batch_invariant", v),
+    "enable_prefix_caching": lambda v: _flag("enable_prefix_caching", v),
 }
 
 

@@ -14,6 +14,8 @@ class RequestMetrics:
         tpot_s: mean time per output token after the first (0 with one token).
         e2e_s: arrival to finish.
         prompt_tokens, completion_tokens: token counts.
+        num_cached_tokens: prompt tokens whose KV was read from the prefix cache instead of
+            computed, at the request's first admission, as vLLM (0 with prefix caching off).
         num_preemptions: times the sequence was preempted and recomputed.
         spec_rounds: speculative rounds the request took part in (0 without speculation).
         acceptance_rate: accepted / proposed draft tokens (None without speculation).
@@ -30,6 +32,7 @@ class RequestMetrics:
     e2e_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    num_cached_tokens: int = 0
     num_preemptions: int = 0
     spec_rounds: int = 0
     acceptance_rate: float | None = None
