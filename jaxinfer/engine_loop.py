@@ -20,10 +20,14 @@ from collections.abc import Callable, Iterator, Sequence
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.parallel_sampling import (ParentRequest, child_id, child_params, child_resume,
+                                        error_output)
 from jaxinfer.resume import ResumeState
 from jaxinfer.sampling import SamplingParams
 
 Encoder = Callable[[object], tuple[list[int], str | None]]
+ResumeLike = ResumeState | Sequence[ResumeState | None] | None
+"""A request's resume state; a sequence of n states for a request with ``n`` > 1."""
 
 
 class EngineLoop:
@@ -36,7 +40,9 @@ class EngineLoop:
     def __init__(self, engines: Sequence[Engine]):
         self.engines = list(engines)
         self._lock = threading.Lock()
-        self._routes: dict[str, collections.deque] = {}  # request id -> its caller's outputs
+        # engine request id -> (its caller's outputs, its ParentRequest when n > 1, its index)
+        self._routes: dict[str, tuple[collections.deque, ParentRequest | None, int]] = {}
+        self._parents: set[str] = set()  # ids of running requests with n > 1
         self._ids = itertools.count()
 
     def next_id(self) -> int:
@@ -45,13 +51,15 @@ class EngineLoop:
 
     def stream(self, request_ids: Sequence[str], prompts: Sequence[object],
                sampling_params: Sequence[SamplingParams], encode: Encoder,
-               resume: Sequence[ResumeState | None] | None = None) -> Iterator[RequestOutput]:
+               resume: Sequence[ResumeLike] | None = None) -> Iterator[RequestOutput]:
         """Adds the requests and yields their outputs (every new-token output, then the final one).
 
         A request that cannot be encoded or validated, or whose id is already running, yields
         one output with ``error`` set, first; the others go on. Closing the iterator early
         aborts its requests that have not finished. ``resume[i]`` (if given) continues request i
-        from a partial output (``Engine.add_request``).
+        from a partial output (``Engine.add_request``); for a request with ``n`` > 1 it is a
+        sequence of n states, one per completion. A request with ``n`` > 1 runs as n engine
+        requests and streams as `jaxinfer.parallel_sampling` describes.
         """
         mine: collections.deque[RequestOutput] = collections.deque()
         errors, admitted = [], []
@@ -62,35 +70,49 @@ class EngineLoop:
             rid = str(rid)
             eng = self.engines[i % len(self.engines)]
             text = prompt if isinstance(prompt, str) else None
+            n = sp.n if isinstance(sp, SamplingParams) else 1
             try:
                 ids, text = encode(prompt)
-                eng.validate(ids, sp, rs)
-                admitted.append((eng, rid, ids, sp, text, rs))
+                children = list(zip(child_params(sp), child_resume(sp, rs), strict=True))
+                for csp, crs in children:
+                    eng.validate(ids, csp, crs)
+                admitted.append((eng, rid, ids, sp, text, children))
             except JaxinferError as e:
-                errors.append(_error_output(rid, text, str(e)))
+                errors.append(error_output(rid, text, str(e), n))
             except Exception as e:  # noqa: BLE001 - a tokenizer's own error on this prompt
-                errors.append(_error_output(rid, text, f"cannot encode the prompt: "
-                                                       f"{type(e).__name__}: {str(e)[:500]}"))
-        pending: set[str] = set()
+                errors.append(error_output(rid, text, f"cannot encode the prompt: "
+                                                      f"{type(e).__name__}: {str(e)[:500]}", n))
+        pending: dict[str, list[str]] = {}  # request id -> its engine request ids
         with self._lock:
-            for eng, rid, ids, sp, text, rs in admitted:
+            for eng, rid, ids, sp, text, children in admitted:
+                parent = None if sp.n == 1 else ParentRequest(rid, text, ids, sp.n)
+                eids = [rid] if parent is None else parent.child_ids()
                 try:
-                    if rid in self._routes:
-                        raise RequestError(f"duplicate request id {rid!r}: a request with this "
-                                           "id is still running")
-                    eng.add_request(rid, ids, sp, prompt=text, resume=rs)
+                    taken = [e for e in eids + [rid] if e in self._routes or e in self._parents]
+                    if taken:
+                        raise RequestError(self._duplicate_message(rid, taken[0]))
+                    for k, (eid, (csp, crs)) in enumerate(zip(eids, children, strict=True)):
+                        try:
+                            eng.add_request(eid, ids, csp, prompt=text, resume=crs)
+                        except JaxinferError:
+                            for e in eids[:k]:
+                                eng.abort_request(e)
+                            raise
                 except JaxinferError as e:
-                    errors.append(_error_output(rid, text, str(e)))
+                    errors.append(error_output(rid, text, str(e), sp.n))
                     continue
-                self._routes[rid] = mine
-                pending.add(rid)
+                for k, eid in enumerate(eids):
+                    self._routes[eid] = (mine, parent, k)
+                if parent is not None:
+                    self._parents.add(rid)
+                pending[rid] = eids
         yield from errors
         try:
             while pending:
                 while mine:
                     out = mine.popleft()
                     if out.finished:
-                        pending.discard(out.request_id)
+                        pending.pop(out.request_id, None)
                     yield out
                 if not pending:
                     break
@@ -100,18 +122,42 @@ class EngineLoop:
         finally:
             if pending:  # the consumer stopped early: drop what it will never read
                 with self._lock:
-                    for rid in pending:
-                        self._routes.pop(rid, None)
-                        for eng in self.engines:
-                            eng.abort_request(rid)
+                    for rid, eids in pending.items():
+                        self._parents.discard(rid)
+                        for eid in eids:
+                            self._routes.pop(eid, None)
+                            for eng in self.engines:
+                                eng.abort_request(eid)
 
     def draw_seeds(self, sampling_params: Sequence[SamplingParams]) -> list[int]:
         """The seeds requests with these params would sample with if ``stream`` got them now in
         this order (request i on replica i % n): each one's own, or one drawn from its replica's
-        host RNG (advancing it, so ``stream`` then draws other seeds)."""
+        host RNG (advancing it, so ``stream`` then draws other seeds).
+
+        Raises:
+            ValueError: params with ``n`` > 1 (draw the seeds of their completions:
+                ``parallel_sampling.child_params``).
+        """
+        bad = [i for i, sp in enumerate(sampling_params) if sp.n != 1]
+        if bad:
+            raise ValueError(f"draw_seeds: params {bad[:5]} have n > 1; pass the params of "
+                             "their completions (parallel_sampling.child_params)")
         with self._lock:
             return [self.engines[i % len(self.engines)].draw_seed(sp)
                     for i, sp in enumerate(sampling_params)]
+
+    def _duplicate_message(self, rid: str, taken: str) -> str:
+        """Why request ``rid`` cannot run: id ``taken`` (its own or one of its completions') is
+        in use (lock held)."""
+        route = self._routes.get(taken)
+        if route is not None and route[1] is not None:
+            return (f"duplicate request id {rid!r}: {taken!r} is the id of completion {route[2]} "
+                    f"of the running request {route[1].request_id!r} (a request with n > 1 runs "
+                    "its completions as '<index>_<id>', vLLM's scheme)")
+        if taken == rid:
+            return f"duplicate request id {rid!r}: a request with this id is still running"
+        return (f"duplicate request id {rid!r}: its completion id {taken!r} ('<index>_<id>', "
+                "vLLM's scheme for n > 1) is the id of a running request")
 
     def _step_all(self) -> None:
         """One step of every replica with work; routes each output to its caller (lock held)."""
@@ -119,14 +165,23 @@ class EngineLoop:
             if not eng.has_unfinished():
                 continue
             for out in eng.step():
-                q = self._routes.get(out.request_id)
-                if q is None:
+                route = self._routes.get(out.request_id)
+                if route is None:
                     continue  # its caller went away
-                q.append(out)
+                q, parent, index = route
                 if out.finished:
                     del self._routes[out.request_id]
+                if parent is None:
+                    q.append(out)
+                    continue
+                outs, abort = parent.on_child(index, out)
+                for k in abort:  # a sibling failed: the whole request fails (vLLM)
+                    eid = child_id(parent.request_id, k)
+                    self._routes.pop(eid, None)
+                    eng.abort_request(eid)
+                if parent.done:
+                    self._parents.discard(parent.request_id)
+                q.extend(outs)
 
 
-def _error_output(request_id: str, prompt: str | None, error: str) -> RequestOutput:
-    return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=[],
-                         finish_reason="error", error=error)
+

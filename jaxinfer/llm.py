@@ -227,12 +227,15 @@ class LLM:
                         ) -> Iterator[RequestOutput]:
         """Yields a ``RequestOutput`` each time a request gets new tokens (``delta_text`` holds the
         new text) and once when it finishes. A request that fails validation yields one output
-        with ``error`` set; the others go on.
+        with ``error`` set; the others go on. A request with ``SamplingParams.n`` > 1 yields one
+        output per new-token output of each completion (its ``outputs`` holds that completion,
+        with its ``index``), then one final output with all n (``jaxinfer.parallel_sampling``).
 
         ``resume[i]``, when not None, continues prompt i from a partial output: its seed and
-        output tokens so far (``jaxinfer.resume.ResumeState``; ``Engine.add_request`` says what
-        is rebuilt); the result equals an uninterrupted run's. A partial output that has already
-        finished, or does not fit the request, makes that request's error output.
+        output tokens so far (``jaxinfer.resume.ResumeState``; for n > 1 a sequence of n, one per
+        completion; ``Engine.add_request`` says what is rebuilt); the result equals an
+        uninterrupted run's. A partial output that has already finished, or does not fit the
+        request, makes that request's error output.
 
         Thread-safe: concurrent calls (several threads, or interleaved streams) share one engine
         loop and continuous batch (``jaxinfer.engine_loop``). Closing the iterator before it
@@ -272,7 +275,9 @@ class LLM:
     def generate(self, prompts: PromptLike | Iterable[PromptLike],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generates for every prompt; returns the finished outputs in the prompts' order."""
+        """Generates for every prompt; returns the finished outputs in the prompts' order, one
+        per prompt: with ``SamplingParams.n`` > 1 its ``outputs`` holds the n completions in
+        index order (``jaxinfer.parallel_sampling``)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -289,7 +294,7 @@ class LLM:
         for out in self.generate_stream(prompts, sampling_params, request_ids=ids):
             if out.finished:
                 done[out.request_id] = out
-                n_tok += len(out.token_ids)
+                n_tok += sum(len(c.token_ids) for c in out.outputs)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{n_tok / max(time.perf_counter() - t0, 1e-9):.1f}")

@@ -1,4 +1,5 @@
-"""What the engine returns per request: text, token ids, finish reason, logprobs and metrics."""
+"""What the engine returns per request: text, token ids, finish reason, logprobs and metrics;
+one `CompletionOutput` per completion (``SamplingParams.n``), as vLLM's ``vllm/outputs.py``."""
 
 from __future__ import annotations
 
@@ -54,6 +55,51 @@ class TokenLogprob:
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``; an OpenAI ``choice``).
+
+    Attributes:
+        index: the completion's place among the request's ``n``, 0-based (the choice index).
+        text: generated text so far (stop string removed unless asked to include it); None
+            when the model runs without a tokenizer.
+        token_ids: generated token ids so far (a stop token id included).
+        finish_reason: "stop", "length", "error", "abort" (a sibling completion failed, so this
+            one was stopped: see `jaxinfer.parallel_sampling`), or None while running.
+        stop_reason: the stop string or stop token id that ended it, if any.
+        logprobs: one ``TokenLogprob`` per generated token when requested, else None.
+        delta_text: text added since this completion's previous streamed output (streaming;
+            "" in a final output of an n > 1 request, whose text was all streamed before); None
+            without a tokenizer.
+    """
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    delta_text: str | None = ""
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the generated tokens' logprobs when logprobs were requested (vLLM fills it
+        only then too), else None."""
+        return None if self.logprobs is None else float(sum(lp.logprob for lp in self.logprobs))
+
+    def to_record(self) -> dict:
+        """This completion in an n > 1 output record (``RequestOutput.to_record``)."""
+        rec = {"index": self.index, **({} if self.text is None else {"text": self.text}),
+               "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "stop_reason": self.stop_reason}
+        if self.logprobs is not None:
+            rec["logprobs"] = [dataclasses.asdict(lp) for lp in self.logprobs]
+        return rec
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """Result of one request (or, when streaming, its state so far).
 
@@ -71,6 +117,17 @@ class RequestOutput:
         error: why the request failed (finish_reason "error"), else None.
         delta_text: text added since the previous streamed output (streaming only); None
             without a tokenizer.
+        outputs: the request's completions (vLLM's ``RequestOutput.outputs``). When not given
+            (every n = 1 output) it is built from the fields above: one `CompletionOutput`,
+            index 0, so ``out.outputs[0].text == out.text`` for any request.
+
+    With ``SamplingParams.n`` > 1 (`jaxinfer.parallel_sampling` makes these outputs): the final
+    output holds the n completions in ``outputs``, in index order; ``text``, ``token_ids``,
+    ``stop_reason``, ``logprobs`` and ``delta_text`` are those of ``outputs[0]`` (so code written
+    for n = 1 reads completion 0); ``finish_reason`` is the request's: None until all n
+    completions finished, then ``outputs[0]``'s, or "error" when one failed (``error`` names
+    it); ``metrics`` count the prompt once and sum the completions' tokens. A streamed output of
+    one completion holds that completion alone in ``outputs`` (its ``index`` tells which).
     """
 
     request_id: str
@@ -84,27 +141,46 @@ class RequestOutput:
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
     error: str | None = None
     delta_text: str | None = ""
+    outputs: list[CompletionOutput] | None = None
+
+    def __post_init__(self) -> None:
+        if self.outputs is None:
+            self.outputs = [CompletionOutput(
+                0, self.text, self.token_ids, self.finish_reason, self.stop_reason,
+                self.logprobs, self.delta_text)]
 
     @property
     def finished(self) -> bool:
+        """Whether the whole request finished (all of its completions)."""
         return self.finish_reason is not None
 
     def to_record(self) -> dict:
-        """The JSONL record the CLI writes (no "text" key when ``text`` is None)."""
+        """The JSONL record the CLI writes (no "text" key when ``text`` is None). A request with
+        several completions (n > 1) has ``"outputs"``: one ``CompletionOutput.to_record`` each,
+        in index order, in place of the top-level text, token_ids, finish_reason, stop_reason
+        and logprobs; ``usage`` counts the prompt once and sums the completions."""
         if self.error is not None:
             return {"id": self.request_id, "error": self.error, "finish_reason": "error"}
+        if len(self.outputs) > 1:
+            return {"id": self.request_id, "outputs": [c.to_record() for c in self.outputs],
+                    **self._usage_record()}
         rec = {
             "id": self.request_id,
             **({} if self.text is None else {"text": self.text}),
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
+            **self._usage_record(),
+        }
+        if self.logprobs is not None:
+            rec["logprobs"] = [dataclasses.asdict(lp) for lp in self.logprobs]
+        return rec
+
+    def _usage_record(self) -> dict:
+        return {
             "usage": {
                 "prompt_tokens": self.metrics.prompt_tokens,
                 "completion_tokens": self.metrics.completion_tokens,
             },
             "metrics": self.metrics.to_dict(),
         }
-        if self.logprobs is not None:
-            rec["logprobs"] = [dataclasses.asdict(lp) for lp in self.logprobs]
-        return rec

@@ -71,9 +71,13 @@ def run_settings(args) -> dict:
 
 
 def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
-    """sha256 (hex) of a request's prompt token ids and sampling params (canonical JSON)."""
+    """sha256 (hex) of a request's prompt token ids and sampling params (canonical JSON; ``n``
+    left out when 1, so n = 1 fingerprints are those written before ``n`` existed)."""
+    sampling = dataclasses.asdict(params)
+    if sampling["n"] == 1:
+        del sampling["n"]
     blob = json.dumps({"prompt_token_ids": [int(t) for t in prompt_ids],
-                       "sampling": dataclasses.asdict(params)}, sort_keys=True,
+                       "sampling": sampling}, sort_keys=True,
                       separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 

@@ -28,6 +28,9 @@ F32_MAX = float(np.finfo(np.float32).max)
 """Largest float32 (3.4028235e38): a float field above it would be inf on device."""
 I32_MAX = int(np.iinfo(np.int32).max)
 """Largest int32: integer fields the device reads (``top_k``) must not exceed it."""
+MAX_N = 128
+"""Most completions one request may ask for (``n``): the OpenAI API's own limit on ``n``. Each
+completion is a sequence of its own in the batch (`jaxinfer.parallel_sampling`)."""
 
 
 def _is_int(x: Any) -> bool:
@@ -67,6 +70,9 @@ class SamplingParams:
             plus the sampled token's (OpenAI API semantics, so up to n + 1 entries).
         skip_special_tokens: leave special tokens out of the output text.
         include_stop_str_in_output: keep the matched stop string in the output text.
+        n: completions to generate for the prompt, in [1, `MAX_N`] (vLLM's parallel sampling,
+            `jaxinfer.parallel_sampling`): n sequences over the same prompt, completion i
+            sampling with seed + i when ``seed`` is set, each with a seed of its own otherwise.
 
     Raises:
         RequestError: on a value out of range or of the wrong type; the message names the field
@@ -89,6 +95,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -110,7 +117,7 @@ class SamplingParams:
             if not _is_real(v) or not math.isfinite(v):
                 fail(f"{name} must be a finite number, got {v!r}")
             setf(name, float(v))
-        for name in ("top_k", "min_tokens"):
+        for name in ("top_k", "min_tokens", "n"):
             v = getattr(self, name)
             if not _is_int(v):
                 fail(f"{name} must be an integer, got {v!r}")
@@ -174,6 +181,8 @@ class SamplingParams:
             fail(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if not 1 <= self.n <= MAX_N:
+            fail(f"n must be in [1, {MAX_N}] (completions per prompt), got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
         if self.top_k > I32_MAX:
