@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=d["logprobs"],
         help="also return the n most likely tokens' logprobs per token",
     )
+    s.add_argument("--n", type=int, default=d["n"],
+                   help="completions per prompt (1..128; vLLM's n: completion i samples with "
+                   "seed + i when a seed is set); records with n > 1 hold them in 'outputs'")
     s.add_argument(
         "--sampling-seed",
         type=int,
@@ -280,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfer.quant.command import add_quantize_parser
 
     add_quantize_parser(sub)
+    from jaxinfer.server.command import add_serve_parser
+
+    add_serve_parser(sub, fmt, g)
     return parser
 
 
@@ -300,6 +306,7 @@ def sampling_defaults_from_args(args: argparse.Namespace) -> dict:
         "ignore_eos": args.ignore_eos,
         "logprobs": args.logprobs,
         "seed": args.sampling_seed,
+        "n": args.n,
     }
     try:
         SamplingParams.from_dict(d)
@@ -591,6 +598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from jaxinfer.speculative.train_heads import cmd_train_draft_heads
 
             return cmd_train_draft_heads(args)
+        if args.command == "serve":
+            from jaxinfer.server.command import cmd_serve
+
+            return cmd_serve(args)
         if args.command == "quantize":
             from jaxinfer.quant.command import cmd_quantize
 

@@ -1,0 +1,162 @@
+"""``jaxinfer serve``: the command line of the OpenAI-compatible server.
+
+    jaxinfer serve --model ../shared/models/stories260K --port 8000
+
+Takes every engine flag of ``jaxinfer generate`` (the same argparse actions, copied from its
+parser, so the two never drift) plus ``--host``, ``--port``, ``--served-model-name``,
+``--max-queue``, ``--warmup`` and ``--drain-timeout``. Start-up order: the port is bound first (a
+port in use fails at once, exit status 2, before the model loads), then the model is loaded and
+optionally warmed up, and only then does the socket listen: no client connects to a server
+without a model. SIGTERM (or Ctrl-C) drains: the socket stops accepting, running requests finish
+(up to ``--drain-timeout`` seconds, then they are aborted), the exit status is 0.
+
+This module imports no server library until ``cmd_serve`` runs, so ``jaxinfer --help`` works
+without the ``serve`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import signal
+import socket
+import sys
+
+# Flags of `generate` that `serve` shares, by dest (groups "engine" and "speculative decoding",
+# and these of "input and output").
+_SHARED_IO = ("model", "tokenizer", "skip_tokenizer_init")
+_NOT_SHARED = ("multihost",)  # one process serves; multi-host serving is not supported
+
+
+def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Registers ``serve`` on ``sub`` with ``generate``'s model and engine flags."""
+    p = sub.add_parser(
+        "serve", formatter_class=fmt,
+        help="serve a model over HTTP with OpenAI's API (completions, chat, streaming)",
+        description="An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics, /tokenize, /detokenize) on one engine: every "
+        "connected client shares the continuous batch. Needs the serve extra: "
+        "pip install -e '.[serve]'.")
+    for group in generate._action_groups:
+        shared = [a for a in group._group_actions
+                  if a.dest not in _NOT_SHARED and (group.title != "input and output"
+                                                    or a.dest in _SHARED_IO)]
+        if group.title in ("engine", "speculative decoding", "input and output") and shared:
+            g = p.add_argument_group("model" if group.title == "input and output" else
+                                     group.title)
+            for action in shared:
+                g._add_action(action)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients pass as 'model' (default: --model as given)")
+    s.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="most sequences waiting beyond --max-num-seqs; more get HTTP 503 "
+                   "(default: no limit)")
+    s.add_argument("--warmup", action="store_true",
+                   help="compile the common step shapes (one request, a batch) before the port "
+                   "opens")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long running requests may take to finish")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    return p
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket; raises UsageError naming the address."""
+    from jaxinfer.jobs import UsageError
+
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} cannot be resolved: {e}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = ("the address is already in use (is another server running there?)"
+               if e.errno == errno.EADDRINUSE else e.strerror or str(e))
+        raise UsageError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def warmup(llm) -> None:
+    """Compiles the step shapes most requests use: one short request, a batch of eight, greedy
+    and sampled (a bucket seen later still compiles on first use)."""
+    from jaxinfer.sampling_params import SamplingParams
+
+    ids = [[llm.engine.tokenizer.bos_id or 0, 1 % llm.config.vocab_size]] * 8
+    llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    llm.generate(ids, [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=3,
+                                      ignore_eos=True) for i in range(8)])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Runs the server until SIGTERM / Ctrl-C; returns the exit status (0 after a drain).
+
+    Raises:
+        UsageError: the serve extra is missing, the port cannot be bound, or the model cannot
+            be loaded (exit status 2).
+    """
+    from pathlib import Path
+
+    from jaxinfer.jobs import UsageError
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise UsageError(f"jaxinfer serve needs the serve extra ({e.name} is missing): "
+                         "pip install -e '.[serve]'") from None
+    if args.max_queue is not None and args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not args.drain_timeout >= 0:
+        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not Path(args.model).exists():
+        raise UsageError(f"model {args.model} does not exist")
+    sock = bind_socket(args.host, args.port)
+    try:
+        from jaxinfer.cli import _load_llm
+        from jaxinfer.server.app import create_app
+
+        say = (lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True))
+        llm = _load_llm(args)
+        if args.warmup:
+            say("warming up (compiling the common step shapes)")
+            warmup(llm)
+        app = create_app(llm, model_name=args.served_model_name or args.model,
+                         max_queue=args.max_queue)
+        config = uvicorn.Config(app, log_level=args.log_level, lifespan="on",
+                                timeout_graceful_shutdown=args.drain_timeout,
+                                timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        host, port = sock.getsockname()[:2]
+        say(f"serving {args.served_model_name or args.model} on http://{host}:{port}")
+        _run_until_signal(server, sock)
+        say("stopped")
+        return 0
+    finally:
+        sock.close()
+
+
+def _run_until_signal(server, sock: socket.socket) -> None:
+    """``server.run`` with SIGTERM/SIGINT handled by uvicorn (a graceful drain). uvicorn
+    re-raises the signal once it has stopped, to the handler that was there before: ours
+    ignores it, so the drained server exits 0 instead of dying by the signal."""
+    drained = lambda signum, frame: None  # noqa: E731
+    old = {sig: signal.signal(sig, drained) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

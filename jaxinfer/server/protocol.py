@@ -1,0 +1,185 @@
+"""Request bodies of the OpenAI-compatible server (pydantic), and their sampling parameters.
+
+Field names and meanings are OpenAI's (``/v1/completions``, ``/v1/chat/completions``) plus
+vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``), and the bodies of
+vLLM's ``/tokenize`` and ``/detokenize``. Bodies are strict: an unknown field, a value of the
+wrong type (``"1"`` for a number) or an OpenAI field this server does not implement with a
+non-default value is a 400 naming the field (``errors.APIError``), never ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxinfer.errors import RequestError
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.errors import APIError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user tag: accepted, not used
+    logit_bias: dict[str, float] | None = None  # not implemented: only null or {} accepted
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    def _common(self) -> dict[str, Any]:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by this server", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true",
+                           param="stream_options")
+        d = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+            "include_stop_str_in_output", "skip_special_tokens", "n")}
+        return {k: v for k, v in d.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or
+    a list of lists of token ids (one choice group per prompt)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None  # not implemented: only null or n accepted
+    suffix: str | None = None  # not implemented: only null accepted
+
+    def sampling_fields(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """(SamplingParams fields, SamplingParams name -> request field where they differ)."""
+        if self.suffix is not None:
+            raise APIError("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)",
+                           param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo with logprobs needs the prompt's logprobs, which this server "
+                           "does not compute yet", param="echo")
+        d = self._common()
+        d["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        return d, {}
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it: content as one string (text parts joined
+        by newlines, as vLLM's "string" content format)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(p.text for p in content)
+        d: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template
+    (``add_generation_prompt``), ``logprobs`` a bool and ``top_logprobs`` the count."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_fields(self) -> tuple[dict[str, Any], dict[str, str]]:
+        d = self._common()
+        rename = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            d["max_tokens"] = self.max_completion_tokens
+            rename["max_tokens"] = "max_completion_tokens"
+        else:
+            d["max_tokens"] = self.max_tokens  # None: up to the model's context length
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.logprobs:
+            d["logprobs"] = self.top_logprobs if self.top_logprobs is not None else 0
+        return d, rename
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_dict() for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: ``prompt`` (BOS added with ``add_special_tokens``) or
+    ``messages`` (rendered with the chat template; no BOS added by default)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+_FIELD = re.compile(r"^SamplingParams: (\w+)")
+
+
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """The request's ``SamplingParams`` (fields it leaves null keep SamplingParams' defaults;
+    ``temperature`` 1.0 as OpenAI's).
+
+    Raises:
+        APIError: 400 naming the request field whose value SamplingParams refuses.
+    """
+    fields, rename = req.sampling_fields()
+    try:
+        return SamplingParams(**fields)
+    except RequestError as e:
+        m = _FIELD.match(str(e))
+        name = m.group(1) if m else None
+        raise APIError(str(e), param=rename.get(name, name)) from None

@@ -1,0 +1,280 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: validate, submit, stream or collect.
+
+A request is checked completely before anything reaches the engine (model name 404; body,
+sampling values, prompt length 400, each naming the field), then becomes one engine sequence per
+(prompt, choice): choice index ``prompt_index * n + j`` as vLLM. Outputs come back on one asyncio
+queue (``engine_thread``); a client that disconnects (a watcher reads ``http.disconnect``) or
+stops reading has its unfinished sequences aborted at once. A sequence that fails inside the
+engine is a 500 for this request alone (in a stream: an error event, then ``[DONE]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxinfer.errors import JaxinferError
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.parallel_sampling import child_params
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server import formatting as fmt
+from jaxinfer.server.engine_thread import EngineRequest, Overloaded, ShuttingDown
+from jaxinfer.server.errors import APIError, error_body
+from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+
+_DISCONNECTED = object()  # put on a request's queue when its client goes away
+
+
+@dataclasses.dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    first_of_prompt: bool  # counts the prompt in usage (one choice per prompt does)
+    echo: str = ""
+    lp_sent: int = 0  # logprobs entries already sent (streaming)
+    text_offset: int = 0
+    final: RequestOutput | None = None
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream whose body generator is always closed when the response ends, so its cleanup
+    (aborting unfinished sequences) runs at once even when a write to a gone client fails."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def check_model(state, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(f"The model `{model}` does not exist.", param="model", status=404)
+
+
+def _validate_param(msg: str, kind: str, req) -> str | None:
+    """The request field an ``Engine.validate`` / encoding error is about."""
+    if msg.startswith("logprobs"):
+        return "top_logprobs" if kind == "chat" else "logprobs"
+    if msg.startswith("stop_token_ids"):
+        return "stop_token_ids"
+    if "stop string" in msg:
+        return "stop"
+    return "messages" if kind == "chat" else "prompt"
+
+
+def _prompts(req: CompletionRequest) -> list:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise APIError("prompt must not be empty", param="prompt")
+    if isinstance(p[0], int):
+        return [p]
+    if any(isinstance(x, list) and not x for x in p):
+        raise APIError("prompt must not hold an empty list of token ids", param="prompt")
+    return list(p)
+
+
+def _encode_all(llm, prompts: list, sp: SamplingParams, kind: str, req) -> list[tuple]:
+    """(token ids, text) of each prompt, validated by the engine (runs in a worker thread)."""
+    encoded = []
+    for i, p in enumerate(prompts):
+        where = "" if len(prompts) == 1 else f" (prompt {i})"
+        try:
+            ids, text = llm.encode_prompt(p if not isinstance(p, list) else
+                                          {"prompt_token_ids": p})
+            llm.engine.validate(ids, sp)
+        except JaxinferError as e:
+            raise APIError(f"{e}{where}", param=_validate_param(str(e), kind, req)) from None
+        except Exception as e:  # noqa: BLE001 - a tokenizer's own error on this prompt
+            raise APIError(f"cannot encode the prompt{where}: {type(e).__name__}: {e}",
+                           param=_validate_param("", kind, req)) from None
+        encoded.append((ids, text))
+    return encoded
+
+
+async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
+    while True:
+        msg = await raw.receive()
+        if msg["type"] == "http.disconnect":
+            queue.put_nowait(_DISCONNECTED)
+            return
+
+
+async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionRequest):
+    """Answers one completions or chat request (JSON, or an SSE stream)."""
+    kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
+    check_model(state, req.model)
+    sp = to_sampling_params(req)
+    if kind == "chat":
+        prompts = [{"messages": req.template_messages()}]
+    else:
+        prompts = _prompts(req)
+    encoded = await asyncio.to_thread(_encode_all, state.llm, prompts, sp, kind, req)
+    base = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    choices, reqs = [], []
+    children = child_params(sp)  # as LLM.generate: n=1 each, choice j seeded seed + j
+    for i, (ids, text) in enumerate(encoded):
+        for j, csp in enumerate(children):
+            rid = f"{base}-{i}-{j}"
+            echo = (text or "") if kind == "completion" and req.echo else ""
+            choices.append(_Choice(i * req.n + j, rid, ids, j == 0, echo, 0, len(echo)))
+            reqs.append(EngineRequest(rid, ids, csp, text))
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        state.engine.submit(reqs, queue)
+    except (Overloaded, ShuttingDown) as e:
+        raise APIError(str(e), status=503) from None
+    run = _Run(state, raw, req, kind, base, choices, queue)
+    if req.stream:
+        return _SSEResponse(run.stream(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+    return await run.collect()
+
+
+class _Run:
+    """The sequences of one HTTP request while they run."""
+
+    def __init__(self, state, raw, req, kind, base, choices, queue):
+        self.state, self.raw, self.req, self.kind = state, raw, req, kind
+        self.id, self.created = base, int(time.time())
+        self.choices = choices
+        self.by_rid = {c.request_id: c for c in choices}
+        self.queue = queue
+        self.released = False
+        self.tok = state.llm.tokenizer
+
+    def _cleanup(self) -> None:
+        """Aborts the unfinished sequences and gives their places back (once)."""
+        if self.released:
+            return
+        self.released = True
+        left = [c.request_id for c in self.choices if c.final is None]
+        if left:
+            self.state.engine.abort(left)
+        self.state.engine.release(len(self.choices))
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput | None]:
+        """Outputs until every choice finished; None when the client went away."""
+        watcher = asyncio.create_task(_watch_disconnect(self.raw, self.queue))
+        try:
+            remaining = len(self.choices)
+            while remaining:
+                out = await self.queue.get()
+                if out is _DISCONNECTED:
+                    yield None
+                    return
+                c = self.by_rid.get(out.request_id)
+                if c is None or c.final is not None:
+                    continue
+                if out.finished:
+                    c.final = out
+                    remaining -= 1
+                    if out.error is None:
+                        self.state.metrics.finished(out, count_prompt=c.first_of_prompt)
+                yield out
+        finally:
+            watcher.cancel()
+
+    # ---------------------------------------------------------------- non-streaming
+
+    async def collect(self) -> JSONResponse:
+        try:
+            async for out in self._outputs():
+                if out is None:  # nobody to answer: abort (finally) and send nothing useful
+                    return JSONResponse(error_body("client disconnected", 499), status_code=499)
+                if out.error is not None:
+                    raise APIError(f"the engine failed this request: {out.error}", status=500)
+        finally:
+            self._cleanup()
+        finals = [c.final for c in self.choices]
+        body = {"id": self.id, "object": "chat.completion" if self.kind == "chat"
+                else "text_completion", "created": self.created, "model": self.state.model_name,
+                "choices": [self._choice(c) for c in self.choices],
+                "usage": fmt.usage([c.final for c in self.choices if c.first_of_prompt], finals)}
+        return JSONResponse(body)
+
+    def _choice(self, c: _Choice) -> dict:
+        out = c.final
+        text = out.text or ""
+        if self.kind == "chat":
+            lps = (fmt.chat_logprobs(self.tok, c.prompt_ids, out.logprobs)
+                   if out.logprobs is not None else None)
+            return {"index": c.index, "message": {"role": "assistant", "content": text},
+                    "logprobs": lps, "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason}
+        lps = (fmt.completion_logprobs(self.tok, c.prompt_ids, out.logprobs, len(c.echo))[0]
+               if out.logprobs is not None else None)
+        return {"index": c.index, "text": c.echo + text, "logprobs": lps,
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+    # ---------------------------------------------------------------- streaming
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat"
+               else "text_completion", "created": self.created, "model": self.state.model_name,
+               "choices": choices}
+        if self.req.include_usage:
+            obj["usage"] = usage
+        return fmt.sse(obj)
+
+    def _delta(self, c: _Choice, out: RequestOutput) -> dict | None:
+        """The stream choice of one output, or None when it adds nothing."""
+        lps = None
+        if out.logprobs is not None:
+            new = out.logprobs[c.lp_sent:]
+            ctx = c.prompt_ids + out.token_ids[:c.lp_sent]
+            if new:
+                if self.kind == "chat":
+                    lps = fmt.chat_logprobs(self.tok, ctx, new)
+                else:
+                    lps, c.text_offset = fmt.completion_logprobs(self.tok, ctx, new,
+                                                                 c.text_offset)
+                c.lp_sent = len(out.logprobs)
+        text = out.delta_text or ""
+        if not text and lps is None and not out.finished:
+            return None
+        reason = out.finish_reason if out.finished else None
+        if self.kind == "chat":
+            return {"index": c.index, "delta": {"content": text} if text else {},
+                    "logprobs": lps, "finish_reason": reason,
+                    "stop_reason": out.stop_reason if out.finished else None}
+        return {"index": c.index, "text": text, "logprobs": lps, "finish_reason": reason,
+                "stop_reason": out.stop_reason if out.finished else None}
+
+    async def stream(self) -> AsyncIterator[str]:
+        try:
+            for c in self.choices:  # chat: the role first; completions with echo: the prompt
+                if self.kind == "chat":
+                    yield self._chunk([{"index": c.index, "delta": {"role": "assistant",
+                                                                    "content": ""},
+                                        "logprobs": None, "finish_reason": None}])
+                elif c.echo:
+                    yield self._chunk([{"index": c.index, "text": c.echo, "logprobs": None,
+                                        "finish_reason": None}])
+            async for out in self._outputs():
+                if out is None:
+                    return
+                if out.error is not None:
+                    yield fmt.sse(error_body(f"the engine failed this request: {out.error}",
+                                             500))
+                    yield fmt.SSE_DONE
+                    return
+                d = self._delta(self.by_rid[out.request_id], out)
+                if d is not None:
+                    yield self._chunk([d])
+            if self.req.include_usage:
+                finals = [c.final for c in self.choices]
+                yield self._chunk([], fmt.usage([c.final for c in self.choices
+                                                 if c.first_of_prompt], finals))
+            yield fmt.SSE_DONE
+        finally:
+            self._cleanup()
