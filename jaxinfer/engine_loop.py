@@ -20,8 +20,13 @@ from collections.abc import Callable, Iterator, Sequence
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.parallel_sampling import (ParentRequest, child_id, child_params, child_resume,
-                                        error_output)
+from jaxinfer.parallel_sampling import (
+    ParentRequest,
+    child_id,
+    child_params,
+    child_resume,
+    error_output,
+)
 from jaxinfer.resume import ResumeState
 from jaxinfer.sampling import SamplingParams
 

@@ -15,6 +15,10 @@ metrics aside: ``RequestMetrics.resumed_tokens``).
   multi-host runs (every host would have to read the same state while process 0 rewrites it).
 - The seeds of requests without one are drawn when the run starts and stored at once, so even a
   request that had not started when the run stopped keeps the seed of the first run.
+- A request with ``n`` > 1 (`jaxinfer.parallel_sampling`) is stored as one entry with one state
+  per completion (``"completions"``: seed, token ids, logprobs). A completion that finished
+  before its siblings is kept without its last token: the rerun samples that token again (same
+  seed and output index: the same token) and the completion finishes as it did.
 - Trust, not faith: a file that cannot be read, is from another format version or was written
   with other model settings (`run_settings`) is ignored with a warning; an entry whose
   fingerprint does not match its record (the prompts file changed) or that the engine refuses
@@ -37,6 +41,7 @@ from pathlib import Path
 
 from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import RequestOutput, TokenLogprob
+from jaxinfer.parallel_sampling import child_params
 from jaxinfer.resume import ResumeState
 from jaxinfer.sampling_params import SamplingParams
 
@@ -102,37 +107,61 @@ def _logprob(d) -> TokenLogprob:
     return TokenLogprob(d["token_id"], float(d["logprob"]), [(x[0], float(x[1])) for x in top])
 
 
-def _entry(d) -> tuple[str, str, ResumeState]:
-    """(id, fingerprint, state) of one stored request; raises ValueError naming the field."""
-    if not isinstance(d, dict):
-        raise ValueError("not an object")
-    for key, ok in (("id", lambda v: isinstance(v, str)),
-                    ("fingerprint", lambda v: isinstance(v, str)),
-                    ("seed", _is_int),
-                    ("token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v))):
+def _check_fields(d: dict, fields) -> None:
+    for key, ok in fields:
         if key not in d or not ok(d[key]):
             raise ValueError(f"field {key!r} missing or of the wrong type")
+
+
+def _state(d: dict) -> ResumeState:
+    """One completion's state from its record form; raises ValueError naming the field."""
+    _check_fields(d, (("seed", _is_int),
+                      ("token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v))))
     lps = d.get("logprobs")
     if lps is not None:
         if not isinstance(lps, list):
             raise ValueError("field 'logprobs' is not a list")
         lps = tuple(_logprob(x) for x in lps)
-    return d["id"], d["fingerprint"], ResumeState(d["seed"], tuple(d["token_ids"]), lps)
+    return ResumeState(d["seed"], tuple(d["token_ids"]), lps)
 
 
-def _state_record(rid: str, fp: str, state: ResumeState) -> dict:
-    rec = {"id": rid, "fingerprint": fp, "seed": state.seed, "token_ids": list(state.token_ids)}
+def _entry(d) -> tuple[str, str, ResumeState | tuple[ResumeState, ...]]:
+    """(id, fingerprint, state) of one stored request, the state a tuple of one per completion
+    for a request with n > 1 (``"completions"``); raises ValueError naming the field."""
+    if not isinstance(d, dict):
+        raise ValueError("not an object")
+    _check_fields(d, (("id", lambda v: isinstance(v, str)),
+                      ("fingerprint", lambda v: isinstance(v, str))))
+    if "completions" in d:
+        comps = d["completions"]
+        if not isinstance(comps, list) or len(comps) < 2 or \
+                not all(isinstance(c, dict) for c in comps):
+            raise ValueError("field 'completions' is not a list of at least 2 objects")
+        return d["id"], d["fingerprint"], tuple(_state(c) for c in comps)
+    return d["id"], d["fingerprint"], _state(d)
+
+
+def _state_fields(state: ResumeState) -> dict:
+    rec = {"seed": state.seed, "token_ids": list(state.token_ids)}
     if state.logprobs is not None:
         rec["logprobs"] = [dataclasses.asdict(lp) for lp in state.logprobs]
     return rec
+
+
+def _state_record(rid: str, fp: str, states: list[ResumeState]) -> dict:
+    if len(states) == 1:
+        return {"id": rid, "fingerprint": fp, **_state_fields(states[0])}
+    return {"id": rid, "fingerprint": fp, "completions": [_state_fields(s) for s in states]}
 
 
 MAX_PARTIAL_BYTES = 1 << 30
 """Largest partial file read back (a device, FIFO or larger file is ignored, never read)."""
 
 
-def load(path: Path, settings: dict, warn: Warn) -> dict[str, tuple[str, ResumeState]]:
-    """The usable entries of partial file ``path``: id -> (fingerprint, state). A missing file is
+def load(path: Path, settings: dict, warn: Warn
+         ) -> dict[str, tuple[str, ResumeState | tuple[ResumeState, ...]]]:
+    """The usable entries of partial file ``path``: id -> (fingerprint, state), the state a tuple
+    of one per completion for a request with n > 1. A missing file is
     empty; an unreadable one, another format or version, or other `settings` are warned about
     and give nothing; a bad or repeated entry is warned about and left out."""
     try:
@@ -224,36 +253,45 @@ class Checkpointer:
         self.path, self.settings, self.interval, self.warn = path, settings, interval, warn
         self.enabled = enabled
         self.stored = load(path, settings, warn) if enabled else {}
-        self.states: dict[str, tuple[str, ResumeState]] = {}  # id -> (fingerprint, state)
+        # id -> (fingerprint, one state per completion)
+        self.states: dict[str, tuple[str, list[ResumeState]]] = {}
         self.resumed = 0  # requests continued from a stored partial output
         self._last = time.monotonic()
         self._failed = False
         self._planned = False  # until `plan` has run, the file on disk is the one to keep
 
-    def plan(self, llm, run: list[tuple[str, list[int], SamplingParams]]) -> list[ResumeState]:
-        """The resume state of each request of ``run`` (id, prompt ids, params), in order: the
-        stored one when its fingerprint matches and ``llm``'s engine accepts it, else a fresh
-        start with the seed drawn now (or the stored seed of an entry whose tokens are refused).
-        Writes them at once (seeds drawn now are kept, even through a SIGKILL)."""
-        seeds = llm.draw_seeds([p for _, _, p in run])
+    def plan(self, llm, run: list[tuple[str, list[int], SamplingParams]]
+             ) -> list[ResumeState | list[ResumeState]]:
+        """The resume state of each request of ``run`` (id, prompt ids, params), in order (for a
+        request with n > 1 a list of n, one per completion): the stored one when its fingerprint
+        matches and ``llm``'s engine accepts it, else a fresh start with the seed drawn now (or
+        the stored seeds of an entry whose tokens are refused). Writes them at once (seeds drawn
+        now are kept, even through a SIGKILL)."""
+        children = [child_params(p) for _, _, p in run]
+        flat = iter(llm.draw_seeds([c for cs in children for c in cs]))
         out, stale, refused = [], [], []
-        for (rid, ids, params), seed in zip(run, seeds, strict=True):
+        for (rid, ids, params), cps in zip(run, children, strict=True):
             fp = fingerprint(ids, params)
-            state = ResumeState(seed)
+            states = [ResumeState(next(flat)) for _ in cps]
             if rid in self.stored:
                 sfp, stored = self.stored[rid]
+                stored = [stored] if isinstance(stored, ResumeState) else list(stored)
                 if sfp != fp:
                     stale.append(repr(rid))
                 else:
                     try:
-                        llm.engine.validate(ids, params, stored)
-                        state = stored
-                        self.resumed += bool(stored.token_ids)
+                        if len(stored) != len(cps):
+                            raise JaxinferError(f"{len(stored)} completion states for n={params.n}")
+                        for cp, st in zip(cps, stored, strict=True):
+                            llm.engine.validate(ids, cp, st)
+                        states = stored
+                        self.resumed += any(st.token_ids for st in stored)
                     except JaxinferError as e:
                         refused.append(f"{rid!r} ({e})")
-                        state = ResumeState(stored.seed)
-            self.states[rid] = (fp, state)
-            out.append(state)
+                        if len(stored) == len(cps):
+                            states = [ResumeState(st.seed) for st in stored]
+            self.states[rid] = (fp, states)
+            out.append(states[0] if params.n == 1 else list(states))
         self._planned = True
         for what, items in (("its record changed (prompt or sampling fields)", stale),
                             ("the engine refused it", refused)):
@@ -274,9 +312,13 @@ class Checkpointer:
         if res.finished:
             del self.states[res.request_id]
         else:
-            lps = None if res.logprobs is None else tuple(res.logprobs)
-            self.states[res.request_id] = (entry[0], ResumeState(entry[1].seed,
-                                                                 tuple(res.token_ids), lps))
+            states = entry[1]
+            c = res.outputs[0]  # the completion this output streams (index 0 when n = 1)
+            toks, lps = c.token_ids, c.logprobs
+            if c.finish_reason is not None:  # one of n finished first: resampled on resume
+                toks, lps = toks[:-1], None if lps is None else lps[:-1]
+            states[c.index] = ResumeState(states[c.index].seed, tuple(toks),
+                                          None if lps is None else tuple(lps))
         if self.interval > 0 and time.monotonic() - self._last >= self.interval:
             self.flush()
 
