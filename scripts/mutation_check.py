@@ -58,6 +58,7 @@ class Mutation:
 
 M = Mutation
 OUT_REF = "tests/test_outside_references.py"
+PS = "tests/test_parallel_sampling.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M("kv_scale_63", "jaxinfer/quant/kv.py",
@@ -218,7 +219,40 @@ MUTATIONS: list[Mutation] = [
       "            seq.pending.clear()\n            seq.pending_final = False",
       "            seq.pending_final = False", ("tests/test_recovery_in_flight.py",)),
     M("abandoned_stream_not_aborted", "jaxinfer/engine_loop.py",
-      "eng.abort_request(rid)", "pass", ("tests/test_step_recovery.py",), "abandoned"),
+      "                            for eng in self.engines:\n"
+      "                                eng.abort_request(eid)",
+      "                            for eng in self.engines:\n                                pass",
+      ("tests/test_step_recovery.py",), "abandoned"),
+    # Parallel sampling (SamplingParams.n, jaxinfer.parallel_sampling).
+    M("n_child_seed_not_offset", "jaxinfer/parallel_sampling.py",
+      "            seed += i\n", "            seed += 0\n", (PS,), "seed_plus"),
+    M("n_last_child_dropped", "jaxinfer/parallel_sampling.py",
+      "self.running = set(range(n))", "self.running = set(range(n - 1))", (PS,),
+      "greedy_n3 or seed_plus"),
+    M("n_final_index_order", "jaxinfer/parallel_sampling.py",
+      "for i, o in enumerate(self.latest):", "for i, o in enumerate(reversed(self.latest)):",
+      (PS,), "seed_plus"),
+    M("n_streamed_index_0", "jaxinfer/parallel_sampling.py",
+      "delta_text=out.delta_text, outputs=[_completion(index, out)])",
+      "delta_text=out.delta_text, outputs=[_completion(0, out)])", (PS,), "streaming"),
+    M("n_last_child_stream_dropped", "jaxinfer/parallel_sampling.py",
+      "[streamed, self._final()]", "[self._final()]", (PS,), "streaming"),
+    M("n_siblings_not_aborted", "jaxinfer/parallel_sampling.py",
+      "abort, self.running = sorted(self.running), set()", "abort, self.running = [], set()",
+      (PS,), "failed_completion"),
+    M("n_completion_tokens_not_summed", "jaxinfer/parallel_sampling.py",
+      "completion_tokens=sum(m.completion_tokens for m in parts)",
+      "completion_tokens=parts[0].completion_tokens", (PS,), "seed_plus"),
+    M("n_close_aborts_one_child", "jaxinfer/engine_loop.py",
+      "                        for eid in eids:\n",
+      "                        for eid in eids[:1]:\n", (PS,), "closing"),
+    M("n_child_ids_not_checked", "jaxinfer/engine_loop.py",
+      "taken = [e for e in eids + [rid] if", "taken = [e for e in [rid] if", (PS,),
+      "colliding"),
+    M("n_record_flat", "jaxinfer/outputs.py", "if len(self.outputs) > 1:",
+      "if len(self.outputs) > 2:", (PS,), "cli_records"),
+    M("n_partial_keeps_finished_last_token", "jaxinfer/partial.py",
+      "toks, lps = toks[:-1], None if lps is None else lps[:-1]", "pass", (PS,), "cli_records"),
 ]
 
 

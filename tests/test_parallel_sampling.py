@@ -16,8 +16,9 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import STORIES
+from test_engine import reference_requests
+
 from jaxinfer import cli
 from jaxinfer import partial as partial_mod
 from jaxinfer.engine import Engine
@@ -26,7 +27,6 @@ from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.parallel_sampling import child_params
 from jaxinfer.resume import ResumeState
 from jaxinfer.sampling_params import MAX_N, SamplingParams
-from test_engine import reference_requests
 
 PROMPT = "Once upon a time"
 DOT = 426  # stories260K's "." token
@@ -187,13 +187,17 @@ def test_duplicate_and_colliding_ids_fail_alone(llm):
     sp2 = SamplingParams(temperature=0, max_tokens=4, n=2)
     sp1 = SamplingParams(temperature=0, max_tokens=4)
     outs = list(o for o in llm.generate_stream(
-        [PROMPT] * 4, [sp2, sp1, sp2, sp1], request_ids=["a", "0_a", "a", "b"]) if o.finished)
+        [PROMPT] * 6, [sp2, sp1, sp2, sp1, sp1, sp2],
+        request_ids=["a", "0_a", "a", "b", "1_c", "c"]) if o.finished)
     by = {}
     for o in outs:
         by.setdefault(o.request_id, []).append(o)
     errs = [o.error for o in by["0_a"] + by["a"] if o.error]
     assert len(errs) == 2 and all("duplicate request id" in e for e in errs), errs
     assert "completion 0 of the running request 'a'" in errs[0] + errs[1]
+    (c,) = by["c"]  # its completion 1 would collide with the running request "1_c"
+    assert "its completion id '1_c'" in c.error and len(c.outputs) == 2
+    assert by["1_c"][0].error is None
     good_a = [o for o in by["a"] if o.error is None]
     assert len(good_a) == 1 and len(good_a[0].outputs) == 2 and by["b"][0].error is None
 
