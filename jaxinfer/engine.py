@@ -20,6 +20,7 @@ from jaxinfer.kv_cache import PageAllocator, init_kv_cache, kv_bytes_per_token
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.paged_attention import check_attn_impl, resolve_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
+from jaxinfer.prefix_cache import PrefixCachingAllocator
 from jaxinfer.resume import ResumeState, check_resume
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors, draw_seed, find_stop_string
 from jaxinfer.scheduler import Scheduler, Sequence, SeqStatus
@@ -230,7 +231,12 @@ class Engine:
             from jaxinfer.sharding import step_out_shardings
 
             self._forward = jitted_forward_step(out_shardings=step_out_shardings(mesh))
-        self.allocator = PageAllocator(ecfg.num_pages)
+        if ecfg.enable_prefix_caching:
+            # What else decides a page's contents besides its tokens (one engine: one model).
+            extra = (cfg.model_type, str(np.dtype(kv_dtype)), ecfg.page_size)
+            self.allocator = PrefixCachingAllocator(ecfg.num_pages, ecfg.page_size, extra)
+        else:
+            self.allocator = PageAllocator(ecfg.num_pages)
         self.scheduler = Scheduler(self.allocator, ecfg.page_size, ecfg.max_num_seqs,
                                    ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
         self._rng = np.random.default_rng(ecfg.seed)
@@ -264,6 +270,22 @@ class Engine:
 
         return sharded_kv_cache(self.cfg, ecfg.num_pages, ecfg.page_size, self.params.embed.dtype,
                                 self.mesh)
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache counters (``PrefixCachingAllocator.stats``: queried_tokens, hit_tokens,
+        hit_rate, evictions, cached_pages); all zero with prefix caching off."""
+        if isinstance(self.allocator, PrefixCachingAllocator):
+            return self.allocator.stats()
+        return {"queried_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evictions": 0,
+                "cached_pages": 0}
+
+    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        """Tokens of ``prompt_ids`` this engine's prefix cache holds now (0 with caching off);
+        takes no references (data-parallel routing asks every replica)."""
+        if not isinstance(self.allocator, PrefixCachingAllocator):
+            return 0
+        max_pages = (len(prompt_ids) - 1) // self.ecfg.page_size
+        return len(self.allocator.match_prefix(prompt_ids, max_pages)[0]) * self.ecfg.page_size
 
     @property
     def num_compilations(self) -> int:
@@ -442,6 +464,8 @@ class Engine:
         for seq in self.scheduler.waiting:  # the step in flight is dropped: its tokens with it
             seq.pending.clear()
             seq.pending_final = False
+        if isinstance(self.allocator, PrefixCachingAllocator):
+            self.allocator.clear_cache()  # pages the failed step was to write are not trusted
         msg = f"step failed: {type(exc).__name__}: {exc}"
         results = []
         for seq in culprits:
@@ -587,7 +611,8 @@ class Engine:
         req.emitted = visible
         n_out = len(seq.output_ids)
         m = RequestMetrics(prompt_tokens=len(seq.prompt_ids), completion_tokens=n_out,
-                           num_preemptions=seq.num_preemptions, resumed_tokens=req.resumed)
+                           num_preemptions=seq.num_preemptions, resumed_tokens=req.resumed,
+                           num_cached_tokens=seq.num_cached_tokens or 0)
         if seq.first_token_time is not None:  # timings of this run's tokens (``add_request``)
             n_new = n_out - req.resumed
             m.ttft_s = seq.first_token_time - seq.arrival_time

@@ -9,6 +9,14 @@ its pages are freed and it goes back to the front of the waiting queue, to be re
 (prompt + output so far) later. Sampling keys depend only on
 (seed, output index), so a preempted sequence's output is the same as if it had never been.
 
+With a ``PrefixCachingAllocator`` (``jaxinfer.prefix_cache``), a sequence admitted with nothing
+computed (new, or preempted) first takes the cached pages of its longest known prefix in full
+pages, at most ``num_tokens - 1`` tokens so its last token is computed and sampled from, and
+starts there; every full page whose tokens are known is cached as soon as a scheduled step
+covers it (so requests admitted in the same step already share it: each layer writes the step's
+K/V before any row attends), and when its sequence finishes or is preempted. A sequence writes
+only at positions >= its ``num_computed``, never inside a shared full page.
+
 Source: vLLM's scheduler (recompute preemption, chunked prefill, token budget).
 """
 
@@ -20,6 +28,7 @@ import enum
 import time
 
 from jaxinfer.kv_cache import OutOfPagesError, PageAllocator
+from jaxinfer.prefix_cache import PrefixCachingAllocator
 from jaxinfer.sampling import SamplingParams
 
 
@@ -57,10 +66,17 @@ class Sequence:
     logprobs: list = dataclasses.field(default_factory=list)
     pending: list[int] = dataclasses.field(default_factory=list)
     pending_final: bool = False
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of pages[:len] (cached)
+    num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids) + len(self.pending)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host knows (prompt + collected output; not ``pending``)."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def token_at(self, i: int) -> int:
         n, o = len(self.prompt_ids), len(self.output_ids)
@@ -111,6 +127,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.cache = allocator if isinstance(allocator, PrefixCachingAllocator) else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -133,11 +150,45 @@ class Scheduler:
             return False
         return True
 
+    def cache_full_pages(self, seq: Sequence, num_computed: int) -> None:
+        """Caches ``seq``'s full pages among its first ``num_computed`` tokens (computed, or
+        written by a step already scheduled) whose token ids are known."""
+        if self.cache is None:
+            return
+        z = self.page_size
+        limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z
+        start = len(seq.page_hashes)
+        if limit <= start:
+            return
+        tokens = (seq.prompt_ids + seq.output_ids)[:limit * z]
+        parent = seq.page_hashes[-1] if seq.page_hashes else None
+        for i, h in enumerate(self.cache.hash_pages(tokens, limit, parent, start), start):
+            self.cache.cache_page(seq.pages[i], h, parent, tokens[i * z:(i + 1) * z])
+            seq.page_hashes.append(h)
+            parent = h
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Gives a sequence with nothing computed the cached pages of its longest known prefix
+        (at most ``num_tokens - 1`` tokens) and starts it after them."""
+        if self.cache is None or seq.num_computed or seq.pages:
+            return
+        max_pages = min(seq.num_tokens - 1, seq.num_known) // self.page_size
+        pages, hashes = self.cache.match_prefix(seq.prompt_ids + seq.output_ids, max_pages)
+        self.cache.acquire(pages)
+        seq.pages, seq.page_hashes = pages, hashes
+        seq.num_computed = len(pages) * self.page_size
+
+    def _drop_pages(self, seq: Sequence) -> None:
+        """Caches what ``seq`` computed, then frees its pages."""
+        self.cache_full_pages(seq, seq.num_computed)
+        if seq.pages:
+            self.allocator.free(seq.pages)
+        seq.pages, seq.page_hashes = [], []
+
     def preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's pages and puts it at the front of the waiting queue, to be
         recomputed (prompt + output so far). A token it has in flight is still collected."""
-        self.allocator.free(seq.pages)
-        seq.pages = []
+        self._drop_pages(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -151,9 +202,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.pending.clear()
-        if seq.pages:
-            self.allocator.free(seq.pages)
-            seq.pages = []
+        self._drop_pages(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:  # preempted while its last token was in flight
@@ -186,26 +235,35 @@ class Scheduler:
                 continue
             scheduled.add(id(seq))
             (prefill if is_prefill else decode).append(ScheduledRow(seq, n))
+            self.cache_full_pages(seq, seq.num_computed + n)
             budget -= n
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(prefill) < self.max_prefill_seqs):
             seq = self.waiting[0] if only is None else only
             if only is not None and (only.status is not SeqStatus.WAITING or id(only) in scheduled):
                 break
+            fresh = seq.num_computed == 0
+            self._take_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed
             n = min(remaining, budget)
             # Admission keeps one free page per running sequence in reserve (each may need a new
             # page soon): admitting into a full pool only causes preemption churn.
             reserve = len(self.running)
-            if preempted or self._pages_needed(seq, seq.num_computed + n) + reserve > self.allocator.num_free:
-                if self.running:
-                    break
-            if not self._grow(seq, seq.num_computed + n):
-                break  # admit nobody until pages are freed
+            if ((preempted or self._pages_needed(seq, seq.num_computed + n) + reserve
+                 > self.allocator.num_free) and self.running) or not self._grow(seq, seq.num_computed + n):
+                if fresh and seq.pages:  # give the prefix hit back: admit nobody for now
+                    self.allocator.free(seq.pages)
+                    seq.pages, seq.page_hashes, seq.num_computed = [], [], 0
+                break
+            if fresh and self.cache is not None:
+                self.cache.record_lookup(seq.num_tokens, seq.num_computed)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = seq.num_computed
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.add(id(seq))
             (prefill if n > 1 else decode).append(ScheduledRow(seq, n))
+            self.cache_full_pages(seq, seq.num_computed + n)
             budget -= n
         return ScheduleOutput(decode, prefill, preempted)

@@ -145,8 +145,11 @@ def test_compilations_bounded_and_stop_growing(stories_llm):
     from jaxinfer.step import jitted_forward_step, jitted_sample_step
 
     # A fresh engine counts only this workload's compilations; jax's jit caches are per process,
-    # so the steps stories_llm compiled are reused, not compiled again.
-    llm = LLM(stories_llm.model_path, max_num_seqs=32, compilation_cache=False)
+    # so the steps stories_llm compiled are reused, not compiled again. Prefix caching off: a
+    # repeated workload would then hit the cache and take other prefill buckets (bounded too:
+    # tests/test_prefix_cache.py checks that count stops growing).
+    llm = LLM(stories_llm.model_path, max_num_seqs=32, compilation_cache=False,
+              enable_prefix_caching=False)
     ecfg = llm.engine.ecfg
     prompts = [llm.tokenizer.encode(p) for p in MIXED]
     params = [SamplingParams(temperature=0.0, max_tokens=10 + i) for i in range(len(MIXED))]
