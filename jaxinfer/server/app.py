@@ -124,7 +124,7 @@ def create_app(llm, model_name: str | None = None, max_queue: int | None = None)
         vocab = llm.config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+            raise APIError(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                            param="tokens")
         tok = llm.tokenizer
         if tok is None:

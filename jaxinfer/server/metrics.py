@@ -3,7 +3,8 @@
 Engine state is read when scraped (a collector): ``num_requests_running``,
 ``num_requests_waiting`` (engine queues plus requests not yet handed to the engine),
 ``num_kv_pages_used`` / ``num_kv_pages_total`` / ``kv_cache_usage_perc`` (pages held by
-sequences over the pool, page 0 reserved), ``num_preemptions_total``, and the prefix cache's
+sequences over the pool, page 0 reserved; cached pages no sequence holds are free, as vLLM),
+``num_kv_pages_cached``, ``num_preemptions_total``, and the prefix cache's
 ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (prompt tokens) and
 ``prefix_cache_hit_rate`` (from ``LLM.prefix_cache_stats()``; 0 when the LLM has none).
 Per-request figures are counted as each request finishes: ``prompt_tokens_total``,
@@ -53,8 +54,8 @@ class _EngineCollector:
         yield self._gauge("jaxinfer:num_requests_running", "Sequences in the running batch.",
                           running)
         yield self._gauge("jaxinfer:num_requests_waiting", "Sequences waiting to run.", waiting)
-        yield self._gauge("jaxinfer:num_kv_pages_used", "KV pages held (sequences and prefix "
-                          "cache).", used)
+        yield self._gauge("jaxinfer:num_kv_pages_used", "KV pages held by sequences (cached "
+                          "pages no sequence holds count as free, as vLLM).", used)
         yield self._gauge("jaxinfer:num_kv_pages_total", "KV pages in the pool (less page 0).",
                           total)
         yield self._gauge("jaxinfer:kv_cache_usage_perc", "Fraction of KV pages held (0 to 1).",
@@ -66,6 +67,8 @@ class _EngineCollector:
                             "prefix cache.", stats["queried_tokens"])
         yield self._counter("jaxinfer:prefix_cache_hits", "Prompt tokens found in the prefix "
                             "cache.", stats["hit_tokens"])
+        yield self._gauge("jaxinfer:num_kv_pages_cached", "KV pages in the prefix cache.",
+                          stats["cached_pages"])
         yield self._gauge("jaxinfer:prefix_cache_hit_rate", "Prefix cache hits / queries "
                           "(tokens) since start.", stats["hit_rate"])
 

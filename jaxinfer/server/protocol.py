@@ -180,6 +180,10 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
     try:
         return SamplingParams(**fields)
     except RequestError as e:
-        m = _FIELD.match(str(e))
+        msg = str(e)
+        m = _FIELD.match(msg)
         name = m.group(1) if m else None
-        raise APIError(str(e), param=rename.get(name, name)) from None
+        param = rename.get(name, name)
+        if param != name:  # say it with the request's field name
+            msg = f"{param}: {msg[m.end():].lstrip()}"
+        raise APIError(msg, param=param) from None

@@ -88,14 +88,15 @@ def _encode_all(llm, prompts: list, sp: SamplingParams, kind: str, req) -> list[
     encoded = []
     for i, p in enumerate(prompts):
         where = "" if len(prompts) == 1 else f" (prompt {i})"
+        head = "messages: " if kind == "chat" else ""
         try:
             ids, text = llm.encode_prompt(p if not isinstance(p, list) else
                                           {"prompt_token_ids": p})
             llm.engine.validate(ids, sp)
         except JaxinferError as e:
-            raise APIError(f"{e}{where}", param=_validate_param(str(e), kind, req)) from None
+            raise APIError(f"{head}{e}{where}", param=_validate_param(str(e), kind, req)) from None
         except Exception as e:  # noqa: BLE001 - a tokenizer's own error on this prompt
-            raise APIError(f"cannot encode the prompt{where}: {type(e).__name__}: {e}",
+            raise APIError(f"{head}cannot encode the prompt{where}: {type(e).__name__}: {e}",
                            param=_validate_param("", kind, req)) from None
         encoded.append((ids, text))
     return encoded
