@@ -243,7 +243,9 @@ def test_first_token_logprobs_of_a_fully_cached_prompt(cached_llm, plain_llm, le
 def test_tiny_pool_evicts_and_preempts_with_identical_outputs(stories_dir):
     from jaxinfer.llm import LLM
 
-    kw = dict(max_num_seqs=8, max_model_len=96, kv_pages=20, compilation_cache=False)
+    # max_num_seqs as the session's engines (the sampling steps' shapes are shared); the pool
+    # holds 19 pages of 8 tokens for up to 10 sequences of ~90 tokens.
+    kw = dict(max_num_seqs=32, max_model_len=96, kv_pages=20, compilation_cache=False)
     cached, plain = LLM(stories_dir, **kw), LLM(stories_dir, enable_prefix_caching=False, **kw)
     tok = cached.tokenizer
     heads = [tok.encode("Once upon a time, there was a little dog named Max."),
@@ -251,7 +253,7 @@ def test_tiny_pool_evicts_and_preempts_with_identical_outputs(stories_dir):
     prompts = [heads[i % 2] + tok.encode(w) for i, w in
                enumerate(["He", "She ran", "It was fun", "They", "The sun", "A bird", "Mom",
                           "Then", "One day", "Later"])]
-    params = [SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=40)
+    params = [SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=32)
               for i in range(len(prompts))]
     want = plain.generate(prompts, params)
     got = cached.generate(prompts, params)
