@@ -251,6 +251,13 @@ MUTATIONS: list[Mutation] = [
       "colliding"),
     M("n_record_flat", "jaxinfer/outputs.py", "if len(self.outputs) > 1:",
       "if len(self.outputs) > 2:", (PS,), "cli_records"),
+    M("n_cached_tokens_summed", "jaxinfer/parallel_sampling.py",
+      "num_cached_tokens=min(m.num_cached_tokens for m in parts)",
+      "num_cached_tokens=sum(m.num_cached_tokens for m in parts)", (PS,), "parent_output"),
+    M("n_record_drops_logprobs", "jaxinfer/outputs.py",
+      "               \"stop_reason\": self.stop_reason}\n        if self.logprobs is not None:",
+      "               \"stop_reason\": self.stop_reason}\n        if False:", (PS,),
+      "parent_output"),
     M("n_partial_keeps_finished_last_token", "jaxinfer/partial.py",
       "toks, lps = toks[:-1], None if lps is None else lps[:-1]", "pass", (PS,), "cli_records"),
 ]

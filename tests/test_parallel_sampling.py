@@ -81,6 +81,51 @@ def test_n1_output_is_one_completion_mirroring_the_top_level():
     assert RequestOutput("r", None, [1]).outputs[0].cumulative_logprob is None
 
 
+def test_parent_output_record_and_metrics_from_children():
+    """A parent fed hand-made child outputs: the record holds both completions with their
+    logprobs, usage counts the prompt once, and the metrics follow the documented rules
+    (expected values worked out by hand)."""
+    from jaxinfer.outputs import RequestMetrics
+    from jaxinfer.parallel_sampling import ParentRequest
+
+    lp = [TokenLogprob(7, -0.5, [(7, -0.5)])]
+    parent = ParentRequest("p", "hi", [1, 2, 3], 2)
+    kids = [RequestOutput("1_p", "hi", [1, 2, 3], text="b", token_ids=[7],
+                          finish_reason="length", logprobs=lp, delta_text="b",
+                          metrics=RequestMetrics(ttft_s=0.2, tpot_s=0.0, e2e_s=0.2,
+                                                 prompt_tokens=3, completion_tokens=1,
+                                                 num_cached_tokens=0, spec_rounds=1,
+                                                 acceptance_rate=0.5, mean_accepted_tokens=1.0)),
+            RequestOutput("0_p", "hi", [1, 2, 3], text="aa", token_ids=[7, 7],
+                          finish_reason="stop", stop_reason=7, logprobs=lp * 2, delta_text="a",
+                          metrics=RequestMetrics(ttft_s=0.1, tpot_s=0.3, e2e_s=0.4,
+                                                 prompt_tokens=3, completion_tokens=2,
+                                                 num_cached_tokens=2, num_preemptions=1,
+                                                 spec_rounds=3, acceptance_rate=0.25,
+                                                 mean_accepted_tokens=0.5))]
+    first, _ = parent.on_child(1, kids[0])
+    assert [o.outputs[0].index for o in first] == [1] and not first[0].finished
+    outs, abort = parent.on_child(0, kids[1])
+    assert abort == [] and [o.finished for o in outs] == [False, True]
+    final = outs[-1]
+    assert (final.text, final.finish_reason, final.stop_reason) == ("aa", "stop", 7)
+    assert final.outputs[0].cumulative_logprob == -1.0
+    m = final.metrics
+    assert (m.ttft_s, m.e2e_s, m.tpot_s) == (0.1, 0.4, 0.15)
+    assert (m.prompt_tokens, m.completion_tokens, m.num_cached_tokens, m.num_preemptions) == \
+        (3, 3, 0, 1)
+    assert m.spec_rounds == 4 and m.acceptance_rate == (0.5 * 1 + 0.25 * 3) / 4
+    assert m.mean_accepted_tokens == (1.0 * 1 + 0.5 * 3) / 4
+    rec = final.to_record()
+    assert rec["usage"] == {"prompt_tokens": 3, "completion_tokens": 3}
+    lp_rec = {"token_id": 7, "logprob": -0.5, "top": [(7, -0.5)]}
+    assert rec["outputs"] == [
+        {"index": 0, "text": "aa", "token_ids": [7, 7], "finish_reason": "stop",
+         "stop_reason": 7, "logprobs": [lp_rec] * 2},
+        {"index": 1, "text": "b", "token_ids": [7], "finish_reason": "length",
+         "stop_reason": None, "logprobs": [lp_rec]}]
+
+
 # ----------------------------------------------------------------------------- engine
 
 
