@@ -551,6 +551,7 @@ def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
         "throughput_tok_s": round(stats["completion_tokens"] / gen_s, 2) if gen_s > 0 else 0.0,
         "compilations": llm.num_compilations if llm is not None else 0,
         "preemptions": llm.engine.scheduler.num_preemptions if llm is not None else 0,
+        **_prefix_cache_summary(llm),
         "interrupted": bool(interrupted),
         "out": str(out_path),
     }
@@ -577,10 +578,21 @@ def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
             f"{stats['completed']} completed, {stats['errors']} error(s), {skipped} skipped; "
             f"{stats['prompt_tokens']} tokens in, {stats['completion_tokens']} out; "
             f"{summary['wall_s']:.1f} s wall, {summary['throughput_tok_s']:.1f} output tok/s; "
-            f"{summary['compilations']} compilation(s), {summary['preemptions']} preemption(s)"
+            f"{summary['compilations']} compilation(s), {summary['preemptions']} preemption(s); "
+            f"prefix cache hit rate {summary['prefix_cache_hit_rate']:.1%}, "
+            f"{summary['prefix_cache_evictions']} eviction(s)"
         )
     print(json.dumps(summary), flush=True)
     return EXIT_WRITE_FAILED if write_error is not None else interrupted or 0
+
+
+def _prefix_cache_summary(llm) -> dict:
+    """The summary's prefix-cache fields: hit rate (cached prompt tokens / prompt tokens looked
+    up, recomputation included), cached tokens, evictions."""
+    st = llm.prefix_cache_stats() if llm is not None else {}
+    return {"prefix_cache_hit_rate": round(st.get("hit_rate", 0.0), 4),
+            "prefix_cached_tokens": st.get("hit_tokens", 0),
+            "prefix_cache_evictions": st.get("evictions", 0)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -187,6 +187,18 @@ class LLM:
         self.params = self.engine.params
         self._loop = EngineLoop(self.engines)
 
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache counters summed over the engines (data-parallel replicas):
+        ``queried_tokens`` (tokens looked up at admissions, recomputation included),
+        ``hit_tokens`` (of them read from cached pages), ``hit_rate`` (hit / queried, 0.0 when
+        nothing was queried), ``evictions`` (cached pages reused for other contents),
+        ``cached_pages`` (cached now). All zero with ``enable_prefix_caching=False``."""
+        keys = ("queried_tokens", "hit_tokens", "evictions", "cached_pages")
+        per = [e.prefix_cache_stats() for e in self.engines]
+        out = {k: sum(s[k] for s in per) for k in keys}
+        out["hit_rate"] = out["hit_tokens"] / out["queried_tokens"] if out["queried_tokens"] else 0.0
+        return out
+
     @property
     def num_compilations(self) -> int:
         return sum(e.num_compilations for e in self.engines)

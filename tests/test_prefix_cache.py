@@ -273,3 +273,24 @@ def test_compilations_stop_growing_with_cache_hits(cached_llm):
     n = cached_llm.num_compilations
     cached_llm.generate(prompts, params)
     assert cached_llm.num_compilations == n
+
+
+def test_cli_summary_hit_rate_and_no_prefix_caching(tmp_path, capsys):
+    from test_cli import _records, _run, _write_jsonl
+
+    header = "Once upon a time, there was a little girl named Lily. She loved to play outside. "
+    recs = [{"id": f"q{i}", "prompt": header + q, "max_tokens": 5}
+            for i, q in enumerate(["Tom", "One day", "The sun was", "She"])]
+    prompts = _write_jsonl(tmp_path / "p.jsonl", recs)
+    rc_on, on = _run(tmp_path, prompts, tmp_path / "on.jsonl", "--temperature", "0", capsys=capsys)
+    rc_off, off = _run(tmp_path, prompts, tmp_path / "off.jsonl", "--temperature", "0",
+                       "--no-prefix-caching", capsys=capsys)
+    assert rc_on == rc_off == 0
+    got_on, got_off = _records(tmp_path / "on.jsonl"), _records(tmp_path / "off.jsonl")
+    assert [r["token_ids"] for r in got_on] == [r["token_ids"] for r in got_off]
+    cached = sum(r["metrics"]["num_cached_tokens"] for r in got_on)
+    assert cached > 0 and on["prefix_cached_tokens"] == cached
+    # Every record was admitted once: the rate is cached / prompt tokens.
+    assert on["prefix_cache_hit_rate"] == round(cached / on["prompt_tokens"], 4)
+    assert off["prefix_cache_hit_rate"] == 0 and off["prefix_cached_tokens"] == 0
+    assert all(r["metrics"]["num_cached_tokens"] == 0 for r in got_off)
