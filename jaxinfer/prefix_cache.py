@@ -36,12 +36,16 @@ from jaxinfer.kv_cache import NULL_PAGE, OutOfPagesError, PageAllocator
 PageHash = bytes
 
 
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, np.int64).tobytes()
+
+
 def page_hash(parent: PageHash | None, tokens: Sequence[int], extra_keys: tuple = ()) -> PageHash:
     """SHA-256 of a full page: its parent's hash (None for the first page), its token ids (as
     int64) and ``extra_keys`` (their ``repr``). 32 bytes."""
     h = hashlib.sha256()
     h.update(parent if parent is not None else b"root")
-    h.update(np.asarray(tokens, np.int64).tobytes())
+    h.update(_token_bytes(tokens))
     if extra_keys:
         h.update(repr(extra_keys).encode())
     return h.digest()
@@ -63,7 +67,8 @@ class PrefixCachingAllocator(PageAllocator):
         self.page_size = page_size
         self.extra_keys = tuple(extra_keys)
         self._by_hash: dict[PageHash, int] = {}
-        self._page_key: dict[int, tuple[PageHash, PageHash | None, tuple[int, ...]]] = {}
+        # page -> (its hash, its parent's hash, its token ids as int64 bytes: checked on a hit)
+        self._page_key: dict[int, tuple[PageHash, PageHash | None, bytes]] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -133,7 +138,7 @@ class PrefixCachingAllocator(PageAllocator):
             if p is None:
                 break
             _, stored_parent, stored_tokens = self._page_key[p]
-            if stored_parent != parent or stored_tokens != tuple(tokens[i * z:(i + 1) * z]):
+            if stored_parent != parent or stored_tokens != _token_bytes(tokens[i * z:(i + 1) * z]):
                 break  # a hash collision: a miss, never a wrong page
             pages.append(p)
             found.append(h)
@@ -157,7 +162,7 @@ class PrefixCachingAllocator(PageAllocator):
         if self.refcounts[page] <= 0:
             raise ValueError(f"page {page} is not held: only a held page can be cached")
         self._by_hash[h] = page
-        self._page_key[page] = (h, parent, tuple(int(t) for t in tokens))
+        self._page_key[page] = (h, parent, _token_bytes(tokens))
 
     def _uncache(self, page: int) -> None:
         h, _, _ = self._page_key.pop(page)

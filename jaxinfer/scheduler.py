@@ -66,7 +66,10 @@ class Sequence:
     logprobs: list = dataclasses.field(default_factory=list)
     pending: list[int] = dataclasses.field(default_factory=list)
     pending_final: bool = False
-    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of pages[:len] (cached)
+    # Prefix caching: hashes of the full pages of the known tokens (computed lazily, kept across
+    # preemption: the known tokens only grow), and how many of ``pages`` were offered to the cache.
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_pages: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
 
     @property
@@ -150,6 +153,16 @@ class Scheduler:
             return False
         return True
 
+    def _block_hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
+        """``seq.block_hashes`` extended to at least ``num_pages`` full pages of known tokens."""
+        have = len(seq.block_hashes)
+        if have < num_pages:
+            z = self.page_size
+            tokens = (seq.prompt_ids + seq.output_ids)[have * z:num_pages * z]
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes += self.cache.hash_pages(tokens, num_pages - have, parent)
+        return seq.block_hashes
+
     def cache_full_pages(self, seq: Sequence, num_computed: int) -> None:
         """Caches ``seq``'s full pages among its first ``num_computed`` tokens (computed, or
         written by a step already scheduled) whose token ids are known."""
@@ -157,25 +170,28 @@ class Scheduler:
             return
         z = self.page_size
         limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z
-        start = len(seq.page_hashes)
+        start = seq.num_cached_pages
         if limit <= start:
             return
-        tokens = (seq.prompt_ids + seq.output_ids)[:limit * z]
-        parent = seq.page_hashes[-1] if seq.page_hashes else None
-        for i, h in enumerate(self.cache.hash_pages(tokens, limit, parent, start), start):
-            self.cache.cache_page(seq.pages[i], h, parent, tokens[i * z:(i + 1) * z])
-            seq.page_hashes.append(h)
-            parent = h
+        hashes = self._block_hashes(seq, limit)
+        for i in range(start, limit):
+            tokens = seq.prompt_ids[i * z:(i + 1) * z] if (i + 1) * z <= len(seq.prompt_ids) \
+                else (seq.prompt_ids + seq.output_ids)[i * z:(i + 1) * z]
+            self.cache.cache_page(seq.pages[i], hashes[i], hashes[i - 1] if i else None, tokens)
+        seq.num_cached_pages = limit
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Gives a sequence with nothing computed the cached pages of its longest known prefix
         (at most ``num_tokens - 1`` tokens) and starts it after them."""
         if self.cache is None or seq.num_computed or seq.pages:
             return
+        if seq.params.prompt_logprobs is not None:  # cached positions have no logits (vLLM v1)
+            return
         max_pages = min(seq.num_tokens - 1, seq.num_known) // self.page_size
-        pages, hashes = self.cache.match_prefix(seq.prompt_ids + seq.output_ids, max_pages)
+        pages, _ = self.cache.match_prefix(seq.prompt_ids + seq.output_ids, max_pages,
+                                           self._block_hashes(seq, max_pages))
         self.cache.acquire(pages)
-        seq.pages, seq.page_hashes = pages, hashes
+        seq.pages, seq.num_cached_pages = pages, len(pages)
         seq.num_computed = len(pages) * self.page_size
 
     def _drop_pages(self, seq: Sequence) -> None:
@@ -183,7 +199,7 @@ class Scheduler:
         self.cache_full_pages(seq, seq.num_computed)
         if seq.pages:
             self.allocator.free(seq.pages)
-        seq.pages, seq.page_hashes = [], []
+        seq.pages, seq.num_cached_pages = [], 0
 
     def preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's pages and puts it at the front of the waiting queue, to be
@@ -253,7 +269,7 @@ class Scheduler:
                  > self.allocator.num_free) and self.running) or not self._grow(seq, seq.num_computed + n):
                 if fresh and seq.pages:  # give the prefix hit back: admit nobody for now
                     self.allocator.free(seq.pages)
-                    seq.pages, seq.page_hashes, seq.num_computed = [], [], 0
+                    seq.pages, seq.num_cached_pages, seq.num_computed = [], 0, 0
                 break
             if fresh and self.cache is not None:
                 self.cache.record_lookup(seq.num_tokens, seq.num_computed)
