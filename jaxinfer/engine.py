@@ -28,6 +28,7 @@ from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.paged_attention import check_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.prefix_cache import PrefixCachingAllocator
+from jaxinfer import prompt_logprobs as plp
 from jaxinfer.resume import ResumeState, check_resume
 from jaxinfer.sampling import (
     MAX_LOGPROBS,
@@ -52,6 +53,7 @@ class _Request:
     emitted: int = 0  # characters of text already streamed
     error: str | None = None  # why the request failed (finish_reason "error")
     resumed: int = 0  # output tokens carried over from a partial output (``add_request``)
+    prompt_logprobs: list | None = None  # [None, TokenLogprob...] when asked (prompt_logprobs)
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,6 +64,7 @@ class _InFlight:
     next_tokens: jax.Array  # i32[R] the sampled tokens padded, the next step's prev_tokens
     sampled: list[tuple[Sequence, int]]  # (sequence, row) of each row that sampled a token
     num_logprobs: int
+    prompt_lp: tuple | None = None  # (plp.StepPlan, device PromptLogprobsOut) when asked
 
 
 MAX_STEP_FAILURES = 2
@@ -225,6 +228,8 @@ class Engine:
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size}) "
                 "and could never be generated")
         self._check_stop_strings(params)
+        plp.check_request(params, self.cfg.vocab_size, self.ecfg.batch_invariant,
+                          type(self)._run_step is not Engine._run_step)
         if resume is not None:
             self._new_request("validate", prompt_ids, params, None, resume)
 
@@ -264,7 +269,8 @@ class Engine:
         has_text = getattr(self.tokenizer, "has_text", True)  # duck-typed tokenizers have text
         detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
                  if has_text else None)
-        req = _Request(seq, prompt, detok)
+        req = _Request(seq, prompt, detok,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
         if resume is not None:
             lps = resume.logprobs or [None] * len(resume.token_ids)
             for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
@@ -421,9 +427,18 @@ class Engine:
         self.compile_keys.add(("forward", bk.key))
         self.compile_keys.add(("sample", b, controls is not None, num_lp))
         prev_tokens = prev.next_tokens if prev is not None else self._no_prev
-        self.kv, logits = self._forward(self.params, self.kv, batch, prev_tokens, cfg=self.cfg,
-                                        attn_impl=self.ecfg.attn_impl,
-                                        batch_invariant=self.ecfg.batch_invariant)
+        plan = plp.plan_step(rows, batch.logits_indices, len(batch.tokens))
+        if plan is None:
+            self.kv, logits = self._forward(self.params, self.kv, batch, prev_tokens, cfg=self.cfg,
+                                            attn_impl=self.ecfg.attn_impl,
+                                            batch_invariant=self.ecfg.batch_invariant)
+        else:
+            k = plp.num_top(self.cfg.vocab_size)
+            self.compile_keys.add(("forward_prompt_logprobs", bk.key, k))
+            fwd = plp.jitted_forward_step_prompt_logprobs(
+                None if self.mesh is None else self._forward_out_shardings())
+            self.kv, logits, plan_out = fwd(self.params, self.kv, batch, prev_tokens, plan.targets,
+                                            cfg=self.cfg, attn_impl=self.ecfg.attn_impl, num_top=k)
         out, next_tokens = self._sample(logits, st, controls, num_logprobs=num_lp,
                                         num_slots=self._num_slots,
                                         batch_invariant=self.ecfg.batch_invariant)
@@ -440,7 +455,8 @@ class Engine:
                     or seq.num_tokens >= self.ecfg.max_model_len):
                 seq.pending_final = True  # finishes on this token whatever it is
             sampled.append((seq, r))
-        return _InFlight(out, next_tokens, sampled, num_lp)
+        return _InFlight(out, next_tokens, sampled, num_lp,
+                         None if plan is None else (plan, plan_out))
 
     def _collect(self, done: _InFlight) -> list[RequestOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and appends them."""
@@ -448,6 +464,9 @@ class Engine:
         tokens = to_host(out.tokens)
         lps = to_host(out.logprobs)
         top_ids, top_lps = (to_host(out.top_ids), to_host(out.top_logprobs)) if num_lp else (None, None)
+        if done.prompt_lp is not None:  # before the sampled tokens: outputs hold them complete
+            plan, plan_out = done.prompt_lp
+            plp.record(plan, jax.tree.map(to_host, plan_out), self._prompt_logprobs_of)
         now = time.perf_counter()
         self.num_steps += 1
         results = []
@@ -462,6 +481,15 @@ class Engine:
                                   [(int(i), float(x)) for i, x in zip(top_ids[r, :n], top_lps[r, :n])])
             results.append(self._append(seq, int(tokens[r]), lp, now))
         return results
+
+    def _prompt_logprobs_of(self, request_id: str) -> list | None:
+        req = self._requests.get(request_id)
+        return None if req is None else req.prompt_logprobs
+
+    def _forward_out_shardings(self):
+        from jaxinfer.sharding import step_out_shardings
+
+        return step_out_shardings(self.mesh)
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
         req = self._requests[seq.request_id]
@@ -531,6 +559,7 @@ class Engine:
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             metrics=m, delta_text=delta if has_text else None, error=req.error,
+            prompt_logprobs=req.prompt_logprobs,
         )
         if finished:
             del self._requests[seq.request_id]

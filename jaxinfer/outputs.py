@@ -120,6 +120,11 @@ class RequestOutput:
         outputs: the request's completions (vLLM's ``RequestOutput.outputs``). When not given
             (every n = 1 output) it is built from the fields above: one `CompletionOutput`,
             index 0, so ``out.outputs[0].text == out.text`` for any request.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` = k, a list aligned with
+            ``prompt_token_ids``: None first, then per prompt token a ``TokenLogprob`` (the
+            token, its logprob given the tokens before it, the top k (id, logprob) pairs of that
+            distribution, best first); complete from the request's first output with a token on
+            (`jaxinfer.prompt_logprobs`). None when not asked.
 
     With ``SamplingParams.n`` > 1 (`jaxinfer.parallel_sampling` makes these outputs): the final
     output holds the n completions in ``outputs``, in index order; ``text``, ``token_ids``,
@@ -142,6 +147,7 @@ class RequestOutput:
     error: str | None = None
     delta_text: str | None = ""
     outputs: list[CompletionOutput] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if self.outputs is None:
@@ -158,12 +164,16 @@ class RequestOutput:
         """The JSONL record the CLI writes (no "text" key when ``text`` is None). A request with
         several completions (n > 1) has ``"outputs"``: one ``CompletionOutput.to_record`` each,
         in index order, in place of the top-level text, token_ids, finish_reason, stop_reason
-        and logprobs; ``usage`` counts the prompt once and sums the completions."""
+        and logprobs; ``usage`` counts the prompt once and sums the completions. With prompt
+        logprobs, ``"prompt_logprobs"``: None, then one {token_id, logprob, top} per prompt
+        token."""
         if self.error is not None:
             return {"id": self.request_id, "error": self.error, "finish_reason": "error"}
+        plp = {} if self.prompt_logprobs is None else {"prompt_logprobs": [
+            None if lp is None else dataclasses.asdict(lp) for lp in self.prompt_logprobs]}
         if len(self.outputs) > 1:
             return {"id": self.request_id, "outputs": [c.to_record() for c in self.outputs],
-                    **self._usage_record()}
+                    **plp, **self._usage_record()}
         rec = {
             "id": self.request_id,
             **({} if self.text is None else {"text": self.text}),
@@ -174,6 +184,7 @@ class RequestOutput:
         }
         if self.logprobs is not None:
             rec["logprobs"] = [dataclasses.asdict(lp) for lp in self.logprobs]
+        rec.update(plp)
         return rec
 
     def _usage_record(self) -> dict:

@@ -162,7 +162,8 @@ class ParentRequest:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
             text=out.text, token_ids=out.token_ids, finish_reason=None,
             stop_reason=out.stop_reason, logprobs=out.logprobs, metrics=out.metrics,
-            delta_text=out.delta_text, outputs=[_completion(index, out)])
+            delta_text=out.delta_text, outputs=[_completion(index, out)],
+            prompt_logprobs=out.prompt_logprobs)
 
     def _final(self, failed: tuple[int, str] | None = None,
                aborted: Sequence[int] = ()) -> RequestOutput:
@@ -184,7 +185,8 @@ class ParentRequest:
             text=first.text, token_ids=first.token_ids,
             finish_reason="error" if failed else first.finish_reason,
             stop_reason=first.stop_reason, logprobs=first.logprobs, metrics=metrics, error=error,
-            delta_text=first.delta_text, outputs=comps)
+            delta_text=first.delta_text, outputs=comps,
+            prompt_logprobs=next((o.prompt_logprobs for o in self.latest if o is not None), None))
 
 
 def error_output(request_id: str, prompt: str | None, error: str, n: int) -> RequestOutput:

@@ -77,10 +77,13 @@ def run_settings(args) -> dict:
 
 def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
     """sha256 (hex) of a request's prompt token ids and sampling params (canonical JSON; ``n``
-    left out when 1, so n = 1 fingerprints are those written before ``n`` existed)."""
+    left out when 1, so n = 1 fingerprints are those written before ``n`` existed; likewise
+    ``prompt_logprobs`` when None)."""
     sampling = dataclasses.asdict(params)
     if sampling["n"] == 1:
         del sampling["n"]
+    if sampling.get("prompt_logprobs") is None:  # fingerprints from before it existed
+        sampling.pop("prompt_logprobs", None)
     blob = json.dumps({"prompt_token_ids": [int(t) for t in prompt_ids],
                        "sampling": sampling}, sort_keys=True,
                       separators=(",", ":"))

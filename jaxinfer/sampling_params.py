@@ -73,6 +73,10 @@ class SamplingParams:
         n: completions to generate for the prompt, in [1, `MAX_N`] (vLLM's parallel sampling,
             `jaxinfer.parallel_sampling`): n sequences over the same prompt, completion i
             sampling with seed + i when ``seed`` is set, each with a seed of its own otherwise.
+        prompt_logprobs: None = none; k in [0, MAX_LOGPROBS] = for every prompt position after
+            the first, the prompt token's logprob under the raw model distribution and the k
+            most likely tokens' (vLLM semantics; ``RequestOutput.prompt_logprobs``,
+            `jaxinfer.prompt_logprobs`). Such a request does not read the prefix cache.
 
     Raises:
         RequestError: on a value out of range or of the wrong type; the message names the field
@@ -96,6 +100,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -122,7 +127,7 @@ class SamplingParams:
             if not _is_int(v):
                 fail(f"{name} must be an integer, got {v!r}")
             setf(name, int(v))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
                 fail(f"{name} must be an integer or None, got {v!r}")
@@ -185,6 +190,9 @@ class SamplingParams:
             fail(f"n must be in [1, {MAX_N}] (completions per prompt), got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got "
+                 f"{self.prompt_logprobs}")
         if self.top_k > I32_MAX:
             fail(f"top_k must be <= {I32_MAX} (int32 on device; any k >= the vocabulary size "
                  f"keeps every token), got {self.top_k}")

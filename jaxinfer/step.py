@@ -56,6 +56,14 @@ class LogitsControls:
     banned: jax.Array
 
 
+def resolve_tokens(tokens: jax.Array, prev_tokens: jax.Array | None) -> jax.Array:
+    """i32[T] ``tokens`` with each placeholder ``-(r + 1)`` replaced by ``prev_tokens[r]``."""
+    if prev_tokens is None:
+        return tokens
+    from_prev = prev_tokens[jnp.clip(-tokens - 1, 0, prev_tokens.shape[0] - 1)]
+    return jnp.where(tokens < 0, from_prev, tokens)
+
+
 def forward_step(
     params: Params,
     kv: KVCache,
@@ -88,10 +96,7 @@ def forward_step(
     Raises:
         ValueError: ``batch_invariant`` with an ``attn_impl`` other than "xla".
     """
-    tokens = batch.tokens
-    if prev_tokens is not None:
-        from_prev = prev_tokens[jnp.clip(-tokens - 1, 0, prev_tokens.shape[0] - 1)]
-        tokens = jnp.where(tokens < 0, from_prev, tokens)
+    tokens = resolve_tokens(batch.tokens, prev_tokens)
     if batch_invariant:
         if resolve_attn_impl(attn_impl) != "xla":
             raise ValueError(f"batch_invariant=True runs its own XLA attention; attn_impl="
