@@ -314,6 +314,46 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
+    def score(self, pairs: Sequence[tuple[str, str] | tuple[Sequence[int], Sequence[int]]]
+              ) -> list:
+        """Log-likelihood of each continuation given its context (lm-evaluation-harness's
+        ``loglikelihood``), batched through the engine as prompt-logprob requests.
+
+        Args:
+            pairs: (context, continuation) pairs, both strings (tokenized as lm-eval's HFLM:
+                ``jaxinfer.scoring``) or both lists of token ids (used as given).
+
+        Returns:
+            One ``scoring.ScoreResult`` per pair, in order: ``logprob`` (sum over the
+            continuation's tokens), ``num_tokens``, ``is_greedy``, ``token_logprobs``, the ids;
+            or ``error`` set (a pair whose continuation has zero tokens, an empty context of
+            ids, more than ``max_model_len - 1`` tokens in all, ids outside the vocabulary,
+            text without a tokenizer, or an engine that refuses ``prompt_logprobs``:
+            speculative decoding, ``batch_invariant``); the other pairs are scored.
+        """
+        from jaxinfer.scoring import score
+
+        return score(self, pairs)
+
+    def perplexity(self, texts: Sequence[str | Sequence[int]], stride: int | None = None
+                   ) -> list:
+        """Rolling log-likelihood of whole texts (lm-eval's ``loglikelihood_rolling``) over
+        windows of ``max_model_len - 2`` tokens (``scoring.rolling_windows``: every token scored
+        exactly once; ``stride`` = tokens scored per window after the first, None = a full
+        window, so later windows see at least ``max_model_len - 1 - stride`` tokens of context).
+
+        Returns:
+            One ``scoring.PerplexityResult`` per text: ``logprob`` (total), ``num_tokens``,
+            ``perplexity`` = exp(-logprob / num_tokens), ``num_windows``; or ``error`` set (a
+            text of zero tokens, text without a tokenizer, a window the engine refused).
+
+        Raises:
+            ValueError: ``stride`` not an integer in [1, max_model_len - 2].
+        """
+        from jaxinfer.scoring import perplexity
+
+        return perplexity(self, texts, stride)
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
