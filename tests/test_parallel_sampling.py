@@ -271,6 +271,8 @@ def _records() -> list[dict]:
         {**PAIR, "id": "s14", "seed": 14},
         {**PAIR, "id": "s15", "seed": 15},
         {"id": "greedy", "prompt": PROMPT, "temperature": 0, "max_tokens": 30},
+        # No seed: each completion's is drawn at the start and kept in the partial file.
+        {"id": "free", "prompt": PROMPT, "temperature": 0.8, "max_tokens": 40, "n": 2},
         {"id": "zero", "prompt": PROMPT, "n": 0},
         {"id": "bool", "prompt": PROMPT, "n": True},
         {"id": "float", "prompt": PROMPT, "n": 2.0},
@@ -311,6 +313,7 @@ def test_cli_records_and_resume_mid_completion(tmp_path, capsys, monkeypatch):
     assert [len(c["token_ids"]) for c in pair["outputs"]] == [25, 11]
     assert pair["usage"] == {"prompt_tokens": recs["s14"]["usage"]["prompt_tokens"],
                              "completion_tokens": 36}
+    assert recs["free"]["outputs"][0] != recs["free"]["outputs"][1]
     # n = 1 records keep their shape.
     assert list(recs["greedy"]) == ["id", "text", "token_ids", "finish_reason", "stop_reason",
                                     "usage", "metrics"]
@@ -333,6 +336,8 @@ def test_cli_records_and_resume_mid_completion(tmp_path, capsys, monkeypatch):
     saved = {r["id"]: r for r in json.loads(part.read_text())["requests"]}
     comps = saved["pair"]["completions"]
     assert [c["seed"] for c in comps] == [14, 15]
+    assert len({c["seed"] for c in saved["free"]["completions"]}) == 2
+    assert all(len(c["token_ids"]) > 5 for c in saved["free"]["completions"])
     assert comps[1]["token_ids"] == pair["outputs"][1]["token_ids"][:-1]  # finished: all but last
     assert 11 <= len(comps[0]["token_ids"]) < 25
     assert comps[0]["token_ids"] == pair["outputs"][0]["token_ids"][:len(comps[0]["token_ids"])]
