@@ -294,3 +294,18 @@ def test_cli_summary_hit_rate_and_no_prefix_caching(tmp_path, capsys):
     assert on["prefix_cache_hit_rate"] == round(cached / on["prompt_tokens"], 4)
     assert off["prefix_cache_hit_rate"] == 0 and off["prefix_cached_tokens"] == 0
     assert all(r["metrics"]["num_cached_tokens"] == 0 for r in got_off)
+
+
+def test_n_samples_prefill_the_prompt_once(cached_llm):
+    # The n completions are admitted together: the first computes the prompt's full pages, the
+    # others read them (cached as soon as the step that writes them is scheduled).
+    ids = cached_llm.tokenizer.encode("Once upon a time, there was a little dog named Max. "
+                                      "He liked to run in the park with his friend.")
+    ids = ids + [ids[-1]] * (4 * Z + 3 - len(ids)) if len(ids) < 4 * Z + 3 else ids[:4 * Z + 3]
+    cached_llm.engine.allocator.clear_cache()  # earlier tests cached prompts with this start
+    before = cached_llm.prefix_cache_stats()
+    out = cached_llm.generate([ids], SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=6))[0]
+    after = cached_llm.prefix_cache_stats()
+    assert len(out.outputs) == 4
+    assert after["queried_tokens"] - before["queried_tokens"] == 4 * len(ids)
+    assert after["hit_tokens"] - before["hit_tokens"] == 3 * 4 * Z  # 3 siblings x 4 full pages
