@@ -59,6 +59,7 @@ class Mutation:
 M = Mutation
 OUT_REF = "tests/test_outside_references.py"
 PS = "tests/test_parallel_sampling.py"
+PC = "tests/test_prefix_cache.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M("kv_scale_63", "jaxinfer/quant/kv.py",
@@ -263,6 +264,25 @@ MUTATIONS: list[Mutation] = [
       "states = [ResumeState(next(flat))] * len(cps)", (PS,), "cli_records"),
     M("n_partial_keeps_finished_last_token", "jaxinfer/partial.py",
       "toks, lps = toks[:-1], None if lps is None else lps[:-1]", "pass", (PS,), "cli_records"),
+    # Prefix caching (jaxinfer.prefix_cache, the scheduler's use of it).
+    M("pc_no_token_check_on_hit", "jaxinfer/prefix_cache.py",
+      "if stored_parent != parent or stored_tokens != _token_bytes(tokens[i * z:(i + 1) * z]):",
+      "if False:", (PC,), "collision"),
+    M("pc_evicted_page_stays_cached", "jaxinfer/prefix_cache.py",
+      "                self._uncache(p)\n", "", (PC,), "host_pool"),
+    M("pc_head_pages_evicted_first", "jaxinfer/prefix_cache.py", "for p in reversed(pages):",
+      "for p in pages:", (PC,), "host_pool_shares"),
+    M("pc_last_token_not_computed", "jaxinfer/scheduler.py",
+      "max_pages = min(seq.num_tokens - 1, seq.num_known) // self.page_size",
+      "max_pages = seq.num_known // self.page_size", (PC,), "host_pool or logprobs"),
+    M("pc_pending_tokens_cached", "jaxinfer/scheduler.py",
+      "limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z",
+      "limit = min(num_computed, len(seq.pages) * z) // z", (PC,), "host_pool or shared or tiny"),
+    M("pc_not_cached_at_admission", "jaxinfer/scheduler.py",
+      "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))\n"
+      "            self.cache_full_pages(seq, seq.num_computed + n)",
+      "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))", (PC,),
+      "n_samples or shared"),
 ]
 
 
