@@ -25,6 +25,7 @@ CASES = {
     "bench_roofline": ["bandwidth_gb_s", "results"],
     "bench_kv_memory": ["paged", "contiguous", "budget_tokens", "concurrency_ratio"],
     "bench_compile": ["results"],
+    "bench_prefix_cache": ["results", "cpu", "loadavg_start", "repeats"],
 }
 
 
@@ -81,6 +82,42 @@ def test_quick_emits_json(name, results_dir):
         r = s["results"][0]
         assert set(r) >= {"disabled", "cold", "warm", "compilations_stop_growing"}
         assert "ttft_process_s" in r["warm"]
+    elif name == "bench_prefix_cache":
+        check_prefix_cache(s["results"][0])
+
+
+def check_prefix_cache(r: dict) -> None:
+    """Token counts of bench_prefix_cache's quick run against its sizes (page size 8): each
+    pass starts with an empty cache, so in (a) the first request computes the 3 system-prompt
+    pages and at most the other R - 1 read them; nothing is read with caching off or in (d)."""
+    z, n = r["sizes"], r["sizes"]["requests"]
+    assert r["page_size"] == 8 and z["system"] == 24 and z["header"] == 20
+    assert r["compilations_in_measured_passes"] == 0
+    assert set(r["aims"]) == {"system_prompt_ttft_p50_3x", "system_prompt_throughput_2x",
+                              "no_prefix_at_most_3pct_slower"}
+    first, later = z["first_message"], z["user_message"] + z["chat_answer"]
+    prompt = {"system_prompt": n * (z["system"] + z["question"]),
+              "chat": z["users"] * sum(first + k * later for k in range(z["turns"])),
+              "few_shot": n * (z["header"] + z["shot_question"]),
+              "no_prefix": n * (z["system"] + z["question"])}
+    out = {"system_prompt": n * z["answer"], "chat": z["users"] * z["turns"] * z["chat_answer"],
+           "few_shot": n * z["shot_answer"], "no_prefix": n * z["answer"]}
+    for w, res in r["workloads"].items():
+        assert res["same_tokens"] is True, w
+        for setting in ("on", "off"):
+            f = res[setting]
+            for key in ("ttft_p50_s", "ttft_p99_s", "output_tok_s", "wall_s", "evictions"):
+                assert key in f, (w, setting, key)
+            assert f["prompt_tokens"] == prompt[w] and f["output_tokens"] == out[w], (w, setting)
+            assert f["prefill_tokens_computed"] == f["prompt_tokens"] - f["cached_tokens"]
+            assert f["hit_rate"] == round(f["cached_tokens"] / f["prompt_tokens"], 4)
+            assert f["output_tok_s"] == pytest.approx(f["output_tokens"] / f["wall_s"], rel=1e-3)
+        assert res["off"]["cached_tokens"] == 0, w
+        assert set(res["ratio_on_vs_off"]) >= {"ttft_p50_off_over_on", "output_tok_s_on_over_off"}
+    cached = {w: res["on"]["cached_tokens"] for w, res in r["workloads"].items()}
+    assert 0 < cached["system_prompt"] <= (n - 1) * 24, cached  # 3 full pages of 8
+    assert 0 < cached["few_shot"] <= (n - 1) * 16, cached  # 20 // 8 = 2 full pages
+    assert cached["chat"] > 0 and cached["no_prefix"] == 0, cached
 
 
 # Records shaped as bench_roofline.py and bench_serving.py write them (keys checked above), with
