@@ -1,0 +1,140 @@
+"""``SamplingParams.prompt_logprobs`` against transformers: every prompt position's logprob and
+top-k equal ``log_softmax`` of transformers' f32 logits on the same checkpoint.
+
+Two families (``hf_fixtures``: Llama 2 untied, Gemma 2 with a final logit soft-cap), each in one
+engine with KV pages of 8 tokens and a 7-token step budget, so prompts are prefilled in uneven
+chunks (a 21-token prompt as 2 + 6 + 6 + 6 + 1 beside a decoding request) in batches mixed with
+decoding requests; then a prompt sharing two full cached pages with an earlier one (prefix caching
+on: a request without prompt logprobs reads them, one with them must not), and a prompt whose
+sequence is preempted mid-prefill and recomputed (no entry lost or doubled).
+"""
+
+from __future__ import annotations
+
+import hf_fixtures as H
+import numpy as np
+import pytest
+
+from jaxinfer.errors import RequestError
+from jaxinfer.llm import LLM
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
+
+FAMILIES = ["llama2", "gemma2"]
+ENGINE = dict(max_model_len=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=7,
+              compilation_cache=False, skip_tokenizer_init=True)
+LOGPROB_ATOL = 1e-4  # f32 vs transformers f32, as test_family_engine_parity (logits max_rel 1e-4)
+GAP = 1e-3  # top ids are compared where neighbouring logprobs differ by more than this
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(LLM, reference function: token ids -> log_softmax f64[S, V] of transformers' logits)."""
+    import torch
+
+    name = request.param
+    path = H.build_checkpoint(name, str(tmp_path_factory.mktemp("plp") / name))
+    model = H.hf_model(path, "float32")
+
+    def ref(ids):
+        with torch.no_grad():
+            return _log_softmax(model(torch.tensor([ids])).logits[0].float().numpy())
+
+    return LLM(path, **ENGINE), ref
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, size=n).tolist()
+
+
+def check_against(ref_lp, prompt: list[int], got, k: int) -> None:
+    """``got`` (RequestOutput.prompt_logprobs) equals the reference at every position."""
+    assert got is not None and len(got) == len(prompt), (None if got is None else len(got))
+    assert got[0] is None
+    for i in range(1, len(prompt)):
+        e, row = got[i], ref_lp[i - 1]
+        assert e.token_id == prompt[i], i
+        np.testing.assert_allclose(e.logprob, row[prompt[i]], rtol=0, atol=LOGPROB_ATOL,
+                                   err_msg=f"position {i}")
+        assert len(e.top) == k
+        order = np.argsort(-row, kind="stable")[:k]
+        np.testing.assert_allclose([v for _, v in e.top], row[order], rtol=0, atol=LOGPROB_ATOL)
+        srt = np.sort(row)[::-1]
+        for j, (tid, _) in enumerate(e.top):
+            if (j == 0 or srt[j - 1] - srt[j] > GAP) and (srt[j] - srt[j + 1] > GAP):
+                assert tid == order[j], (i, j)
+
+
+def test_prompt_logprobs_equal_transformers(family):
+    llm, ref = family
+    decode = _tokens(5, 1)
+    a = _tokens(21, 2)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([decode, a], [greedy, SamplingParams(temperature=0, max_tokens=2,
+                                                             prompt_logprobs=5, ignore_eos=True)])
+    assert outs[0].prompt_logprobs is None and len(outs[0].token_ids) == 12
+    assert all(o.error is None for o in outs)
+    check_against(ref(a), a, outs[1].prompt_logprobs, 5)
+    rec = outs[1].to_record()["prompt_logprobs"]
+    assert rec[0] is None and rec[1]["token_id"] == a[1] and len(rec) == len(a)
+
+    # Prefix caching: a's first two pages (16 tokens) are cached now.
+    b = a[:16] + _tokens(6, 3)
+    outs = llm.generate([list(b), list(b), decode],
+                        [SamplingParams(temperature=0, max_tokens=1),
+                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                         greedy])
+    assert outs[0].metrics.num_cached_tokens == 16  # the cache holds b's prefix
+    assert outs[1].metrics.num_cached_tokens == 0  # ... which prompt logprobs must not read
+    check_against(ref(b), b, outs[1].prompt_logprobs, 0)
+    assert outs[1].token_ids == outs[0].token_ids
+
+
+def test_preempted_prompt_recomputed_without_duplicates(family):
+    llm, ref = family
+    eng, p = llm.engine, _tokens(24, 4)
+    eng.add_request("pre", p, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2,
+                                             ignore_eos=True))
+    outs, steps = [], 0
+    while eng.has_unfinished():
+        outs += eng.step()
+        steps += 1
+        seq = eng._requests["pre"].seq if "pre" in eng._requests else None
+        if steps == 3 and seq is not None and seq in eng.scheduler.running:
+            eng.scheduler.preempt(seq)  # mid-prefill: chunks 0..2 already recorded
+    final = outs[-1]
+    assert final.finished and final.metrics.num_preemptions == 1
+    check_against(ref(p), p, final.prompt_logprobs, 2)
+
+
+def test_bad_prompt_logprobs_fail_alone(family):
+    from jaxinfer.prompt_logprobs import check_request
+
+    llm, _ = family
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=MAX_LOGPROBS + 1)
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        SamplingParams.from_dict({"prompt_logprobs": "3"})
+    sp = SamplingParams(prompt_logprobs=15)
+    with pytest.raises(RequestError, match="prompt_logprobs=15 > 20 or the vocabulary size 10"):
+        check_request(sp, 10, False, False)
+    with pytest.raises(RequestError, match="batch_invariant"):
+        check_request(sp, 256, True, False)
+    with pytest.raises(RequestError, match="speculative"):
+        check_request(sp, 256, False, True)
+    # A request the engine refuses fails alone; the others in the batch complete.
+    p = _tokens(6, 5)
+    outs = llm.generate([p, p + [10**6], p],
+                        [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)])
+    assert outs[0].error is None and len(outs[0].prompt_logprobs) == 6
+    assert "outside the vocabulary" in outs[1].error
+    assert outs[2].error is None and len(outs[2].prompt_logprobs[1].top) == 20
