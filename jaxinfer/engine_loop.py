@@ -8,6 +8,14 @@ and a stream whose consumer stops early (``close()``, garbage collection, an exc
 consumer) aborts its unfinished requests so they cost nothing more. Outputs are yielded outside
 the lock. Source: the shape of vLLM's ``LLMEngine`` with per-request output queues
 (``AsyncLLM``'s output handler).
+
+Data-parallel routing: request i of a call goes to the replica whose prefix cache holds the
+longest prefix of its prompt now (``Engine.cached_prefix_tokens``; ties to the first from
+replica i % n on), or to replica i % n when none holds any (or caching is off). Seeds do not
+follow the routing: a request without one samples with the seed replica i % n's host RNG draws
+for it (``draw_seeds``), wherever it runs. Requests of one call that share a prefix not yet
+cached are not grouped (the cache fills as they run). Source: the prefix-aware routing of
+vLLM's and sglang's data-parallel load balancers, reduced to longest cached prefix.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ class EngineLoop:
     """The engines of one ``LLM`` (data-parallel replicas step in turn) behind one lock.
 
     Args:
-        engines: the replicas; request i of a call goes to replica i % len(engines).
+        engines: the replicas; request i of a call goes to the replica holding the longest
+            cached prefix of its prompt, else to replica i % len(engines) (module docstring).
     """
 
     def __init__(self, engines: Sequence[Engine]):
@@ -96,7 +105,10 @@ class EngineLoop:
                     taken = [e for e in eids + [rid] if e in self._routes or e in self._parents]
                     if taken:
                         raise RequestError(self._duplicate_message(rid, taken[0]))
+                    home, eng = eng, self._route(ids, eng)
                     for k, (eid, (csp, crs)) in enumerate(zip(eids, children, strict=True)):
+                        if eng is not home and crs is None:  # the seed replica i % n draws
+                            crs = ResumeState(home.draw_seed(csp))
                         try:
                             eng.add_request(eid, ids, csp, prompt=text, resume=crs)
                         except JaxinferError:
@@ -136,8 +148,8 @@ class EngineLoop:
 
     def draw_seeds(self, sampling_params: Sequence[SamplingParams]) -> list[int]:
         """The seeds requests with these params would sample with if ``stream`` got them now in
-        this order (request i on replica i % n): each one's own, or one drawn from its replica's
-        host RNG (advancing it, so ``stream`` then draws other seeds).
+        this order: each one's own, or one drawn from the host RNG of replica i % n (advancing
+        it, so ``stream`` then draws other seeds), wherever the routing then runs request i.
 
         Raises:
             ValueError: params with ``n`` > 1 (draw the seeds of their completions:
@@ -150,6 +162,18 @@ class EngineLoop:
         with self._lock:
             return [self.engines[i % len(self.engines)].draw_seed(sp)
                     for i, sp in enumerate(sampling_params)]
+
+    def _route(self, ids: list[int], home: Engine) -> Engine:
+        """The replica a prompt runs on: the one whose prefix cache holds the most of ``ids``
+        (ties to the first from ``home`` on), ``home`` (replica i % n) when none holds any
+        (lock held)."""
+        if len(self.engines) == 1:
+            return home
+        start = self.engines.index(home)
+        order = self.engines[start:] + self.engines[:start]
+        hits = [e.cached_prefix_tokens(ids) for e in order]
+        best = max(hits)
+        return order[hits.index(best)] if best > 0 else home
 
     def _duplicate_message(self, rid: str, taken: str) -> str:
         """Why request ``rid`` cannot run: id ``taken`` (its own or one of its completions') is
