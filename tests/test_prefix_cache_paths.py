@@ -1,0 +1,319 @@
+"""Prefix caching on every path the engine has (issue 18 point 3): chunked prefill, preemption
+and recompute, async scheduling on and off, the XLA attention over the page-major and the
+head-major pool, both Pallas kernels (interpret mode), int8 KV pages, speculative decoding
+(n-gram and draft model), batch-invariant mode; tensor and data parallel run in
+tests/prefix_cache_sharded_check.py (8 fake CPU devices, one subprocess).
+
+Reference: the same workload with ``enable_prefix_caching=False`` (the engine the rest of the
+suite ties to llama2.c and transformers). Each path shows sharing happened (cache hits, per-output
+``num_cached_tokens``), outputs token-identical to the reference, the pool's invariants after
+every step, and at the end every page free or cached (``num_free`` = pool - 1).
+
+Sizes are shared by most engines here (max_model_len 32, 8-token pages, 12 pages, 4 rows) so
+their steps compile once per layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.sampling import SamplingParams
+
+Z = 8
+SIZES = dict(max_model_len=32, page_size=Z, num_pages=12, max_num_seqs=4, max_num_batched_tokens=32,
+             max_prefill_seqs=4, unroll_layers=False)  # lax.scan: compiles ~2x faster
+TEXT = "Once upon a time, in a small town, there lived a kind old man who"
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir):
+    from jaxinfer.loaders import load
+
+    return load(stories_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def base_ids(stories):
+    ids = stories.tokenizer.encode(TEXT)
+    assert len(ids) >= 28
+    return ids
+
+
+def make_engine(model, caching: bool, **kw) -> Engine:
+    ecfg = EngineConfig(**{**SIZES, **kw, "enable_prefix_caching": caching})
+    return Engine(model.config, model.params, model.tokenizer, ecfg)
+
+
+def run_waves(eng: Engine, waves) -> list:
+    """Runs each wave of (prompt ids, params) to completion, in order; returns the final outputs
+    in order. Checks the pool's invariants after every step and that every page ends free or
+    cached."""
+    outs = []
+    cached = hasattr(eng.allocator, "check_invariants")
+    for w, wave in enumerate(waves):
+        for i, (ids, sp) in enumerate(wave):
+            eng.validate(ids, sp)
+            eng.add_request(f"w{w}-{i}", ids, sp)
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+            if cached:
+                eng.allocator.check_invariants()
+        outs += [done[f"w{w}-{i}"] for i in range(len(wave))]
+    assert eng.allocator.num_free == eng.ecfg.num_pages - 1  # free + cached = the pool
+    assert int(eng.allocator.refcounts[1:].sum()) == 0  # nobody holds a page
+    return outs
+
+
+def assert_same(on, off, logprob_atol: float = 1e-5):
+    """Tokens equal; logprobs (raw, float32) within ``logprob_atol``: the cached run computes
+    fewer prompt tokens per step, so its sums run in another order."""
+    for a, b in zip(on, off, strict=True):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), a.request_id
+        if b.logprobs is not None:
+            assert [lp.token_id for lp in a.logprobs] == a.token_ids
+            np.testing.assert_allclose([lp.logprob for lp in a.logprobs],
+                                       [lp.logprob for lp in b.logprobs], rtol=0, atol=logprob_atol)
+
+
+def cached_tokens_formula(prompt, earlier) -> int:
+    """Tokens of ``prompt`` a request admitted after ``earlier`` finished (nothing evicted) reads
+    from the cache: the longest run of leading full pages equal to the computed tokens of one
+    earlier sequence (its prompt + output but the last token, never computed), at most
+    ``len(prompt) - 1`` tokens (the last prompt token is always computed)."""
+    best = 0
+    for ids, out in earlier:
+        computed = (list(ids) + list(out.token_ids))[:-1]
+        n = 0
+        while (n + 1) * Z <= min(len(computed), len(prompt) - 1) and \
+                computed[n * Z:(n + 1) * Z] == list(prompt[n * Z:(n + 1) * Z]):
+            n += 1
+        best = max(best, n * Z)
+    return best
+
+
+def waves_for(base, max_tokens=3, logprobs=2):
+    """Two waves sharing prefixes: wave 2 runs after wave 1 has finished (cached pages of finished
+    sequences) and its own requests share pages admitted in the same step. Prefixes page-aligned
+    (16) and not (19), a prompt equal to an earlier one, one a token longer than a page (9),
+    greedy and seeded rows."""
+    def sp(i):
+        return SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=max_tokens,
+                              ignore_eos=True, logprobs=logprobs)
+
+    p19, p16 = base[:19], base[:16]
+    wave1 = [(p19 + [37, 81, 5], sp(0)), (p16 + [9, 11, 400, 2, 70], sp(1))]
+    wave2 = [(p19 + [37, 81, 5], sp(2)),  # whole prompt cached but its last token's page
+             (p19 + [300, 301], sp(3)),  # 19-token prefix: two full pages
+             (p19 + [302, 303, 304], sp(4)),  # the same, admitted in the same step
+             (p16 + [9, 11, 400, 2, 70, 71], sp(5)),  # aligned prefix + more
+             (base[:9], sp(6))]  # one token longer than a page
+    return [wave1, wave2]
+
+
+def check_hits(eng, waves, outs):
+    stats = eng.prefix_cache_stats()
+    assert stats["hit_tokens"] > 0, stats
+    first = waves[1][0][0]  # admitted first in wave 2: nothing evicted yet
+    earlier = [(ids, o) for (ids, _), o in zip(waves[0], outs[:len(waves[0])], strict=True)]
+    want = cached_tokens_formula(first, earlier)
+    assert want == 16 and outs[len(waves[0])].metrics.num_cached_tokens == want
+    assert sum(o.metrics.num_cached_tokens for o in outs) == stats["hit_tokens"]
+    return stats
+
+
+# ---------------------------------------------------------------- XLA paths
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("budget", [32, 5], ids=["one-step-prefill", "chunked"])
+def test_page_major_pool(stories, base_ids, async_scheduling, budget):
+    """The CPU pool layout (page-major); async on and off; prompts prefilled in one step or
+    chunked over several (budget 5 < every prompt: each is split, and cached prefixes start
+    chunks mid-prompt). Unrolled layers (the CPU default) run with caching in
+    tests/test_prefix_cache.py."""
+    kw = dict(async_scheduling=async_scheduling, max_num_batched_tokens=max(budget, 4),
+              kv_page_major=True)
+    waves = waves_for(base_ids)
+    on = make_engine(stories, True, **kw)
+    outs_on = run_waves(on, waves)
+    outs_off = run_waves(make_engine(stories, False, **kw), waves)
+    assert_same(outs_on, outs_off)
+    check_hits(on, waves, outs_on)
+
+
+def test_head_major_pool_int8_pages(stories, base_ids):
+    """The XLA attention over the head-major pool [L, K, P, Z, H] (the TPU/GPU layout) with int8
+    pages and their per-token, per-head scales: a shared page's scales come with it. (Float
+    head-major pools run cached in the tensor-parallel test.)"""
+    kw = dict(kv_page_major=False, kv_cache_dtype="int8")
+    waves = waves_for(base_ids)
+    on = make_engine(stories, True, **kw)
+    outs_on = run_waves(on, waves)
+    assert_same(outs_on, run_waves(make_engine(stories, False, **kw), waves))
+    check_hits(on, waves, outs_on)
+    assert not on.kv_page_major and on.kv.k_scales is not None
+
+
+def test_preemption_and_recompute(stories, base_ids):
+    """A pool too small for the rows (11 pages for 4 rows of up to 4): sequences are preempted
+    and recomputed (from the cache: their own pages stay cached when freed), cached pages are
+    evicted."""
+    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=12, ignore_eos=True)
+          for i in range(6)]
+    prompts = [base_ids[:17] + [40 + i] for i in range(3)]
+    prompts += [[1] + base_ids[5 + 3 * i:21 + 3 * i] for i in range(3)]
+    waves = [list(zip(prompts, sp, strict=True))]
+    on = make_engine(stories, True)
+    outs_on = run_waves(on, waves)
+    off = make_engine(stories, False)
+    assert_same(outs_on, run_waves(off, waves))
+    assert on.scheduler.num_preemptions > 0 and off.scheduler.num_preemptions > 0
+    assert any(o.metrics.num_preemptions for o in outs_on)
+    stats = on.prefix_cache_stats()
+    assert [o.metrics.num_cached_tokens for o in outs_on[:3]] == [0, 16, 16]
+    assert stats["evictions"] > 0, stats
+    # a preempted sequence recomputes from its own cached pages: hits beyond the first admissions
+    assert stats["hit_tokens"] > sum(o.metrics.num_cached_tokens for o in outs_on), stats
+
+
+def test_batch_invariant_bitwise(stories, base_ids):
+    """batch_invariant=True: tokens and logprobs bitwise equal with caching on and off (a cached
+    prefix changes a row's chunking, which batch-invariant mode makes irrelevant)."""
+    kw = dict(batch_invariant=True)
+    waves = waves_for(base_ids)
+    on = make_engine(stories, True, **kw)
+    outs_on = run_waves(on, waves)
+    outs_off = run_waves(make_engine(stories, False, **kw), waves)
+    for a, b in zip(outs_on, outs_off, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
+            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
+    check_hits(on, waves, outs_on)
+
+
+# ---------------------------------------------------------------- Pallas kernels (interpret mode)
+
+
+class _IdsOnly:
+    """Token ids in and out (a random model has no tokenizer)."""
+
+    eos_ids = ()
+    bos_id = None
+    has_text = False
+
+
+def _pallas_waves(prefix, max_tokens=2):
+    """One request, then one sharing its first 16-token page (two steps each: interpreted
+    kernels are slow)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [[(prefix[:17] + [30], sp)], [(prefix[:17] + [31, 32], sp)]]
+
+
+def _pallas_check(cfg, params, tokenizer, attn_impl, waves):
+    kw = dict(max_model_len=32, page_size=16, num_pages=6, max_num_seqs=2,
+              max_num_batched_tokens=32, max_prefill_seqs=2, unroll_layers=False)
+    engines = {c: Engine(cfg, params, tokenizer, EngineConfig(**kw, attn_impl=attn_impl,
+                                                              enable_prefix_caching=c))
+               for c in (True, False)}
+    outs = {c: run_waves(e, waves) for c, e in engines.items()}
+    assert_same(outs[True], outs[False])
+    assert outs[True][1].metrics.num_cached_tokens == 16
+    assert engines[True].prefix_cache_stats()["hit_tokens"] == 16
+
+
+def test_pallas_tpu_kernel_interpret(stories, base_ids):
+    _pallas_check(stories.config, stories.params, stories.tokenizer, "pallas_tpu_interpret",
+                  _pallas_waves(base_ids))
+
+
+def test_pallas_gpu_kernel_interpret():
+    """The GPU kernel cannot tile stories260K (head_dim 8): a tiny random model with head_dim 16
+    and two query heads per KV head."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.params import init_random
+
+    cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    params = init_random(cfg, jax.random.key(0), scale=0.3)
+    prefix = np.random.default_rng(0).integers(3, 64, 20).tolist()
+    _pallas_check(cfg, params, _IdsOnly(), "pallas_gpu_interpret", _pallas_waves(prefix))
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+
+def _spec_engine(model, caching, method, draft):
+    from jaxinfer.speculative.engine import make_spec_engine
+
+    eng = make_engine(model, caching, async_scheduling=False)
+    return make_spec_engine(eng, method, 3, draft, None)
+
+
+@pytest.mark.parametrize("method, draft", [("ngram", None), ("draft-model", "layers:1")])
+def test_speculative_rejected_drafts_never_poison_shared_pages(stories, base_ids, method, draft):
+    """Rounds write K/V for drafts past a sequence's known tokens and roll rejected ones back;
+    only pages of known, computed tokens may be cached. Wave 1 decodes A over three pages with
+    rejections; wave 2 reads A's pages written during its decode rounds (prompts = A's tokens up
+    to each page boundary + one more), while two new sequences sharing their prefix pages with
+    each other decode with rejections of their own. Logprobs are compared too: a rejected draft's
+    K/V in a cached slot shows in them even where the greedy token survives."""
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    a = base_ids[:10]
+    engines = {c: _spec_engine(stories, c, method, draft) for c in (True, False)}
+    first = {c: run_waves(e, [[(a, sp)]]) for c, e in engines.items()}
+    assert_same(first[True], first[False])
+    known = a + first[False][0].token_ids
+    wave2 = [(known[:n] + [7], short) for n in (16, 24)]
+    wave2 += [(base_ids[:18] + [40], short), (base_ids[:18] + [41, 42], short)]
+    outs = {c: run_waves(e, [wave2]) for c, e in engines.items()}
+    assert_same(outs[True], outs[False])
+    # A's pages (its first page is base_ids[:8]), then the page the third admitted in this step
+    assert [o.metrics.num_cached_tokens for o in outs[True]] == [16, 24, 8, 16]
+    rates = {c: [o.metrics.acceptance_rate for o in first[c] + outs[c]] for c in (True, False)}
+    assert min(rates[True]) < 1.0, rates  # drafts were rejected
+    # the drafts too are the same (the draft model's pool shares the target's page ids, so a
+    # cached page must hold the draft model's K/V of its tokens as well)
+    assert rates[True] == rates[False]
+
+
+# ---------------------------------------------------------------- tensor and data parallel
+
+
+def test_tensor_and_data_parallel_with_prefix_aware_routing():
+    """tp=2 x dp=2 on 8 fake CPU devices (tests/prefix_cache_sharded_check.py): the same tokens
+    (and logprobs within f32 tolerance) with caching on and off; wave 2's requests land on the
+    replica holding their prefix (i % 2 would send the first two to the other one) and read it
+    from the cache; a prompt no replica holds goes to i % 2; seeds follow replica i % 2's draws
+    (``draw_seeds``), not the routing, so seedless sampled rows equal the caching-off run's."""
+    script = Path(__file__).with_name("prefix_cache_sharded_check.py")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    on, off = report["on"], report["off"]
+    assert on["devices_per_replica"] == [2, 2]
+    assert on["tokens"] == off["tokens"]
+    for a, b in zip(on["logprobs"], off["logprobs"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    # wave 1: P on replica 0, Q on replica 1; wave 2: Q, P, Q go where they are cached
+    assert on["replicas"] == [1, 0, 1, 1] and off["replicas"] == [0, 1, 0, 1]
+    assert on["cached"] == [0, 0, 16, 16, 16, 0] and off["cached"] == [0] * 6
+    assert [s["hit_tokens"] for s in on["stats"]] == [16, 32]
+    assert on["predicted_seeds"] == off["predicted_seeds"]
+    # rerouted requests (0, 1, 2) carry the seed replica i % 2 draws (request 1: its own)
+    assert on["resume_seeds"][:3] == on["predicted_seeds"][:3]
+    assert on["pool_free"] == [True, True] and off["pool_free"] == [True, True]
