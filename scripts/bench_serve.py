@@ -1,0 +1,315 @@
+"""Online serving benchmark in the shape of vLLM's ``benchmark_serving``: `jaxinfer serve` beside
+peers on the same weights, one run.
+
+    python scripts/bench_serve.py                                   # stories260K, rates 1,4,16,inf
+    python scripts/bench_serve.py --request-rates 2,inf --num-prompts 200 --max-concurrency 32
+    python scripts/bench_serve.py --quick                           # smoke test
+    python scripts/bench_serve.py --base-url http://127.0.0.1:8000 --served-model NAME  # running
+
+Workload (``benchlib.make_workload``, seeded): ShareGPT-like log-normal prompt and output lengths;
+the prompts are random token ids decoded to text (every server gets the same text), greedy, each
+request asking for its own ``max_tokens`` (``ignore_eos`` where the server has vLLM's field).
+Arrivals: a Poisson process at each ``--request-rates`` value (requests/s; ``inf`` = all at once),
+at most ``--max-concurrency`` requests in flight. Every request streams (``/v1/completions``,
+``stream_options.include_usage``): TTFT = first text chunk - send, ITL = gaps between text
+chunks, TPOT = (end - first chunk) / (output tokens - 1), output tokens from the usage chunk
+(else the chunks counted). A request that errors, or ends without ``[DONE]``, is a failure.
+
+Servers, each started as a subprocess on a free loopback port (SIGTERM after):
+
+- ``jaxinfer``: ``jaxinfer serve --warmup`` (float32 on CPU).
+- ``transformers``: ``transformers serve <dir> --continuous-batching`` on the same weights
+  converted to a Hugging Face directory (``benchlib.stories_hf_dir`` plus the SentencePiece
+  tokenizer); skipped with the reason when it cannot start (transformers 5.24 needs
+  ``accelerate`` for its device map, which this venv lacks: skipped here).
+- ``llamacpp``: ``python -m llama_cpp.server`` when ``llama_cpp`` is installed and ``--gguf``
+  names the same weights as GGUF; skipped cleanly otherwise (its source build takes most of an
+  hour on 2 cores).
+
+Before the measured rates, one pass of the workload at rate inf compiles jaxinfer's step
+shapes (reported as ``cold_pass``; ``--no-warm-pass`` skips it). Reported per server and rate:
+completed, failures, duration, request throughput, output tok/s, TTFT / TPOT / ITL (mean, p50,
+p99, seconds), the server's RSS at start, after the cold pass and at the end (``/proc``), and
+the jaxinfer / peer ratios. One JSON line on stdout, appended to ``results/bench_serve.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from benchlib import STORIES, add_common_args, emit, host_info, log, make_workload, ratio, stats
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+class Server:
+    """A server subprocess (or an external URL) and what to send it."""
+
+    def __init__(self, name: str, cmd: list[str] | None, url: str, model: str, vllm_extras: bool,
+                 start_timeout: float = 600.0, env: dict | None = None):
+        self.name, self.cmd, self.url, self.model = name, cmd, url, model
+        self.vllm_extras, self.start_timeout, self.env = vllm_extras, start_timeout, env
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    def start(self, log_dir: Path) -> str | None:
+        """Starts and waits for ``/health``; returns why it could not, or None."""
+        import httpx
+
+        if self.cmd is None:
+            return None
+        self.log_path = log_dir / f"{self.name}.log"
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log_path, "w"),  # noqa: SIM115
+                                     stderr=subprocess.STDOUT, env=self.env or dict(os.environ))
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text()[-600:]
+                return f"exited with status {self.proc.returncode}: {tail}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return None
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        return f"not up after {self.start_timeout:.0f} s"
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(30)
+
+
+async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if server.vllm_extras:
+        body["ignore_eos"] = True
+    t0 = time.perf_counter()
+    times, usage, done, err = [], None, False, None
+    try:
+        async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    err = str(chunk["error"])[:200]
+                    continue
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    times.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
+    end = time.perf_counter()
+    if err or not done or not times:
+        return {"ok": False, "error": err or ("no [DONE]" if not done else "no text")}
+    n_out = usage["completion_tokens"] if usage else len(times)
+    return {"ok": True, "ttft": times[0] - t0, "e2e": end - t0, "out": n_out,
+            "tpot": (times[-1] - times[0]) / (n_out - 1) if n_out > 1 else None,
+            "itl": list(np.diff(times))}
+
+
+async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
+                    concurrency: int, seed: int) -> dict:
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    gaps = np.zeros(len(work)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(work))
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def go(prompt, max_tokens):
+            async with sem:
+                return await _one(client, server, prompt, max_tokens)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for (prompt, max_tokens), gap in zip(work, gaps, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(go(prompt, max_tokens)))
+        results = await asyncio.gather(*tasks)
+        dur = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    out_tokens = sum(r["out"] for r in ok)
+    return {
+        "rate": "inf" if math.isinf(rate) else rate, "completed": len(ok),
+        "failures": len(results) - len(ok),
+        "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
+        "duration_s": round(dur, 3), "request_throughput": round(len(ok) / dur, 3),
+        "output_tok_s": round(out_tokens / dur, 2), "output_tokens": out_tokens,
+        "ttft_s": stats([r["ttft"] for r in ok]), "tpot_s": stats([r["tpot"] for r in ok]),
+        "itl_s": stats([x for r in ok for x in r["itl"]]),
+        "e2e_s": stats([r["e2e"] for r in ok]),
+    }
+
+
+def _hf_serve_dir() -> Path:
+    """stories260K as a Hugging Face directory with its tokenizer (for `transformers serve`)."""
+    from benchlib import stories_hf_dir
+    from transformers import LlamaTokenizer
+
+    src = stories_hf_dir()
+    path = src.with_name("stories260K-hf-serve")
+    if not (path / "tokenizer_config.json").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        shutil.copytree(src, tmp)
+        LlamaTokenizer(vocab_file=str(STORIES / "tok512.model")).save_pretrained(tmp)
+        tmp.rename(path)
+    return path
+
+
+def _servers(args) -> tuple[list[Server], dict]:
+    skipped: dict[str, str] = {}
+    if args.base_url:
+        return [Server("jaxinfer", None, args.base_url.rstrip("/"), args.served_model, True)], {}
+    servers = []
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(args.model), "--port",
+           str(port), "--warmup", "--max-num-seqs", str(args.max_num_seqs), "--log-level",
+           "warning", "--served-model-name", "bench"]
+    servers.append(Server("jaxinfer", cmd, f"http://127.0.0.1:{port}", "bench", True))
+    if "transformers" in args.peers:
+        exe = shutil.which("transformers")
+        if exe is None or importlib.util.find_spec("transformers") is None:
+            skipped["transformers"] = "the transformers CLI is not installed"
+        else:
+            try:
+                hf = _hf_serve_dir()
+                port = _free_port()
+                env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+                servers.append(Server(
+                    "transformers", [exe, "serve", str(hf), "--port", str(port),
+                                     "--continuous-batching", "--device", "cpu",
+                                     "--dtype", "float32"],
+                    f"http://127.0.0.1:{port}", str(hf), False, env=env))
+            except Exception as e:  # noqa: BLE001 - the peer is optional
+                skipped["transformers"] = f"cannot prepare the HF directory: {e}"[:300]
+    if "llamacpp" in args.peers:
+        if importlib.util.find_spec("llama_cpp") is None:
+            skipped["llamacpp"] = "llama-cpp-python is not installed"
+        elif not args.gguf:
+            skipped["llamacpp"] = "no --gguf file of the same weights"
+        else:
+            port = _free_port()
+            servers.append(Server(
+                "llamacpp", [sys.executable, "-m", "llama_cpp.server", "--model", args.gguf,
+                             "--port", str(port), "--host", "127.0.0.1"],
+                f"http://127.0.0.1:{port}", args.gguf, False))
+    return servers, skipped
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--model", default=str(STORIES), help="checkpoint for jaxinfer serve")
+    ap.add_argument("--base-url", default=None, help="benchmark a server already running")
+    ap.add_argument("--served-model", default=None, help="its model name (with --base-url)")
+    ap.add_argument("--peers", default="transformers,llamacpp",
+                    help="comma list: transformers, llamacpp ('' for none)")
+    ap.add_argument("--gguf", default=None, help="the same weights as GGUF, for llama.cpp")
+    ap.add_argument("--request-rates", default="1,4,16,inf")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--mean-input", type=float, default=48)
+    ap.add_argument("--mean-output", type=float, default=64)
+    ap.add_argument("--no-warm-pass", action="store_true",
+                    help="measure from a cold server (by default one pass of the workload at "
+                    "rate inf runs first, so step shapes are compiled; reported as cold_pass)")
+    args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.request_rates, args.mean_output = 16, "8,inf", 24
+    rates = [float(r) for r in args.request_rates.split(",")]
+    args.peers = [p for p in args.peers.split(",") if p]
+
+    from jaxinfer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(STORIES / "tok512.model", vocab_size=512)
+    work = [(tok.decode(ids[1:]), mt) for ids, mt in make_workload(
+        args.num_prompts, max_model_len=512, vocab=512, seed=args.seed,
+        mean_input=args.mean_input, mean_output=args.mean_output)]
+    servers, skipped = _servers(args)
+    log_dir = Path(args.results_dir) / "bench_serve_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for srv in servers:
+        log(f"starting {srv.name}")
+        why = srv.start(log_dir)
+        if why is not None:
+            skipped[srv.name] = why
+            log(f"{srv.name} skipped: {why}")
+            continue
+        pid = srv.proc.pid if srv.proc else None
+        entry = {"rss_mb_start": _rss_mb(pid) if pid else None, "rates": []}
+        if not args.no_warm_pass:  # compiles (jaxinfer) and first-use costs, reported apart
+            cold = asyncio.run(_run_rate(srv, work, math.inf, args.max_concurrency, args.seed))
+            entry["cold_pass"] = {k: cold[k] for k in ("duration_s", "failures",
+                                                      "output_tok_s")}
+            entry["rss_mb_after_cold"] = _rss_mb(pid) if pid else None
+        for i, rate in enumerate(rates):
+            r = asyncio.run(_run_rate(srv, work, rate, args.max_concurrency, args.seed + i))
+            log(f"{srv.name} rate {r['rate']}: {r['output_tok_s']} tok/s, TTFT p50 "
+                f"{r['ttft_s']['p50']} s, {r['failures']} failures")
+            entry["rates"].append(r)
+        entry["rss_mb_end"] = _rss_mb(pid) if pid else None
+        entry["exit_status"] = srv.stop()
+        results[srv.name] = entry
+    ratios = {}
+    base = results.get("jaxinfer")
+    for peer, res in results.items():
+        if peer == "jaxinfer" or base is None:
+            continue
+        ratios[peer] = [{"rate": a["rate"],
+                         "output_tok_s": ratio(a["output_tok_s"], b["output_tok_s"]),
+                         "ttft_p50": ratio(a["ttft_s"]["p50"], b["ttft_s"]["p50"])}
+                        for a, b in zip(base["rates"], res["rates"], strict=True)]
+    emit({"bench": "bench_serve", **host_info(), "num_prompts": args.num_prompts,
+          "max_concurrency": args.max_concurrency, "mean_input": args.mean_input,
+          "mean_output": args.mean_output, "servers": results, "skipped": skipped,
+          "jaxinfer_over_peer": ratios}, "bench_serve", args.results_dir)
+
+
+if __name__ == "__main__":
+    main()
