@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n", type=int, default=d["n"],
                    help="completions per prompt (1..128; vLLM's n: completion i samples with "
                    "seed + i when a seed is set); records with n > 1 hold them in 'outputs'")
+    s.add_argument("--prompt-logprobs", type=int, default=d["prompt_logprobs"], metavar="K",
+                   help="also return each prompt token's logprob and the top K (0..20) of its "
+                   "position ('prompt_logprobs' in the record: null, then one per prompt token)")
     s.add_argument(
         "--sampling-seed",
         type=int,
@@ -307,6 +310,7 @@ def sampling_defaults_from_args(args: argparse.Namespace) -> dict:
         "logprobs": args.logprobs,
         "seed": args.sampling_seed,
         "n": args.n,
+        "prompt_logprobs": args.prompt_logprobs,
     }
     try:
         SamplingParams.from_dict(d)

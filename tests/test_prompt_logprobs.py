@@ -138,3 +138,54 @@ def test_bad_prompt_logprobs_fail_alone(family):
     assert outs[0].error is None and len(outs[0].prompt_logprobs) == 6
     assert "outside the vocabulary" in outs[1].error
     assert outs[2].error is None and len(outs[2].prompt_logprobs[1].top) == 20
+
+
+def test_tiles_cover_every_slot(family, monkeypatch):
+    """``token_logprobs`` made tile by tile (a tile of 8 over 21 slots: a padded last tile) equals
+    numpy's log-softmax of the whole [T, V] logits."""
+    import jax.numpy as jnp
+
+    from jaxinfer import prompt_logprobs as plp
+    from jaxinfer.model import compute_logits
+
+    llm, _ = family
+    eng = llm.engine
+    monkeypatch.setattr(plp, "TILE", 8)
+    hidden = jnp.asarray(np.random.default_rng(0).normal(size=(21, eng.cfg.hidden_size)),
+                         jnp.float32)
+    targets = jnp.asarray(_tokens(21, 6), jnp.int32)
+    out = plp.token_logprobs(eng.params, eng.cfg, hidden, targets, 4)
+    full = _log_softmax(np.asarray(compute_logits(eng.params, eng.cfg, hidden)))
+    np.testing.assert_allclose(out.logprobs, full[np.arange(21), np.asarray(targets)],
+                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out.top_logprobs, -np.sort(-full, -1)[:, :4], rtol=0, atol=1e-5)
+
+
+def test_cli_records_prompt_logprobs(tmp_path, stories_dir):
+    """``jaxinfer generate``: a record's ``prompt_logprobs`` and ``--prompt-logprobs``. The prompt
+    is llama2.c's greedy story from BOS (greedy_reference.json), so at every position its token is
+    the top-1 of the distribution before it; a bad value is that record's error alone."""
+    import json
+
+    from jaxinfer import cli
+
+    story = json.loads((stories_dir / "greedy_reference.json").read_text())[0]
+    assert story["prompt"] == ""
+    recs = [{"id": "story", "prompt": story["expected"][:120], "prompt_logprobs": 2},
+            {"id": "bad", "prompt": "Tom", "prompt_logprobs": MAX_LOGPROBS + 1},
+            {"id": "flag", "prompt": "Tom"},
+            {"id": "off", "prompt": "Tom", "prompt_logprobs": None}]
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc = cli.main(["generate", "--model", str(stories_dir), "--prompts", str(prompts),
+                   "--out", str(out), "--max-model-len", "64", "--max-num-seqs", "4",
+                   "--no-progress", "--quiet", "--temperature", "0", "--max-tokens", "1",
+                   "--prompt-logprobs", "0"])
+    assert rc == 0
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    plp = got["story"]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == got["story"]["usage"]["prompt_tokens"] == 42
+    assert all(e["top"][0][0] == e["token_id"] and len(e["top"]) == 2 for e in plp[1:])
+    assert "prompt_logprobs must be in [0, 20]" in got["bad"]["error"]
+    assert [len(e["top"]) for e in got["flag"]["prompt_logprobs"][1:]] == [0, 0]
+    assert "prompt_logprobs" not in got["off"]
