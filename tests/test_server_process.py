@@ -94,3 +94,26 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
     text = log.read()
     assert "Waiting for connections to close" in text  # it was in flight at the SIGTERM
     assert "jaxinfer: stopped" in text
+
+
+def test_serve_takes_every_engine_flag_of_generate():
+    from jaxinfer.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    gen, serve = sub["generate"], sub["serve"]
+
+    def flags(p, titles):
+        return {s for g in p._action_groups if g.title in titles
+                for a in g._group_actions for s in a.option_strings}
+
+    engine = flags(gen, ("engine", "speculative decoding")) - {"--multihost"}
+    assert engine <= flags(serve, ("engine", "speculative decoding"))
+    assert {"--model", "--tokenizer", "--skip-tokenizer-init", "--host", "--port",
+            "--max-queue", "--warmup", "--drain-timeout"} <= flags(serve, ("model", "server"))
+    args = parser.parse_args(["serve", "--model", "m", "--dtype", "bfloat16", "--port", "9",
+                              "--no-prefix-caching", "--speculative", "ngram", "--max-queue",
+                              "5", "--kv-cache-dtype", "int8"])
+    assert (args.dtype, args.port, args.enable_prefix_caching, args.speculative,
+            args.max_queue, args.kv_cache_dtype, args.host) == (
+        "bfloat16", 9, False, "ngram", 5, "int8", "127.0.0.1")
