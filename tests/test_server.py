@@ -147,15 +147,17 @@ def test_logprobs_seed_stop_and_n_as_llm_generate(server):
         assert r.choices[0].text.endswith("girl") == include
         assert r.choices[0].finish_reason == "stop"
     # n: choice j is completion j of LLM.generate (seed + j), prompts in order
-    r = c.completions.create(model=MODEL, prompt=["The sun was", "Sam"], n=3, max_tokens=10,
+    # (n=2 over two prompts: 4 rows, the decode bucket of the references' 2 rows, no new shape)
+    r = c.completions.create(model=MODEL, prompt=["The sun was", "Sam"], n=2, max_tokens=10,
                              temperature=1.0, seed=5)
-    assert [ch.index for ch in r.choices] == list(range(6))
+    assert [ch.index for ch in r.choices] == list(range(4))
+    tokens = 0
     for i, p in enumerate(["The sun was", "Sam"]):
-        ref = _alone(llm, p, n=3, max_tokens=10, temperature=1.0, seed=5)
-        assert [ch.text for ch in r.choices[3 * i:3 * i + 3]] == [o.text for o in ref.outputs]
-    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs) + sum(
-        len(o.token_ids) for o in _alone(llm, "The sun was", n=3, max_tokens=10,
-                                          temperature=1.0, seed=5).outputs)
+        ref = _alone(llm, p, n=2, max_tokens=10, temperature=1.0, seed=5)
+        assert [ch.text for ch in r.choices[2 * i:2 * i + 2]] == [o.text for o in ref.outputs]
+        tokens += sum(len(o.token_ids) for o in ref.outputs)
+    assert r.choices[0].text != r.choices[1].text  # seed + j: a prompt's choices differ
+    assert r.usage.completion_tokens == tokens
     assert r.usage.prompt_tokens == len(llm.tokenizer.encode("The sun was")) + len(
         llm.tokenizer.encode("Sam"))  # each prompt once, not n times
 
