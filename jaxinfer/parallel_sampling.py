@@ -68,6 +68,9 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
 def child_resume(params: SamplingParams, resume) -> list[ResumeState | None]:
     """The resume state of each child of a request: ``resume`` itself when n = 1, else None for
     all (``resume`` None) or ``resume``'s n states (a sequence of n ``ResumeState`` or None).
+    A completion that had already finished cannot be resumed as it is (the engine refuses a
+    finished partial output, and then the whole request fails): give it without its last token,
+    which is sampled again, the same (``jaxinfer.partial`` does so).
 
     Raises:
         RequestError: ``resume`` is not None and not a sequence of ``params.n`` states.
