@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 
+from jaxinfer import prompt_logprobs as plp
 from jaxinfer.batch import build_step_batch, decode_bucket, next_pow2, row_index
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engine's public names
@@ -28,7 +29,6 @@ from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.paged_attention import check_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.prefix_cache import PrefixCachingAllocator
-from jaxinfer import prompt_logprobs as plp
 from jaxinfer.resume import ResumeState, check_resume
 from jaxinfer.sampling import (
     MAX_LOGPROBS,

@@ -202,4 +202,4 @@ def record(plan: StepPlan, out: PromptLogprobsOut, list_of) -> None:
         k = seq.params.prompt_logprobs
         lst.append(TokenLogprob(int(plan.targets[slot]), float(out.logprobs[slot]),
                                 [(int(a), float(b)) for a, b in
-                                 zip(out.top_ids[slot, :k], out.top_logprobs[slot, :k])]))
+                                 zip(out.top_ids[slot, :k], out.top_logprobs[slot, :k], strict=True)]))

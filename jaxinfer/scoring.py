@@ -179,7 +179,7 @@ def _run(llm, seqs: list[tuple[list[int], list[int]]]) -> list[tuple[list[float]
         if out.finished:
             done[out.request_id] = out
     results = []
-    for rid, (ctx, cont) in zip(ids, seqs, strict=True):
+    for rid, (ctx, _) in zip(ids, seqs, strict=True):
         out = done[rid]
         if out.error is not None:
             results.append(out.error)

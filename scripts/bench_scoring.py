@@ -28,9 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 import benchlib as B
+import numpy as np
 
 
 def _workload(n: int, vocab: int, mean_input: int, rng) -> list[list[int]]:
