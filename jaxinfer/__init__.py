@@ -2,7 +2,7 @@
 
 from jaxinfer.llm import LLM
 from jaxinfer.loaders import LoadedModel, load
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LoadedModel", "RequestOutput", "SamplingParams", "load"]
+__all__ = ["LLM", "CompletionOutput", "LoadedModel", "RequestOutput", "SamplingParams", "load"]
