@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from jaxinfer import prompt_logprobs as plp
+import jaxinfer.prompt_logprobs as plp
 from jaxinfer.batch import build_step_batch, decode_bucket, next_pow2, row_index
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engine's public names
