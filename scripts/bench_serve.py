@@ -20,8 +20,9 @@ Servers, each started as a subprocess on a free loopback port (SIGTERM after):
 - ``jaxinfer``: ``jaxinfer serve --warmup`` (float32 on CPU).
 - ``transformers``: ``transformers serve <dir> --continuous-batching`` on the same weights
   converted to a Hugging Face directory (``benchlib.stories_hf_dir`` plus the SentencePiece
-  tokenizer); skipped with the reason when it cannot start (transformers 5.24 needs
-  ``accelerate`` for its device map, which this venv lacks: skipped here).
+  tokenizer.model and a LlamaTokenizer config, as tests/test_lm_eval.py); it needs
+  ``accelerate`` (the ``dev`` extra) for its device map; skipped with the reason when it cannot
+  start.
 - ``llamacpp``: ``python -m llama_cpp.server`` when ``llama_cpp`` is installed and ``--gguf``
   names the same weights as GGUF; skipped cleanly otherwise (its source build takes most of an
   hour on 2 cores).
@@ -188,14 +189,16 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
 def _hf_serve_dir() -> Path:
     """stories260K as a Hugging Face directory with its tokenizer (for `transformers serve`)."""
     from benchlib import stories_hf_dir
-    from transformers import LlamaTokenizer
 
     src = stories_hf_dir()
-    path = src.with_name("stories260K-hf-serve")
+    path = src.with_name("stories260K-hf-serve2")
     if not (path / "tokenizer_config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         shutil.copytree(src, tmp)
-        LlamaTokenizer(vocab_file=str(STORIES / "tok512.model")).save_pretrained(tmp)
+        shutil.copy(STORIES / "tok512.model", tmp / "tokenizer.model")  # as tests/test_lm_eval
+        (tmp / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+             "unk_token": "<unk>", "add_bos_token": True}))
         tmp.rename(path)
     return path
 
