@@ -19,11 +19,10 @@ import json
 import shutil
 import time
 
+import lm_eval  # noqa: F401  (the test extra has it; a missing one must fail, not skip)
 import numpy as np
 import pytest
 from conftest import STORIES, stories_reference
-
-lm_eval = pytest.importorskip("lm_eval")
 
 TOKEN_ATOL = 1e-4  # per token, f32 vs f32 (test_scoring.LOGPROB_ATOL)
 MAX_LEN = 512  # stories260K's context; the stories_llm fixture's max_model_len
