@@ -254,6 +254,9 @@ class Engine:
         ``resume`` (``check_resume``) or one whose partial output has already finished."""
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}")
+        if params.n != 1:
+            raise RequestError(f"n={params.n}: an engine request is one sequence; n > 1 is run as "
+                               "n requests by LLM / EngineLoop (jaxinfer.parallel_sampling)")
         self._check_stop_strings(params)
         req = self._new_request(request_id, prompt_ids, params, prompt, resume)
         self._requests[request_id] = req

@@ -362,3 +362,11 @@ def test_cli_n_flag(tmp_path, capsys):
     (rec,) = _by_id(out).values()
     assert [c["token_ids"] for c in rec["outputs"]] == [rec["outputs"][0]["token_ids"]] * 2
     assert len(rec["outputs"][0]["token_ids"]) == 6
+
+
+def test_engine_refuses_an_unexpanded_n(stories_llm):
+    # Engine.add_request runs one sequence: n > 1 reaching it directly would silently give one.
+    eng = stories_llm.engine
+    with pytest.raises(RequestError, match="n=3"):
+        eng.add_request("direct-n3", [1, 2, 3], SamplingParams(n=3, max_tokens=2))
+    assert "direct-n3" not in eng._requests and not eng.has_unfinished()
