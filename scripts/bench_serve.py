@@ -13,7 +13,8 @@ Arrivals: a Poisson process at each ``--request-rates`` value (requests/s; ``inf
 at most ``--max-concurrency`` requests in flight. Every request streams (``/v1/completions``,
 ``stream_options.include_usage``): TTFT = first text chunk - send, ITL = gaps between text
 chunks, TPOT = (end - first chunk) / (output tokens - 1), output tokens from the usage chunk
-(else the chunks counted). A request that errors, or ends without ``[DONE]``, is a failure.
+(else the chunks counted). A request that errors, or whose stream ends with neither ``[DONE]``
+nor a ``finish_reason`` (``transformers serve`` sends no ``[DONE]``), is a failure.
 
 Servers, each started as a subprocess on a free loopback port (SIGTERM after):
 
@@ -120,7 +121,7 @@ async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
     if server.vllm_extras:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
-    times, usage, done, err = [], None, False, None
+    times, usage, done, finished, err = [], None, False, False, None
     try:
         async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -140,11 +141,14 @@ async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
                     usage = chunk["usage"]
                 if any(c.get("text") for c in chunk.get("choices") or []):
                     times.append(time.perf_counter())
+                if any(c.get("finish_reason") for c in chunk.get("choices") or []):
+                    finished = True
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
     end = time.perf_counter()
-    if err or not done or not times:
-        return {"ok": False, "error": err or ("no [DONE]" if not done else "no text")}
+    if err or not (done or finished) or not times:
+        return {"ok": False, "error": err or ("no text" if times else
+                                              "neither [DONE] nor a finish_reason")}
     n_out = usage["completion_tokens"] if usage else len(times)
     return {"ok": True, "ttft": times[0] - t0, "e2e": end - t0, "out": n_out,
             "tpot": (times[-1] - times[0]) / (n_out - 1) if n_out > 1 else None,
