@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 
 import lm_eval  # noqa: F401  (the test extra has it; a missing one must fail, not skip)
@@ -203,3 +204,54 @@ def test_generate_until_equals_llama2c(runs):
     want = [t for _, t in _gen_cases()]
     assert [r[0][0] for r in _per_item(ours, "jx_gen")] == want
     assert ours["results"]["jx_gen"]["exact_match,none"] == 1.0
+
+
+def test_command_line_registers_the_model(monkeypatch):
+    """``python -m jaxinfer.eval ARGS`` runs lm-eval's own command line on ARGS with "jaxinfer"
+    registered. (A real run through the command line costs ~15 s of lm-eval indexing its 14k
+    built-in tasks, so it is run by hand: docs/lm_eval.md.)"""
+    import lm_eval.__main__
+    from lm_eval.api.registry import get_model
+
+    from jaxinfer.eval.__main__ import main
+
+    seen = {}
+
+    def fake_cli():
+        seen["argv"] = list(sys.argv)
+        seen["model"] = get_model("jaxinfer")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli)
+    monkeypatch.setattr(sys, "argv", ["python"])
+    main(["--model", "jaxinfer", "--tasks", "x"])
+    assert seen["argv"] == ["lm_eval", "--model", "jaxinfer", "--tasks", "x"]
+    assert seen["model"].__name__ == "JaxInferLM"
+
+
+def test_bad_model_args_and_gen_kwargs_are_named(stories_llm):
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    import jaxinfer.eval
+
+    cls = get_model("jaxinfer")
+    assert cls is jaxinfer.eval.JaxInferLM
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['max_num_seq'\]"):
+        cls.create_from_arg_string(f"pretrained={STORIES},max_num_seq=4")
+    with pytest.raises(ValueError, match="max_model_len or max_length, not both"):
+        cls.create_from_arg_string(f"pretrained={STORIES},max_length=64,max_model_len=64")
+    with pytest.raises(ValueError, match=r"engine arguments \['max_num_seqs'\] given with an LLM"):
+        cls(pretrained=stories_llm, max_num_seqs=4)
+    lm = cls(pretrained=stories_llm)
+    req = lambda kw: Instance("generate_until", {}, ("Once upon a time", kw), 0)
+    with pytest.raises(ValueError, match=r"generation kwargs \['num_beams'\] are not supported"):
+        lm.generate_until([req({"until": ["."], "num_beams": 4})])
+    with pytest.raises(ValueError, match="max_gen_toks=512 leaves no room"):
+        lm.generate_until([req({"until": ["."], "max_gen_toks": 512})])
+    # A continuation longer than the context limit fails naming the request; the others run.
+    long = " ".join(["the dog"] * 400)
+    pairs = [Instance("loglikelihood", {}, ("Once upon a time", " there"), 0),
+             Instance("loglikelihood", {}, ("Once", long), 1)]
+    with pytest.raises(RuntimeError, match=r"1 request\(s\) failed: request 1: context \+ "
+                                           r"continuation has"):
+        lm.loglikelihood(pairs)

@@ -74,8 +74,9 @@ class JaxInferLM(TemplateLM):
         max_model_len: context length in tokens; ``max_length`` is lm-eval's alias (not both).
         max_gen_toks: default ``max_gen_toks`` of ``generate_until`` (256, as lm-eval's).
         add_bos_token: None (the tokenizer's default: Llama tokenizers add BOS), True or False.
-        batch_size: "auto" or an int: requests handed to the engine per call (the engine's batch
-            is ``max_num_seqs``); lm-eval passes it.
+        batch_size: "auto", "auto:N" or an int, checked and otherwise unused: lm-eval passes it (its
+            command line defaults to 1), but every call hands all its requests to the engine,
+            whose continuous batch holds up to ``max_num_seqs`` sequences.
         **llm_kwargs: other ``LLM`` arguments (``max_num_seqs``, ``attn_impl``, ``kv_pages``,
             ``tensor_parallel_size``, ``quantization``, ``enable_prefix_caching``, ...).
 
@@ -93,7 +94,7 @@ class JaxInferLM(TemplateLM):
         for k in _HARNESS_ARGS:
             v = llm_kwargs.pop(k, None)
             if v is not None and k == "device":
-                log.warning("device=%r is ignored: jaxinfer runs on JAX's default backend "
+                log.info("device=%r is ignored: jaxinfer runs on JAX's default backend "
                             "(install jaxinfer[tpu] or jaxinfer[cuda] to change it)", v)
         unknown = sorted(set(llm_kwargs) - _LLM_ARGS)
         if unknown:
@@ -103,10 +104,11 @@ class JaxInferLM(TemplateLM):
             raise ValueError("jaxinfer model_args: give max_model_len or max_length, not both")
         if max_length is not None:
             max_model_len = max_length
-        if batch_size != "auto" and not (isinstance(batch_size, int) and batch_size > 0
-                                         and not isinstance(batch_size, bool)):
-            raise ValueError(f"jaxinfer model_args: batch_size must be 'auto' or a positive "
-                             f"integer, got {batch_size!r}")
+        if not ((isinstance(batch_size, str) and batch_size.startswith("auto"))
+                or (isinstance(batch_size, int) and batch_size > 0
+                    and not isinstance(batch_size, bool))):
+            raise ValueError(f"jaxinfer model_args: batch_size must be 'auto', 'auto:N' or a "
+                             f"positive integer, got {batch_size!r}")
         if not isinstance(max_gen_toks, int) or isinstance(max_gen_toks, bool) or max_gen_toks < 1:
             raise ValueError(f"jaxinfer model_args: max_gen_toks must be a positive integer, "
                              f"got {max_gen_toks!r}")
@@ -130,7 +132,6 @@ class JaxInferLM(TemplateLM):
                              "are text")
         self.tokenizer = self.llm.tokenizer
         self.add_bos_token = add_bos_token
-        self.batch_size = batch_size
         self._max_gen_toks = max_gen_toks
 
     # ------------------------------------------------------------------ tokenizer and sizes
@@ -183,10 +184,6 @@ class JaxInferLM(TemplateLM):
 
     # ------------------------------------------------------------------ requests
 
-    def _chunks(self, items: list) -> list[list]:
-        n = len(items) if self.batch_size == "auto" else self.batch_size
-        return [items[i:i + n] for i in range(0, len(items), max(n, 1))]
-
     @staticmethod
     def _raise_failed(kind: str, failed: list[tuple[int, str]]) -> None:
         if failed:
@@ -210,12 +207,10 @@ class JaxInferLM(TemplateLM):
             # refuses the untruncated pair with its length error.
             pairs.append((whole[:n_ctx], whole[n_ctx:]) if n_ctx > 0 else (list(ctx), list(cont)))
         out, failed = [], []
-        for chunk in self._chunks(list(enumerate(pairs))):
-            results = self.llm.score([p for _, p in chunk])
-            for (i, _), r in zip(chunk, results, strict=True):
-                if r.error is not None:
-                    failed.append((i, r.error))
-                out.append((r.logprob, bool(r.is_greedy)))
+        for i, r in enumerate(self.llm.score(pairs)):
+            if r.error is not None:
+                failed.append((i, r.error))
+            out.append((r.logprob, bool(r.is_greedy)))
         self._raise_failed("loglikelihood", failed)
         for (key, _, _), ans in zip(requests, out, strict=True):
             if key is not None:
@@ -226,13 +221,12 @@ class JaxInferLM(TemplateLM):
         """Total logprob of each document (``Instance.args == (text,)``) over rolling windows."""
         docs = [self.tok_encode(req.args[0]) for req in requests]
         out: list[float | None] = [0.0 if not d else None for d in docs]
-        todo = [(i, d) for i, d in enumerate(docs) if d]
+        todo = [i for i, d in enumerate(docs) if d]
         failed = []
-        for chunk in self._chunks(todo):
-            for (i, _), r in zip(chunk, self.llm.perplexity([d for _, d in chunk]), strict=True):
-                if r.error is not None:
-                    failed.append((i, r.error))
-                out[i] = r.logprob
+        for i, r in zip(todo, self.llm.perplexity([docs[i] for i in todo]), strict=True):
+            if r.error is not None:
+                failed.append((i, r.error))
+            out[i] = r.logprob
         self._raise_failed("loglikelihood_rolling", failed)
         for req, ans in zip(requests, out, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", tuple(req.args), ans)
@@ -270,12 +264,10 @@ class JaxInferLM(TemplateLM):
             params.append(sp)
             untils.append(until)
         texts, failed = [], []
-        for chunk in self._chunks(list(range(len(prompts)))):
-            outs = self.llm.generate([prompts[i] for i in chunk], [params[i] for i in chunk])
-            for i, o in zip(chunk, outs, strict=True):
-                if o.error is not None:
-                    failed.append((i, o.error))
-                texts.append(postprocess_generated_text(o.text or "", untils[i], None))
+        for i, o in enumerate(self.llm.generate(prompts, params)):
+            if o.error is not None:
+                failed.append((i, o.error))
+            texts.append(postprocess_generated_text(o.text or "", untils[i], None))
         self._raise_failed("generate_until", failed)
         for req, text in zip(requests, texts, strict=True):
             self.cache_hook.add_partial("generate_until", tuple(req.args), text)
