@@ -58,6 +58,7 @@ class Mutation:
 
 M = Mutation
 OUT_REF = "tests/test_outside_references.py"
+PCP = "tests/test_prefix_cache_paths.py"
 PS = "tests/test_parallel_sampling.py"
 PC = "tests/test_prefix_cache.py"
 MUTATIONS: list[Mutation] = [
@@ -283,6 +284,31 @@ MUTATIONS: list[Mutation] = [
       "            self.cache_full_pages(seq, seq.num_computed + n)",
       "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))", (PC,),
       "n_samples or shared"),
+    # Prefix caching on every engine path and data-parallel routing (test_prefix_cache_paths).
+    M("pc_recover_keeps_cache", "jaxinfer/engine.py",
+      "self.allocator.clear_cache()  # pages", "pass  # pages", (PCP,), "failed_step"),
+    M("pc_acquire_leaves_page_evictable", "jaxinfer/prefix_cache.py",
+      "            if self.refcounts[p] == 0:\n                del self._evictable[p]\n", "",
+      (PCP,), "preemption or page_major"),
+    M("pc_cached_before_written", "jaxinfer/scheduler.py",
+      "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
+      "            self.cache_full_pages(seq, seq.num_computed + n)",
+      "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
+      "            self.cache_full_pages(seq, seq.num_tokens)", (PCP,), "abort"),
+    M("pc_last_token_page_cached", "jaxinfer/scheduler.py",
+      "        self.cache_full_pages(seq, seq.num_computed)\n",
+      "        self.cache_full_pages(seq, seq.num_computed + 1)\n", (PCP,), "page_major"),
+    M("pc_spec_rejected_slot_cached", "jaxinfer/speculative/engine.py",
+      "        return results\n\n    def _reset_device_state",
+      "        for i, (seq, _, r) in enumerate(verify):  # old num_computed + 1 + r\n"
+      "            if seq.finish_reason is None:\n"
+      "                self.scheduler.cache_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"
+      "        return results\n\n    def _reset_device_state", (PCP,), "speculative"),
+    M("dp_route_ignores_cache", "jaxinfer/engine_loop.py",
+      "return order[hits.index(best)] if best > 0 else home", "return home", (PCP,), "parallel"),
+    M("dp_seed_follows_route", "jaxinfer/engine_loop.py",
+      "                            crs = ResumeState(home.draw_seed(csp))",
+      "                            pass", (PCP,), "parallel"),
     # ---- prompt logprobs and scoring (issue 20)
     M("plp_slot_off_by_one", "jaxinfer/prompt_logprobs.py",
       "int(logits_indices[r]) - row.num_new + 1", "int(logits_indices[r]) - row.num_new",
