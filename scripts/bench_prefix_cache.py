@@ -26,7 +26,8 @@ are over all its waves), output tokens/s and wall (a chat's: the sum of its wave
 (cached prompt tokens / prompt tokens, from ``metrics.num_cached_tokens``), prefill tokens
 computed (prompt tokens - cached tokens: recomputation after a preemption not counted; the
 preemptions are reported), the engine's own hit rate and evictions (``prefix_cache_stats``
-deltas). ``same_tokens`` says whether every output was the same with caching on and off.
+deltas), and ``cache_host_s``, host seconds inside the cache's bookkeeping (``CacheClock``).
+``same_tokens`` says whether every output was the same with caching on and off.
 ``ratio_on_vs_off``: TTFT p50 off / on (higher is better for caching), output tok/s on / off,
 wall on / off. ``aims``: the issue's targets, (a) TTFT p50 >= 3x lower and >= 2x the throughput,
 (d) at most 3 % slower (wall on / off <= 1.03).
