@@ -136,6 +136,32 @@ def test_logprobs_seed_stop_and_n_as_llm_generate(server):
     assert "".join(ch.logprobs.tokens) == ch.text  # token strings add up to the text
     assert ch.logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in
                                                             ch.logprobs.tokens[:-1]]))
+    # echo with logprobs: the prompt's logprobs first (None for its first token), as vLLM
+    kw = dict(max_tokens=6, temperature=0, logprobs=2)
+    r = c.completions.create(model=MODEL, prompt="Tom and his dog", echo=True, **kw)
+    ref = _alone(llm, "Tom and his dog", prompt_logprobs=2, **kw)
+    (ch,) = r.choices
+    n_prompt = len(ref.prompt_token_ids)
+    assert ch.text == "Tom and his dog" + ref.text
+    assert ch.logprobs.token_logprobs == [None] + [lp.logprob for lp in ref.prompt_logprobs[1:]] \
+        + [lp.logprob for lp in ref.logprobs]
+    assert "".join(ch.logprobs.tokens) == ch.text and ch.logprobs.top_logprobs[0] is None
+    assert ch.logprobs.text_offset[n_prompt] == len("Tom and his dog")
+    streamed = list(c.completions.create(model=MODEL, prompt="Tom and his dog", echo=True,
+                                         stream=True, **kw))
+    assert "".join(x.choices[0].text for x in streamed) == ch.text
+    assert [v for x in streamed for v in x.choices[0].logprobs.token_logprobs] == \
+        ch.logprobs.token_logprobs
+    # vLLM's prompt_logprobs field: {token_id: {logprob, decoded_token}} per prompt token
+    r = c.completions.create(model=MODEL, prompt="Tom and his dog", max_tokens=2,
+                             temperature=0, extra_body={"prompt_logprobs": 1})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    ref = _alone(llm, "Tom and his dog", max_tokens=2, temperature=0, prompt_logprobs=1)
+    assert plp[0] is None and len(plp) == len(ref.prompt_token_ids)
+    for got, lp in zip(plp[1:], ref.prompt_logprobs[1:], strict=True):
+        assert got[str(lp.token_id)]["logprob"] == lp.logprob
+        assert {int(t): v["logprob"] for t, v in got.items()} == {lp.token_id: lp.logprob,
+                                                                  **dict(lp.top)}
     # stop strings, kept or cut, and the stop reason
     for include in (False, True):
         r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40,
@@ -348,7 +374,8 @@ ERRORS = [
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [512]}, 400, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),

@@ -30,16 +30,62 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else NEG_INF_LOGPROB
 
 
-def token_text(tok, context: Sequence[int], token_id: int) -> str:
+def token_text(tok, context: Sequence[int], token_id: int, skip_special: bool = False) -> str:
     """The text ``token_id`` adds after ``context`` (its last few ids are decoded with it)."""
     if tok is None or not getattr(tok, "has_text", True):
         return f"token_id:{token_id}"
     win = list(context[-_WINDOW:])
-    before = tok.decode(win, skip_special_tokens=False) if win else ""
-    after = tok.decode(win + [int(token_id)], skip_special_tokens=False)
+    before = tok.decode(win, skip_special_tokens=skip_special) if win else ""
+    after = tok.decode(win + [int(token_id)], skip_special_tokens=skip_special)
     if win and after.startswith(before):
         return after[len(before):]
-    return tok.decode([int(token_id)], skip_special_tokens=False)
+    return tok.decode([int(token_id)], skip_special_tokens=skip_special)
+
+
+def echo_logprobs(tok, prompt_ids: list[int], plps: Sequence[TokenLogprob | None]) -> dict:
+    """The completions ``logprobs`` object of an echoed prompt (``RequestOutput.prompt_logprobs``,
+    None first): the first token has no logprob (null, as vLLM), the token strings are the text
+    each prompt token adds (special tokens as nothing, so they add up to the prompt's text)."""
+    tokens, token_lps, tops, offsets, off = [], [], [], [], 0
+    for i, (tid, lp) in enumerate(zip(prompt_ids, plps, strict=True)):
+        text = token_text(tok, prompt_ids[:i], tid, skip_special=True)
+        tokens.append(text)
+        offsets.append(off)
+        off += len(text)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        top = {token_text(tok, prompt_ids[:i], t, skip_special=True): _lp(v) for t, v in lp.top}
+        top.setdefault(text, _lp(lp.logprob))
+        token_lps.append(_lp(lp.logprob))
+        tops.append(top)
+    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens,
+            "top_logprobs": tops}
+
+
+def join_logprobs(a: dict, b: dict) -> dict:
+    """Two completions ``logprobs`` objects one after the other."""
+    return {k: a[k] + b[k] for k in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
+
+
+def prompt_logprobs(tok, prompt_ids: list[int], plps) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or
+    ``{token_id: {"logprob", "decoded_token"}}`` for the token and the top k."""
+    if plps is None:
+        return None
+    out = []
+    for i, lp in enumerate(plps):
+        if lp is None:
+            out.append(None)
+            continue
+        ctx = prompt_ids[:i]
+        d = {str(t): {"logprob": _lp(v), "decoded_token": token_text(tok, ctx, t)}
+             for t, v in lp.top}
+        d.setdefault(str(lp.token_id), {"logprob": _lp(lp.logprob),
+                                        "decoded_token": token_text(tok, ctx, lp.token_id)})
+        out.append(d)
+    return out
 
 
 def _entries(tok, context: list[int], lps: Sequence[TokenLogprob]):

@@ -2,7 +2,8 @@
 
 Field names and meanings are OpenAI's (``/v1/completions``, ``/v1/chat/completions``) plus
 vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``), and the bodies of
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``prompt_logprobs``),
+and the bodies of
 vLLM's ``/tokenize`` and ``/detokenize``. Bodies are strict: an unknown field, a value of the
 wrong type (``"1"`` for a number) or an OpenAI field this server does not implement with a
 non-default value is a 400 naming the field (``errors.APIError``), never ignored.
@@ -52,6 +53,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
 
     def _common(self) -> dict[str, Any]:
         if self.logit_bias:
@@ -62,7 +64,7 @@ class _SamplingFields(_Strict):
         d = {name: getattr(self, name) for name in (
             "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
             "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens", "n")}
+            "include_stop_str_in_output", "skip_special_tokens", "n", "prompt_logprobs")}
         return {k: v for k, v in d.items() if v is not None}
 
     @property
@@ -88,14 +90,15 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)",
                            param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError("echo with logprobs needs the prompt's logprobs, which this server "
-                           "does not compute yet", param="echo")
         d = self._common()
         d["max_tokens"] = self.max_tokens
+        rename = {}
         if self.logprobs is not None:
             d["logprobs"] = self.logprobs
-        return d, {}
+            if self.echo and self.prompt_logprobs is None:  # the echoed prompt's logprobs too
+                d["prompt_logprobs"] = self.logprobs
+                rename["prompt_logprobs"] = "logprobs"
+        return d, rename
 
 
 class TextPart(_Strict):

@@ -41,6 +41,7 @@ class _Choice:
     lp_sent: int = 0  # logprobs entries already sent (streaming)
     text_offset: int = 0
     final: RequestOutput | None = None
+    echo_sent: bool = False
 
 
 class _SSEResponse(StreamingResponse):
@@ -152,6 +153,8 @@ class _Run:
         self.queue = queue
         self.released = False
         self.tok = state.llm.tokenizer
+        # completions with echo and logprobs: the echoed prompt carries its logprobs
+        self.echo_lp = kind == "completion" and req.echo and req.logprobs is not None
 
     def _cleanup(self) -> None:
         """Aborts the unfinished sequences and gives their places back (once)."""
@@ -214,8 +217,15 @@ class _Run:
                     "stop_reason": out.stop_reason}
         lps = (fmt.completion_logprobs(self.tok, c.prompt_ids, out.logprobs, len(c.echo))[0]
                if out.logprobs is not None else None)
+        if self.echo_lp and out.prompt_logprobs is not None and lps is not None:
+            lps = fmt.join_logprobs(self._echo_lps(c, out), lps)
         return {"index": c.index, "text": c.echo + text, "logprobs": lps,
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                "prompt_logprobs": fmt.prompt_logprobs(self.tok, c.prompt_ids,
+                                                       out.prompt_logprobs)}
+
+    def _echo_lps(self, c: _Choice, out: RequestOutput) -> dict:
+        return fmt.echo_logprobs(self.tok, c.prompt_ids, out.prompt_logprobs)
 
     # ---------------------------------------------------------------- streaming
 
@@ -258,9 +268,10 @@ class _Run:
                     yield self._chunk([{"index": c.index, "delta": {"role": "assistant",
                                                                     "content": ""},
                                         "logprobs": None, "finish_reason": None}])
-                elif c.echo:
+                elif c.echo and not self.echo_lp:
                     yield self._chunk([{"index": c.index, "text": c.echo, "logprobs": None,
                                         "finish_reason": None}])
+                    c.echo_sent = True
             async for out in self._outputs():
                 if out is None:
                     return
@@ -269,7 +280,12 @@ class _Run:
                                              500))
                     yield fmt.SSE_DONE
                     return
-                d = self._delta(self.by_rid[out.request_id], out)
+                c = self.by_rid[out.request_id]
+                if c.echo and not c.echo_sent and out.prompt_logprobs is not None:
+                    c.echo_sent = True  # the prompt logprobs come with the first output
+                    yield self._chunk([{"index": c.index, "text": c.echo, "logprobs":
+                                        self._echo_lps(c, out), "finish_reason": None}])
+                d = self._delta(c, out)
                 if d is not None:
                     yield self._chunk([d])
             if self.req.include_usage:
