@@ -469,6 +469,7 @@ class Engine:
         top_ids, top_lps = (to_host(out.top_ids), to_host(out.top_logprobs)) if num_lp else (None, None)
         if done.prompt_lp is not None:  # before the sampled tokens: outputs hold them complete
             plan, plan_out = done.prompt_lp
+            self._culprits += [seq for seq, _, _ in plan.entries]  # mid-prefill rows too
             plp.record(plan, jax.tree.map(to_host, plan_out), self._prompt_logprobs_of)
         now = time.perf_counter()
         self.num_steps += 1
