@@ -1,8 +1,9 @@
 """Prefix caching on every path the engine has (issue 18 point 3): chunked prefill, preemption
 and recompute, async scheduling on and off, the XLA attention over the page-major and the
 head-major pool, both Pallas kernels (interpret mode), int8 KV pages, speculative decoding
-(n-gram and draft model), batch-invariant mode; tensor and data parallel run in
-tests/prefix_cache_sharded_check.py (8 fake CPU devices, one subprocess).
+(n-gram and draft model), batch-invariant mode, a failed step and an aborted request; tensor and
+data parallel (with prefix-aware routing) run in tests/prefix_cache_sharded_check.py (8 fake CPU
+devices, one subprocess). No combination is refused: every one works with caching on.
 
 Reference: the same workload with ``enable_prefix_caching=False`` (the engine the rest of the
 suite ties to llama2.c and transformers). Each path shows sharing happened (cache hits, per-output
@@ -157,8 +158,7 @@ def test_page_major_pool(stories, base_ids, async_scheduling, budget):
     chunked over several (budget 5 < every prompt: each is split, and cached prefixes start
     chunks mid-prompt). Unrolled layers (the CPU default) run with caching in
     tests/test_prefix_cache.py."""
-    kw = dict(async_scheduling=async_scheduling, max_num_batched_tokens=max(budget, 4),
-              kv_page_major=True)
+    kw = dict(async_scheduling=async_scheduling, max_num_batched_tokens=budget, kv_page_major=True)
     waves = waves_for(base_ids)
     on = make_engine(stories, True, **kw)
     outs_on = run_waves(on, waves)
@@ -168,9 +168,9 @@ def test_page_major_pool(stories, base_ids, async_scheduling, budget):
 
 
 def test_request_aborted_mid_prefill(stories, base_ids):
-    """A request aborted after its first prefill chunk leaves only its written full pages cached:
-    the same prompt again reads 8 tokens (one page) from the cache and gives the caching-off
-    output."""
+    """A request aborted after two prefill chunks of 5 tokens leaves only its written full pages
+    cached: the same prompt again reads 8 tokens (one page) from the cache, not the half-written
+    second page, and gives the caching-off output."""
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
     prompt = base_ids[:22]
     kw = dict(max_num_batched_tokens=5, async_scheduling=False)
