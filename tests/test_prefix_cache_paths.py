@@ -200,8 +200,8 @@ def test_preemption_and_recompute(stories, base_ids):
     """A pool too small for the rows (11 pages for 4 rows of up to 4): sequences are preempted
     and recomputed (from the cache: their own pages stay cached when freed), cached pages are
     evicted."""
-    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=12, ignore_eos=True)
-          for i in range(6)]
+    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=12, ignore_eos=True,
+                         logprobs=2) for i in range(6)]  # logprobs: the sampling steps compiled
     prompts = [base_ids[:17] + [40 + i] for i in range(3)]
     prompts += [[1] + base_ids[5 + 3 * i:21 + 3 * i] for i in range(3)]
     waves = [list(zip(prompts, sp, strict=True))]
