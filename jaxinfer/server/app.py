@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import jaxinfer.server.serving as serving
 from jaxinfer.errors import JaxinferError
-from jaxinfer.server import serving
 from jaxinfer.server.engine_thread import AsyncEngine
 from jaxinfer.server.errors import APIError, install_error_handlers
 from jaxinfer.server.metrics import ServerMetrics

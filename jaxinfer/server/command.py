@@ -126,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"model {args.model} does not exist")
     sock = bind_socket(args.host, args.port)
     try:
-        from jaxinfer.cli import _load_llm
+        from jaxinfer.llm_from_args import load_llm as _load_llm
         from jaxinfer.server.app import create_app
 
         say = (lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True))

@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+import jaxinfer.server.formatting as fmt
 from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.parallel_sampling import child_params
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.server import formatting as fmt
 from jaxinfer.server.engine_thread import EngineRequest, Overloaded, ShuttingDown
 from jaxinfer.server.errors import APIError, error_body
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
