@@ -176,7 +176,9 @@ class AsyncEngine:
                 eng.abort_request(rid)
 
     def _add_locked(self, req: EngineRequest, sink: _Sink) -> None:
-        eng = self.engines[next(self._replica) % len(self.engines)]
+        # Round robin, unless a replica's prefix cache holds part of the prompt (EngineLoop's rule).
+        home = self.engines[next(self._replica) % len(self.engines)]
+        eng = self._eloop._route(req.prompt_ids, home)
         try:
             if req.request_id in self._eloop._routes:
                 raise JaxinferError(f"duplicate request id {req.request_id!r}")
