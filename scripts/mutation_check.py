@@ -58,6 +58,7 @@ class Mutation:
 
 M = Mutation
 OUT_REF = "tests/test_outside_references.py"
+LME, LME_MODEL = "tests/test_lm_eval.py", "jaxinfer/eval/lm_eval_model.py"
 PCP = "tests/test_prefix_cache_paths.py"
 PS = "tests/test_parallel_sampling.py"
 PC = "tests/test_prefix_cache.py"
@@ -342,6 +343,30 @@ MUTATIONS: list[Mutation] = [
       "    if n_spaces > 0:\n        continuation",
       "    if n_spaces < 0:\n        continuation",
       ("tests/test_scoring.py",), "lm_eval"),
+    # ---- the lm-eval model and the notebook (issue 20)
+    M("lm_eval_greedy_inverted", LME_MODEL,
+      "out.append((r.logprob, bool(r.is_greedy)))",
+      "out.append((r.logprob, not bool(r.is_greedy)))", (LME,), "multiple_choice"),
+    M("lm_eval_loglikelihood_reordered", LME_MODEL,
+      "for i, r in enumerate(self.llm.score(pairs)):",
+      "for i, r in enumerate(self.llm.score(sorted(pairs, key=lambda p: len(p[0]) + len(p[1])))):",
+      (LME,), "multiple_choice"),
+    M("lm_eval_rolling_drops_last_window", "jaxinfer/scoring.py",
+      "    while done < len(tokens):", "    while done + stride < len(tokens):", (LME,), "rolling"),
+    M("lm_eval_rolling_without_bos", LME_MODEL,
+      "docs = [self.tok_encode(req.args[0]) for req in requests]",
+      "docs = [self.tok_encode(req.args[0], add_special_tokens=False) for req in requests]",
+      (LME,), "rolling"),
+    M("lm_eval_until_ignored", LME_MODEL,
+      "return SamplingParams(max_tokens=max_gen_toks, stop=[s for s in until if s], **kw), until",
+      "return SamplingParams(max_tokens=max_gen_toks, **kw), []", (LME,), "generate_until"),
+    M("lm_eval_generate_samples", LME_MODEL,
+      'kw["temperature"] = float(kw.get("temperature", 0.0))',
+      'kw["temperature"] = float(kw.get("temperature", 1.0)) or 1.0', (LME,), "generate_until"),
+    M("notebook_score_context_off_by_one", "jaxinfer/scoring.py",
+      "entries = out.prompt_logprobs[len(ctx):]",
+      "entries = out.prompt_logprobs[len(ctx) - 1:-1] if len(ctx) > 1 else "
+      "out.prompt_logprobs[len(ctx):]", ("tests/test_notebook.py",)),
 ]
 
 
