@@ -485,9 +485,11 @@ def _run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say,
     if ids_run and not (args.no_progress or quiet):
         from tqdm import tqdm
 
-        bar = tqdm(
+        from jaxinfer.compile_progress import CompileProgressBar
+
+        bar = CompileProgressBar(tqdm(  # "compiling (k)" on the line while a step compiles
             total=len(ids_run), desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True
-        )
+        ), llm)
     interrupted = 0  # the exit status of an interruption (130 Ctrl-C, 143 SIGTERM), else 0
     write_error = None  # why the output file could not be written
     t_gen = time.perf_counter()
