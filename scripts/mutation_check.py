@@ -342,7 +342,7 @@ MUTATIONS: list[Mutation] = [
     M("encode_pair_spaces_kept", "jaxinfer/scoring.py",
       "    if n_spaces > 0:\n        continuation",
       "    if n_spaces < 0:\n        continuation",
-      ("tests/test_scoring.py",), "lm_eval"),
+      ("tests/test_scoring.py",), "lm_eval or spaces"),
     # ---- the lm-eval model and the notebook (issue 20)
     M("lm_eval_greedy_inverted", LME_MODEL,
       "out.append((r.logprob, bool(r.is_greedy)))",

@@ -5,6 +5,7 @@ Llama 2 checkpoint (``hf_fixtures``); rolling windows cover every token exactly 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import hf_fixtures as H
 import numpy as np
@@ -151,8 +152,6 @@ def test_rolling_windows_equal_lm_eval():
 
 
 def test_text_pairs_tokenized_as_lm_eval(stories_dir):
-    from types import SimpleNamespace
-
     from jaxinfer.tokenizers.loader import load_tokenizer
 
     tok = load_tokenizer(stories_dir)
@@ -165,3 +164,26 @@ def test_text_pairs_tokenized_as_lm_eval(stories_dir):
         assert encode_pair(tok, c, x) == tuple(model.TemplateLM._encode_pair(fake, c, x))
     # lm-eval's empty-context rule (TemplateLM.loglikelihood): [BOS] + the continuation alone.
     assert encode_pair(tok, "", " there") == ([tok.bos_id], tok.encode(" there", False))
+
+
+class _CharTokenizer:
+    """One id per character (BOS = 1 first): whitespace is never dropped, so where the pair is
+    split shows in the ids."""
+
+    bos_id, eos_ids = 1, (2,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def test_trailing_context_spaces_move_to_the_continuation():
+    tok = _CharTokenizer()
+    ords = lambda s: [ord(c) for c in s]  # noqa: E731
+    assert encode_pair(tok, "Tom and  ", "his") == ([1, *ords("Tom and")], ords("  his"))
+    assert encode_pair(tok, "Q: ", "\nA") == ([1, *ords("Q:")], ords(" \nA"))
+    assert encode_pair(tok, "", "2") == ([1], ords("2"))
+    model = pytest.importorskip("lm_eval.api.model")
+    fake = SimpleNamespace(backend="causal", tok_encode=lambda s, **kw: tok.encode(
+        s, add_special_tokens=kw.get("add_special_tokens", True)))
+    for c, x in [("Tom and  ", "his"), ("Q: ", "\nA"), ("a\t", " b"), ("x", "y")]:
+        assert encode_pair(tok, c, x) == tuple(model.TemplateLM._encode_pair(fake, c, x))
