@@ -60,14 +60,20 @@ class CompileProgressBar:
 
     def _poll(self, interval: float) -> None:
         while not self._stop.is_set():
-            keys = sum(len(e.compile_keys) for e in self._engines)
-            steps = sum(e.num_steps for e in self._engines)
-            text = self._watch.observe(keys, steps)
-            if text != self._shown:
-                with self._lock:
-                    self._shown = text
-                    self._refresh()
+            with self._lock:
+                self._tick()
             self._stop.wait(interval)
+
+    def _tick(self) -> None:
+        """Observes the engines; refreshes the line when the compile text changed (holds _lock)."""
+        if not self._engines:
+            return
+        keys = sum(len(e.compile_keys) for e in self._engines)
+        steps = sum(e.num_steps for e in self._engines)
+        text = self._watch.observe(keys, steps)
+        if text != self._shown:
+            self._shown = text
+            self._refresh()
 
     def _refresh(self) -> None:
         parts = [p for p in (self._shown, self._postfix) if p]
@@ -80,6 +86,7 @@ class CompileProgressBar:
     def set_postfix_str(self, s: str) -> None:
         with self._lock:
             self._postfix = s
+            self._tick()  # a step was just counted: the line need not wait for the next poll
             self._refresh()
 
     def close(self) -> None:
@@ -87,4 +94,7 @@ class CompileProgressBar:
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         with self._lock:
+            if self._shown is not None:  # the job is over: nothing is compiling
+                self._shown = None
+                self._refresh()
             self.bar.close()

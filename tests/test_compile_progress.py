@@ -7,11 +7,12 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from jaxinfer import cli
-from jaxinfer.compile_progress import CompileWatch
+from jaxinfer.compile_progress import CompileProgressBar, CompileWatch
 
 SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
@@ -29,6 +30,36 @@ def test_watch_shows_compiling_from_key_growth_until_a_step_is_counted():
     assert w.observe(3, 5) == "compiling (3)"  # a new decode bucket
     assert w.observe(4, 5) == "compiling (4)"  # and its sampling variant, same dispatch
     assert w.observe(4, 6) is None
+
+
+class _Bar:
+    """A tqdm stand-in that records the postfixes set."""
+
+    def __init__(self):
+        self.postfixes, self.n, self.closed = [], 0, False
+
+    def set_postfix_str(self, s):
+        self.postfixes.append(s)
+
+    def update(self, n=1):
+        self.n += n
+
+    def close(self):
+        self.closed = True
+
+
+def test_bar_shows_compiling_beside_the_postfix_and_clears_it_on_close():
+    engine = SimpleNamespace(compile_keys={("forward", 1), ("sample", 1)}, num_steps=0)
+    bar = _Bar()
+    pbar = CompileProgressBar(bar, SimpleNamespace(engines=[engine]), interval=60.0)
+    deadline = time.monotonic() + 5
+    while not bar.postfixes and time.monotonic() < deadline:  # the poller's first look
+        time.sleep(0.01)
+    assert bar.postfixes[-1] == "compiling (2)"
+    pbar.set_postfix_str("3.0 tok/s")  # no step counted yet: still compiling
+    assert bar.postfixes[-1] == "compiling (2), 3.0 tok/s"
+    pbar.close()  # a job ending while the line says compiling
+    assert bar.postfixes[-1] == "3.0 tok/s" and bar.closed
 
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason=f"stories260K directory {STORIES} is absent")
@@ -58,4 +89,6 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
     cap = capsys.readouterr()
     # The first step dispatches a forward and a sampling key: 2.
     assert "compiling (2)" in cap.err, cap.err
+    bar_lines = [ln for ln in cap.err.replace("\r", "\n").splitlines() if ln.startswith("prompts")]
+    assert "compiling" not in bar_lines[-1], bar_lines  # the finished bar says nothing compiles
     assert json.loads(cap.out.strip().splitlines()[-1])["completed"] == 1
