@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--unroll-layers", choices=("auto", "0", "1"), default="auto",
                     help="EngineConfig.unroll_layers (auto: the engine's default, on for CPU)")
     ap.add_argument("--no-hlo", action="store_true", help="skip the HLO sizes")
+    ap.add_argument("--cli-args", default="",
+                    help="more `jaxinfer generate` flags, e.g. '--no-async-scheduling'")
     ap.add_argument("--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR",
                                                             str(REPO / "results")))
     args = ap.parse_args()
@@ -173,6 +175,7 @@ def main() -> None:
         argv = ["generate", "--model", str(path), "--prompts", str(prompts), "--out",
                 str(tmp / "out.jsonl"), "--temperature", "0", "--no-progress",
                 "--max-model-len", str(args.max_model_len)]
+    argv += args.cli_args.split()
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = cli.main(argv)
@@ -196,7 +199,7 @@ def main() -> None:
     tot = {k: round(sum(r[k] for r in table), 2) for k in ("trace_s", "lower_s", "compile_s")}
     summary = {
         "bench": "profile_compile", **host_info(), "job": args.job, "model": str(path),
-        "unroll_layers": args.unroll_layers, "exit_code": rc,
+        "unroll_layers": args.unroll_layers, "cli_args": args.cli_args, "exit_code": rc,
         "num_prompts": cli_summary.get("prompts"),
         "completion_tokens": cli_summary.get("completion_tokens"),
         "wall_from_process_start_s": round(wall, 2), "imports_s": round(t_imports, 2),
