@@ -199,10 +199,15 @@ def test_rolling_equals_hf(runs, stories_llm):
                                    rtol=1e-4)
 
 
-def test_generate_until_equals_llama2c(runs):
+def test_generate_until_equals_llama2c(runs, stories_llm):
+    from jaxinfer.sampling import SamplingParams
+
     ours, theirs, _ = runs
     want = [t for _, t in _gen_cases()]
     assert [r[0][0] for r in _per_item(ours, "jx_gen")] == want
+    direct = stories_llm.generate([p for p, _ in _gen_cases()],
+                                  SamplingParams(temperature=0, max_tokens=40, stop=UNTIL))
+    assert [o.text for o in direct] == want  # = LLM.generate greedy with the same stop strings
     assert ours["results"]["jx_gen"]["exact_match,none"] == 1.0
 
 
