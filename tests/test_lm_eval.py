@@ -34,6 +34,7 @@ MC = [  # (question, choices, answer index)
     ("Once upon a time, there was a little", ["girl", "the", "sang"], 0),
     ("The sun was hot, so they went to the", ["sea", "cold", "and"], 0),
     ("She said: \"I want to", ["play", "dog", "went"], 0),
+    ("The little dog was very", ["happy", "car", "blue"], 2),  # marked answer: not the model's
 ]
 UNTIL = ["named", "house"]
 
@@ -172,7 +173,8 @@ def test_same_tokens_as_hf(runs, stories_llm):
 
 def test_multiple_choice_equals_hf(runs):
     ours, theirs, _ = runs
-    assert ours["results"]["jx_mc"]["acc,none"] == theirs["results"]["jx_mc"]["acc,none"]
+    acc = ours["results"]["jx_mc"]["acc,none"]
+    assert acc == theirs["results"]["jx_mc"]["acc,none"] and 0 < acc < 1  # right and wrong items
     a, b = _per_item(ours, "jx_mc"), _per_item(theirs, "jx_mc")
     assert len(a) == len(MC)
     greedy_seen = set()
