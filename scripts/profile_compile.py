@@ -6,7 +6,8 @@ compiled function and shape, with the persistent compilation cache off.
     python scripts/profile_compile.py --unroll-layers 0        # layers as a lax.scan
 
 The job runs in this process through ``jaxinfer.cli.main`` (``generate``, greedy) with
-``JAXINFER_COMPILATION_CACHE=0``, so every compilation is done. ``demo`` is the README's main
+``JAXINFER_COMPILATION_CACHE=0``, so every compilation is done (``--persistent-cache DIR``
+keeps the cache on instead, for a warm rerun). ``demo`` is the README's main
 command (stories260K, ``examples/prompts.jsonl``); ``llama110m`` is ``benchlib``'s random ~110M
 Llama on ``benchlib.make_workload`` prompts (token ids, ``ignore_eos``).
 
@@ -63,6 +64,9 @@ def main() -> None:
     ap.add_argument("--unroll-layers", choices=("auto", "0", "1"), default="auto",
                     help="EngineConfig.unroll_layers (auto: the engine's default, on for CPU)")
     ap.add_argument("--no-hlo", action="store_true", help="skip the HLO sizes")
+    ap.add_argument("--persistent-cache", metavar="DIR", default=None,
+                    help="keep JAX's persistent compilation cache on, in DIR (run twice for a "
+                         "warm run: its steady state without compilations)")
     ap.add_argument("--cli-args", default="",
                     help="more `jaxinfer generate` flags, e.g. '--no-async-scheduling'")
     ap.add_argument("--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR",
@@ -75,7 +79,10 @@ def main() -> None:
         path, vocab, _ = resolve_model("stories260K")
     else:
         path, vocab, _ = resolve_model("llama110m")
-    os.environ["JAXINFER_COMPILATION_CACHE"] = "0"
+    if args.persistent_cache is None:
+        os.environ["JAXINFER_COMPILATION_CACHE"] = "0"
+    else:
+        os.environ["JAXINFER_CACHE_DIR"] = args.persistent_cache
 
     import jax
     from jax import monitoring
@@ -199,7 +206,8 @@ def main() -> None:
     tot = {k: round(sum(r[k] for r in table), 2) for k in ("trace_s", "lower_s", "compile_s")}
     summary = {
         "bench": "profile_compile", **host_info(), "job": args.job, "model": str(path),
-        "unroll_layers": args.unroll_layers, "cli_args": args.cli_args, "exit_code": rc,
+        "unroll_layers": args.unroll_layers, "cli_args": args.cli_args,
+        "persistent_cache": args.persistent_cache, "exit_code": rc,
         "num_prompts": cli_summary.get("prompts"),
         "completion_tokens": cli_summary.get("completion_tokens"),
         "wall_from_process_start_s": round(wall, 2), "imports_s": round(t_imports, 2),
