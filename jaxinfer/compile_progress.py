@@ -46,7 +46,8 @@ class CompileProgressBar:
     def __init__(self, bar, llm, interval: float = 0.1) -> None:
         self.bar = bar
         engines = list(getattr(llm, "engines", []) or [])
-        self._engines = [e for e in engines if hasattr(e, "compile_keys") and hasattr(e, "num_steps")]
+        self._engines = [e for e in engines
+                         if hasattr(e, "compile_keys") and hasattr(e, "num_steps")]
         self._watch = CompileWatch()
         self._postfix = ""
         self._shown: str | None = None
