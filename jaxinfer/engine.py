@@ -229,7 +229,7 @@ class Engine:
                 "and could never be generated")
         self._check_stop_strings(params)
         plp.check_request(params, self.cfg.vocab_size, self.ecfg.batch_invariant,
-                          type(self)._run_step is not Engine._run_step)
+                          type(self)._run_step is not Engine._run_step, len(prompt_ids))
         if resume is not None:
             self._new_request("validate", prompt_ids, params, None, resume)
 
@@ -273,7 +273,8 @@ class Engine:
         detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
                  if has_text else None)
         req = _Request(seq, prompt, detok,
-                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                       prompt_logprobs=None if params.prompt_logprobs is None
+                       else [None] * params.prompt_logprobs_from)
         if resume is not None:
             lps = resume.logprobs or [None] * len(resume.token_ids)
             for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):

@@ -84,6 +84,8 @@ def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
         del sampling["n"]
     if sampling.get("prompt_logprobs") is None:  # fingerprints from before it existed
         sampling.pop("prompt_logprobs", None)
+    if sampling.get("prompt_logprobs_from") == 1:
+        sampling.pop("prompt_logprobs_from", None)
     blob = json.dumps({"prompt_token_ids": [int(t) for t in prompt_ids],
                        "sampling": sampling}, sort_keys=True,
                       separators=(",", ":"))

@@ -132,13 +132,17 @@ def num_top(vocab_size: int) -> int:
 
 
 def check_request(params: SamplingParams, vocab_size: int, batch_invariant: bool,
-                  own_step_loop: bool) -> None:
+                  own_step_loop: bool, prompt_len: int | None = None) -> None:
     """Raises RequestError when this engine cannot give ``params.prompt_logprobs``: above
     ``min(MAX_LOGPROBS, vocab_size)``, with ``batch_invariant`` (its forward makes logits of the
-    last tokens only), or on an engine with a step loop of its own (speculative decoding)."""
+    last tokens only), on an engine with a step loop of its own (speculative decoding), or
+    ``prompt_logprobs_from`` not inside a prompt of ``prompt_len`` tokens."""
     k = params.prompt_logprobs
     if k is None:
         return
+    if prompt_len is not None and params.prompt_logprobs_from >= prompt_len:
+        raise RequestError(f"prompt_logprobs_from={params.prompt_logprobs_from} must be < the "
+                           f"prompt's {prompt_len} tokens")
     if k > num_top(vocab_size):
         raise RequestError(f"prompt_logprobs={k} > {MAX_LOGPROBS} or the vocabulary size "
                            f"{vocab_size}")
@@ -177,7 +181,8 @@ def plan_step(rows, logits_indices: np.ndarray, num_slots: int) -> StepPlan | No
         if seq.params.prompt_logprobs is None:
             continue
         start, first_slot = seq.num_computed, int(logits_indices[r]) - row.num_new + 1
-        for j in range(start, min(start + row.num_new, len(seq.prompt_ids) - 1)):
+        first = max(start, seq.params.prompt_logprobs_from - 1)  # position j scores token j + 1
+        for j in range(first, min(start + row.num_new, len(seq.prompt_ids) - 1)):
             slot = first_slot + j - start
             targets[slot] = seq.prompt_ids[j + 1]
             entries.append((seq, slot, j + 1))

@@ -76,7 +76,12 @@ class SamplingParams:
         prompt_logprobs: None = none; k in [0, MAX_LOGPROBS] = for every prompt position after
             the first, the prompt token's logprob under the raw model distribution and the k
             most likely tokens' (vLLM semantics; ``RequestOutput.prompt_logprobs``,
-            `jaxinfer.prompt_logprobs`). Such a request does not read the prefix cache.
+            `jaxinfer.prompt_logprobs`). Such a request reads the prefix cache only for
+            positions before ``prompt_logprobs_from - 1`` (cached positions have no logits).
+        prompt_logprobs_from: the first prompt index whose logprob ``prompt_logprobs`` returns
+            (>= 1; default 1: every position after the first, vLLM's); earlier entries are
+            None. Scoring (``LLM.score``) sets it to the continuation's start, so pairs sharing
+            a context read its pages from the prefix cache. Must be < the prompt's length.
 
     Raises:
         RequestError: on a value out of range or of the wrong type; the message names the field
@@ -101,6 +106,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 1
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -122,7 +128,7 @@ class SamplingParams:
             if not _is_real(v) or not math.isfinite(v):
                 fail(f"{name} must be a finite number, got {v!r}")
             setf(name, float(v))
-        for name in ("top_k", "min_tokens", "n"):
+        for name in ("top_k", "min_tokens", "n", "prompt_logprobs_from"):
             v = getattr(self, name)
             if not _is_int(v):
                 fail(f"{name} must be an integer, got {v!r}")
@@ -193,6 +199,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got "
                  f"{self.prompt_logprobs}")
+        if self.prompt_logprobs_from < 1:
+            fail(f"prompt_logprobs_from must be >= 1, got {self.prompt_logprobs_from}")
         if self.top_k > I32_MAX:
             fail(f"top_k must be <= {I32_MAX} (int32 on device; any k >= the vocabulary size "
                  f"keeps every token), got {self.top_k}")

@@ -185,9 +185,10 @@ class Scheduler:
         (at most ``num_tokens - 1`` tokens) and starts it after them."""
         if self.cache is None or seq.num_computed or seq.pages:
             return
-        if seq.params.prompt_logprobs is not None:  # cached positions have no logits (vLLM v1)
-            return
-        max_pages = min(seq.num_tokens - 1, seq.num_known) // self.page_size
+        max_tokens = min(seq.num_tokens - 1, seq.num_known)
+        if seq.params.prompt_logprobs is not None:  # cached positions have no logits: read only
+            max_tokens = min(max_tokens, seq.params.prompt_logprobs_from - 1)  # those not wanted
+        max_pages = max_tokens // self.page_size
         pages, _ = self.cache.match_prefix(seq.prompt_ids + seq.output_ids, max_pages,
                                            self._block_hashes(seq, max_pages))
         self.cache.acquire(pages)

@@ -175,7 +175,10 @@ def _run(llm, seqs: list[tuple[list[int], list[int]]]) -> list[tuple[list[float]
     n = llm._loop.next_id()
     ids = [f"score-{n}-{i}" for i in range(len(seqs))]
     done = {}
-    for out in llm.generate_stream([c + x for c, x in seqs], SCORE_PARAMS, request_ids=ids):
+    # Logprobs from the continuation's first token: the context's full pages may then be read
+    # from the prefix cache (pairs sharing a context compute it once).
+    params = [dataclasses.replace(SCORE_PARAMS, prompt_logprobs_from=len(c)) for c, _ in seqs]
+    for out in llm.generate_stream([c + x for c, x in seqs], params, request_ids=ids):
         if out.finished:
             done[out.request_id] = out
     results = []

@@ -275,8 +275,8 @@ MUTATIONS: list[Mutation] = [
     M("pc_head_pages_evicted_first", "jaxinfer/prefix_cache.py", "for p in reversed(pages):",
       "for p in pages:", (PC,), "host_pool_shares"),
     M("pc_last_token_not_computed", "jaxinfer/scheduler.py",
-      "max_pages = min(seq.num_tokens - 1, seq.num_known) // self.page_size",
-      "max_pages = seq.num_known // self.page_size", (PC,), "host_pool or logprobs"),
+      "max_tokens = min(seq.num_tokens - 1, seq.num_known)",
+      "max_tokens = seq.num_known", (PC,), "host_pool or logprobs"),
     M("pc_pending_tokens_cached", "jaxinfer/scheduler.py",
       "limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z",
       "limit = min(num_computed, len(seq.pages) * z) // z", (PC,), "host_pool or shared or tiny"),
@@ -319,8 +319,8 @@ MUTATIONS: list[Mutation] = [
       "min(start + row.num_new - 1, len(seq.prompt_ids) - 1)",
       ("tests/test_prompt_logprobs.py",), "equal_transformers"),
     M("plp_reads_prefix_cache", "jaxinfer/scheduler.py",
-      "        if seq.params.prompt_logprobs is not None:  # cached positions have no logits (vLLM v1)\n            return\n",
-      "", ("tests/test_prompt_logprobs.py",), "equal_transformers"),
+      "max_tokens = min(max_tokens, seq.params.prompt_logprobs_from - 1)",
+      "max_tokens = max_tokens", ("tests/test_prompt_logprobs.py",), "equal_transformers"),
     M("plp_recompute_duplicates", "jaxinfer/prompt_logprobs.py",
       "if lst is None or i < len(lst):", "if lst is None:",
       ("tests/test_prompt_logprobs.py",), "preempted"),
@@ -367,6 +367,8 @@ MUTATIONS: list[Mutation] = [
       "entries = out.prompt_logprobs[len(ctx):]",
       "entries = out.prompt_logprobs[len(ctx) - 1:-1] if len(ctx) > 1 else "
       "out.prompt_logprobs[len(ctx):]", ("tests/test_notebook.py",)),
+    M("score_context_not_from_cache", "jaxinfer/scoring.py", "prompt_logprobs_from=len(c)",
+      "prompt_logprobs_from=1", ("tests/test_scoring.py",), "sharing"),
 ]
 
 

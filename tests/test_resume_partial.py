@@ -410,7 +410,8 @@ def test_fingerprint_covers_the_prompt_and_every_sampling_field():
                "repetition_penalty": 1.1, "presence_penalty": 0.1, "frequency_penalty": 0.1,
                "seed": 1, "max_tokens": 15, "min_tokens": 1, "stop": ["x"], "stop_token_ids": [3],
                "ignore_eos": True, "logprobs": 1, "skip_special_tokens": False,
-               "include_stop_str_in_output": True, "n": 2, "prompt_logprobs": 0}
+               "include_stop_str_in_output": True, "n": 2, "prompt_logprobs": 0,
+               "prompt_logprobs_from": 2}
     assert set(changes) == {f.name for f in dataclasses.fields(SamplingParams)}
     for name, value in changes.items():
         assert partial_mod.fingerprint([1, 2, 3], dataclasses.replace(base, **{name: value})) != fp

@@ -187,3 +187,26 @@ def test_trailing_context_spaces_move_to_the_continuation():
         s, add_special_tokens=kw.get("add_special_tokens", True)))
     for c, x in [("Tom and  ", "his"), ("Q: ", "\nA"), ("a\t", " b"), ("x", "y")]:
         assert encode_pair(tok, c, x) == tuple(model.TemplateLM._encode_pair(fake, c, x))
+
+
+def test_pairs_sharing_a_context_read_its_pages_from_the_prefix_cache(setup):
+    # Scoring asks logprobs from the continuation on (prompt_logprobs_from), so the context's
+    # full pages may come from the prefix cache: the values stay transformers'.
+    llm, ref = setup
+    ctx = _tokens(20, 40)  # 2 full pages of 8 and a partial one
+    pairs = [(ctx, _tokens(2 + i, 50 + i)) for i in range(4)]
+
+    def check(res):
+        for (c, x), r in zip(pairs, res, strict=True):
+            assert r.error is None, r.error
+            lp = ref(c + x)
+            want = [lp[len(c) - 1 + j, t] for j, t in enumerate(x)]
+            np.testing.assert_allclose(r.token_logprobs, want, rtol=0, atol=LOGPROB_ATOL)
+
+    before = llm.prefix_cache_stats()["hit_tokens"]
+    check(llm.score(pairs))
+    mid = llm.prefix_cache_stats()["hit_tokens"]
+    assert mid > before  # the later pairs found the first one's context pages
+    check(llm.score(pairs))
+    # Each pair may read min(prompt - 1, prompt_logprobs_from - 1 = 19) tokens: 2 full pages.
+    assert llm.prefix_cache_stats()["hit_tokens"] - mid == 4 * 16
