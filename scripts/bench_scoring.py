@@ -12,7 +12,8 @@
 2. Scoring: ``--contexts`` contexts x ``--choices`` continuations (a multiple-choice shape),
    token ids, scored by ``LLM.score`` and by lm-eval's ``HFLM._loglikelihood_tokens`` (the
    ``hf`` model's loglikelihood after tokenization, batch ``--hf-batch-size``) on the same
-   checkpoint in the same process (float32, this machine's backend; torch on CPU unless CUDA).
+   checkpoint in the same process (float32, this machine's backend; torch on CPU unless CUDA);
+   jaxinfer twice: prefix caching off, then on (pairs sharing a context read its pages).
    Both get the same token ids, so tokenization is not timed on either side; the summed
    logprobs of the two are compared (max abs difference reported). Without lm-eval
    (``pip install -e .[eval]`` plus accelerate), transformers directly (a padded batch forward,
@@ -150,12 +151,28 @@ def main(argv=None) -> int:
     res = llm.score(pairs)
     dt = time.perf_counter() - t
     assert all(r.error is None for r in res)
+    # The same with prefix caching on (the default): pairs sharing a context read its full
+    # pages (prompt_logprobs_from); the cache is emptied after the warm-up pass, so the timed
+    # pass shares contexts only within itself.
+    del llm
+    llm = LLM(path, max_model_len=512, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=1024)
+    llm.score(pairs)
+    for e in llm.engines:
+        e.allocator.clear_cache()
+    before = llm.prefix_cache_stats()["hit_tokens"]
+    t = time.perf_counter()
+    res_on = llm.score(pairs)
+    dt_on = time.perf_counter() - t
+    assert [r.num_tokens for r in res_on] == [r.num_tokens for r in res]
     B.log("hf ...")
     ref, which, hf_dt = hf_scores(hf_dir, pairs, args.hf_batch_size)
     summary["score"] = {
         "pairs": len(pairs), "jaxinfer_pairs_s": round(len(pairs) / dt, 2),
+        "jaxinfer_prefix_caching_pairs_s": round(len(pairs) / dt_on, 2),
+        "prefix_cached_tokens": llm.prefix_cache_stats()["hit_tokens"] - before,
         "hf_pairs_s": round(len(pairs) / hf_dt, 2), "hf_reference": which,
-        "speedup": B.ratio(hf_dt, dt),
+        "speedup": B.ratio(hf_dt, dt), "speedup_prefix_caching": B.ratio(hf_dt, dt_on),
         "max_abs_logprob_diff": float(np.max(np.abs(np.array([r.logprob for r in res]) - ref))),
     }
     summary["load_avg_end"] = os.getloadavg()
