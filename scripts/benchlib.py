@@ -58,6 +58,15 @@ def stories_hf_dir() -> Path:
     path = CACHE / "bench" / "stories260K-hf"
     if (path / "config.json").exists():
         return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    convert_stories_to_hf(tmp)
+    tmp.rename(path)  # atomic: a concurrent run never sees half a directory
+    return path
+
+
+def convert_stories_to_hf(path: Path) -> Path:
+    """Writes stories260K's weights as a Hugging Face Llama directory at ``path`` (no
+    tokenizer; see ``stories_hf_dir``). Raises RuntimeError if the state dict does not fit."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -105,9 +114,7 @@ def stories_hf_dir() -> Path:
         raise RuntimeError(
             f"stories260K -> HF conversion: missing {missing}, unexpected {unexpected}"
         )
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tmp.rename(path)  # atomic: a concurrent run never sees half a directory
+    model.save_pretrained(path)
     return path
 
 

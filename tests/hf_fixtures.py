@@ -227,6 +227,33 @@ def hf_logits(model, tokens):
         return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
 
+def log_softmax(x):
+    """f64 log_softmax over the last axis (an independent formula, numpy)."""
+    import numpy as np
+
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def hf_logprob_ref(path: str):
+    """A function: token ids -> f64[S, V] log_softmax of transformers' f32 logits of the
+    checkpoint at ``path`` (one sequence)."""
+    model = hf_model(path, "float32")
+
+    def ref(ids):
+        return log_softmax(hf_logits(model, [ids])[0])
+
+    return ref
+
+
+def random_ids(n: int, seed: int, vocab_size: int = 256) -> list[int]:
+    """n random token ids in [3, vocab_size) (no special ids 0-2)."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, vocab_size, size=n).tolist()
+
+
 def jax_logits(path: str, dtype: str, tokens):
     """f32[B, S, V] logits of jaxinfer on the checkpoint loaded at ``dtype``; also the config."""
     import jax.numpy as jnp

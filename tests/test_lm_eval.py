@@ -19,11 +19,15 @@ import json
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import lm_eval  # noqa: F401  (the test extra has it; a missing one must fail, not skip)
 import numpy as np
 import pytest
 from conftest import STORIES, stories_reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from benchlib import convert_stories_to_hf  # noqa: E402
 
 TOKEN_ATOL = 1e-4  # per token, f32 vs f32 (test_scoring.LOGPROB_ATOL)
 MAX_LEN = 512  # stories260K's context; the stories_llm fixture's max_model_len
@@ -82,42 +86,9 @@ def _write_tasks(d):
 
 
 def _stories_hf_dir(path):
-    """stories260K as a Hugging Face Llama directory (jaxinfer's params are already in the
-    rotate_half layout: a reshape and transpose per projection, as scripts/benchlib.py) with
+    """stories260K as a Hugging Face Llama directory (``benchlib.convert_stories_to_hf``) with
     tok512.model as a LlamaTokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import jaxinfer
-
-    m = jaxinfer.load(STORIES, dtype="float32")
-    c, p = m.config, m.params
-    L, D, N, K, H = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=D, intermediate_size=c.intermediate_size,
-        num_hidden_layers=L, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        tie_word_embeddings=c.tie_word_embeddings, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0))
-    t = lambda a: torch.from_numpy(np.array(a, np.float32))
-    lp = p.layers
-    sd = {"model.embed_tokens.weight": t(p.embed), "model.norm.weight": t(p.final_norm)}
-    for i in range(L):
-        pre = f"model.layers.{i}."
-        sd[pre + "input_layernorm.weight"] = t(lp.attn_norm[i])
-        sd[pre + "post_attention_layernorm.weight"] = t(lp.mlp_norm[i])
-        sd[pre + "self_attn.q_proj.weight"] = t(np.asarray(lp.wq[i]).reshape(D, N * H).T)
-        sd[pre + "self_attn.k_proj.weight"] = t(np.asarray(lp.wk[i]).reshape(D, K * H).T)
-        sd[pre + "self_attn.v_proj.weight"] = t(np.asarray(lp.wv[i]).reshape(D, K * H).T)
-        sd[pre + "self_attn.o_proj.weight"] = t(np.asarray(lp.wo[i]).reshape(N * H, D).T)
-        sd[pre + "mlp.gate_proj.weight"] = t(np.asarray(lp.w_gate[i]).T)
-        sd[pre + "mlp.up_proj.weight"] = t(np.asarray(lp.w_up[i]).T)
-        sd[pre + "mlp.down_proj.weight"] = t(np.asarray(lp.w_down[i]).T)
-    assert c.tie_word_embeddings and p.lm_head is None
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert missing == ["lm_head.weight"] and not unexpected, (missing, unexpected)
-    model.save_pretrained(path)
+    convert_stories_to_hf(path)
     shutil.copy(STORIES / "tok512.model", path / "tokenizer.model")
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",

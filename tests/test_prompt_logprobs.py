@@ -26,30 +26,12 @@ LOGPROB_ATOL = 1e-4  # f32 vs transformers f32, as test_family_engine_parity (lo
 GAP = 1e-3  # top ids are compared where neighbouring logprobs differ by more than this
 
 
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     """(LLM, reference function: token ids -> log_softmax f64[S, V] of transformers' logits)."""
-    import torch
-
     name = request.param
     path = H.build_checkpoint(name, str(tmp_path_factory.mktemp("plp") / name))
-    model = H.hf_model(path, "float32")
-
-    def ref(ids):
-        with torch.no_grad():
-            return _log_softmax(model(torch.tensor([ids])).logits[0].float().numpy())
-
-    return LLM(path, **ENGINE), ref
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 256, size=n).tolist()
+    return LLM(path, **ENGINE), H.hf_logprob_ref(path)
 
 
 def check_against(ref_lp, prompt: list[int], got, k: int) -> None:
@@ -72,8 +54,8 @@ def check_against(ref_lp, prompt: list[int], got, k: int) -> None:
 
 def test_prompt_logprobs_equal_transformers(family):
     llm, ref = family
-    decode = _tokens(5, 1)
-    a = _tokens(21, 2)
+    decode = H.random_ids(5, 1)
+    a = H.random_ids(21, 2)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([decode, a], [greedy, SamplingParams(temperature=0, max_tokens=2,
                                                              prompt_logprobs=5, ignore_eos=True)])
@@ -84,7 +66,7 @@ def test_prompt_logprobs_equal_transformers(family):
     assert rec[0] is None and rec[1]["token_id"] == a[1] and len(rec) == len(a)
 
     # Prefix caching: a's first two pages (16 tokens) are cached now.
-    b = a[:16] + _tokens(6, 3)
+    b = a[:16] + H.random_ids(6, 3)
     outs = llm.generate([list(b), list(b), decode],
                         [SamplingParams(temperature=0, max_tokens=1),
                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
@@ -97,7 +79,7 @@ def test_prompt_logprobs_equal_transformers(family):
 
 def test_preempted_prompt_recomputed_without_duplicates(family):
     llm, ref = family
-    eng, p = llm.engine, _tokens(24, 4)
+    eng, p = llm.engine, H.random_ids(24, 4)
     eng.add_request("pre", p, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2,
                                              ignore_eos=True))
     outs, steps = [], 0
@@ -130,7 +112,7 @@ def test_bad_prompt_logprobs_fail_alone(family):
     with pytest.raises(RequestError, match="speculative"):
         check_request(sp, 256, False, True)
     # A request the engine refuses fails alone; the others in the batch complete.
-    p = _tokens(6, 5)
+    p = H.random_ids(6, 5)
     outs = llm.generate([p, p + [10**6], p],
                         [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
@@ -153,9 +135,9 @@ def test_tiles_cover_every_slot(family, monkeypatch):
     monkeypatch.setattr(plp, "TILE", 8)
     hidden = jnp.asarray(np.random.default_rng(0).normal(size=(21, eng.cfg.hidden_size)),
                          jnp.float32)
-    targets = jnp.asarray(_tokens(21, 6), jnp.int32)
+    targets = jnp.asarray(H.random_ids(21, 6), jnp.int32)
     out = plp.token_logprobs(eng.params, eng.cfg, hidden, targets, 4)
-    full = _log_softmax(np.asarray(compute_logits(eng.params, eng.cfg, hidden)))
+    full = H.log_softmax(np.asarray(compute_logits(eng.params, eng.cfg, hidden)))
     np.testing.assert_allclose(out.logprobs, full[np.arange(21), np.asarray(targets)],
                                rtol=0, atol=1e-5)
     np.testing.assert_allclose(out.top_logprobs, -np.sort(-full, -1)[:, :4], rtol=0, atol=1e-5)

@@ -21,43 +21,26 @@ ENGINE = dict(max_model_len=32, page_size=8, max_num_seqs=8, max_num_batched_tok
 LOGPROB_ATOL = 1e-4  # per token, f32 vs transformers f32 (test_family_engine_parity)
 
 
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(LLM, transformers' log_softmax f64[S, V] of a list of ids)."""
-    import torch
-
     path = H.build_checkpoint("llama2", str(tmp_path_factory.mktemp("score") / "llama2"))
-    model = H.hf_model(path, "float32")
-
-    def ref(ids):
-        with torch.no_grad():
-            return _log_softmax(model(torch.tensor([ids])).logits[0].float().numpy())
-
-    return LLM(path, **ENGINE), ref
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 256, size=n).tolist()
+    return LLM(path, **ENGINE), H.hf_logprob_ref(path)
 
 
 def test_score_equals_transformers(setup):
     llm, ref = setup
-    pairs = [(_tokens(3 + i, 10 + i), _tokens(1 + i, 20 + i)) for i in range(6)]
-    ctx = _tokens(6, 30)  # a greedy continuation of 5 tokens, from transformers' argmax
+    pairs = [(H.random_ids(3 + i, 10 + i), H.random_ids(1 + i, 20 + i)) for i in range(6)]
+    ctx = H.random_ids(6, 30)  # a greedy continuation of 5 tokens, from transformers' argmax
     cont = []
     for _ in range(5):
         cont.append(int(ref(ctx + cont)[-1].argmax()))
     pairs += [(ctx, cont), (ctx, cont[:4] + [int(np.argsort(ref(ctx + cont[:4])[-1])[-2])])]
     cases = [(p, None) for p in pairs[:4]] + [
         ((ctx, []), "continuation has zero tokens"),
-        ((_tokens(20, 1), _tokens(12, 2)), "context + continuation has 32 tokens (20 + 12); "
-                                            "scoring takes at most max_model_len - 1 = 31"),
+        ((H.random_ids(20, 1), H.random_ids(12, 2)),
+         "context + continuation has 32 tokens (20 + 12); scoring takes at most max_model_len "
+         "- 1 = 31"),
         ((ctx, cont), None),  # a good pair between bad ones
         (([], [5]), "context has zero tokens"),
         (([5, 10**6], [7]), "outside the vocabulary"),
@@ -105,7 +88,7 @@ def _reference_rolling(ref, tokens, prefix, max_len, stride):
 
 def test_perplexity_rolling_equals_transformers(setup):
     llm, ref = setup
-    text = _tokens(80, 40)  # 2.5x max_model_len
+    text = H.random_ids(80, 40)  # 2.5x max_model_len
     prefix = llm._engine_tokenizer.bos_id
     res = llm.perplexity([text, [], text[:5], "no tokenizer"])
     r = res[0]
@@ -193,8 +176,8 @@ def test_pairs_sharing_a_context_read_its_pages_from_the_prefix_cache(setup):
     # Scoring asks logprobs from the continuation on (prompt_logprobs_from), so the context's
     # full pages may come from the prefix cache: the values stay transformers'.
     llm, ref = setup
-    ctx = _tokens(20, 40)  # 2 full pages of 8 and a partial one
-    pairs = [(ctx, _tokens(2 + i, 50 + i)) for i in range(4)]
+    ctx = H.random_ids(20, 40)  # 2 full pages of 8 and a partial one
+    pairs = [(ctx, H.random_ids(2 + i, 50 + i)) for i in range(4)]
 
     def check(res):
         for (c, x), r in zip(pairs, res, strict=True):
