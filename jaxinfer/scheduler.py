@@ -174,10 +174,12 @@ class Scheduler:
         if limit <= start:
             return
         hashes = self._block_hashes(seq, limit)
+        known = seq.prompt_ids
+        if limit * z > len(known):  # the list is built once, not once per page
+            known = known + seq.output_ids
         for i in range(start, limit):
-            tokens = seq.prompt_ids[i * z:(i + 1) * z] if (i + 1) * z <= len(seq.prompt_ids) \
-                else (seq.prompt_ids + seq.output_ids)[i * z:(i + 1) * z]
-            self.cache.cache_page(seq.pages[i], hashes[i], hashes[i - 1] if i else None, tokens)
+            self.cache.cache_page(seq.pages[i], hashes[i], hashes[i - 1] if i else None,
+                                  known[i * z:(i + 1) * z])
         seq.num_cached_pages = limit
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
