@@ -120,6 +120,41 @@ def check_prefix_cache(r: dict) -> None:
     assert cached["chat"] > 0 and cached["no_prefix"] == 0, cached
 
 
+def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
+    """bench_peers in seconds: with only llama.cpp asked for and llama-cpp-python absent, one
+    JSON line whose llama.cpp entry says why it was skipped, with host and load fields; then its
+    rate and ratio arithmetic on hand-made runs (500 tokens in 100 s and in 40 s: 5 and 12.5
+    tok/s, 2.5x), a failed run left without figures."""
+    import importlib.util
+
+    s = run_script("bench_peers", results_dir, "--engines", "llama_cpp")
+    assert s["quick"] is True and s["model"] == "stories260K" and s["engines"] == {}
+    assert s["cpu_model"] and len(s["loadavg_before"]) == 3 and len(s["loadavg_after"]) == 3
+    assert s["workload"]["num_prompts"] == 8 and s["decode_batch1"] is None
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "not importable" in s["skipped"]["llama_cpp"]
+    else:  # installed but no --gguf given
+        assert "--gguf" in s["skipped"]["llama_cpp"]
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench_peers
+
+    runs = {"hf_generate": {"wall_s": 100.0, "output_tokens": 500},
+            "jaxinfer_cold": {"wall_s": 40.0, "output_tokens": 500},
+            "hf_generate_batch": {"error": "exit code 1", "output_tokens": None}}
+    bench_peers.finish(runs, 500)
+    assert runs["hf_generate"]["output_tok_s"] == 5.0
+    assert runs["hf_generate"]["vs_hf_generate"] == 1.0
+    assert runs["jaxinfer_cold"]["output_tok_s"] == 12.5
+    assert runs["jaxinfer_cold"]["vs_hf_generate"] == 2.5
+    assert runs["jaxinfer_cold"]["same_tokens_as_requested"] is True
+    assert "output_tok_s" not in runs["hf_generate_batch"]
+    monkeypatch.setattr(sys, "argv", ["bench_peers.py", "--engines", "jaxinfer,vllm"])
+    with pytest.raises(SystemExit) as e:  # an unknown engine is refused, by name, before any run
+        bench_peers.main()
+    assert e.value.code == 2 and "'vllm'" in capsys.readouterr().err
+
+
 # Records shaped as bench_roofline.py and bench_serving.py write them (keys checked above), with
 # numbers chosen here, so the plot is checked against known data whatever ran on this worker.
 ROOFLINE = {"bench": "roofline", "results": [
