@@ -124,7 +124,8 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
     """bench_peers in seconds: with only llama.cpp asked for and llama-cpp-python absent, one
     JSON line whose llama.cpp entry says why it was skipped, with host and load fields; then its
     rate and ratio arithmetic on hand-made runs (500 tokens in 100 s and in 40 s: 5 and 12.5
-    tok/s, 2.5x), a failed run left without figures."""
+    tok/s, 2.5x; 400 of 500 tokens in 50 s flagged short, 1.6x), a failed run left without
+    figures."""
     import importlib.util
 
     s = run_script("bench_peers", results_dir, "--engines", "llama_cpp")
@@ -141,6 +142,7 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
 
     runs = {"hf_generate": {"wall_s": 100.0, "output_tokens": 500},
             "jaxinfer_cold": {"wall_s": 40.0, "output_tokens": 500},
+            "llama_cpp": {"wall_s": 50.0, "output_tokens": 400},  # 100 tokens short
             "hf_generate_batch": {"error": "exit code 1", "output_tokens": None}}
     bench_peers.finish(runs, 500)
     assert runs["hf_generate"]["output_tok_s"] == 5.0
@@ -148,6 +150,8 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
     assert runs["jaxinfer_cold"]["output_tok_s"] == 12.5
     assert runs["jaxinfer_cold"]["vs_hf_generate"] == 2.5
     assert runs["jaxinfer_cold"]["same_tokens_as_requested"] is True
+    assert runs["llama_cpp"]["same_tokens_as_requested"] is False
+    assert runs["llama_cpp"]["vs_hf_generate"] == 1.6  # 8 tok/s over 5
     assert "output_tok_s" not in runs["hf_generate_batch"]
     monkeypatch.setattr(sys, "argv", ["bench_peers.py", "--engines", "jaxinfer,vllm"])
     with pytest.raises(SystemExit) as e:  # an unknown engine is refused, by name, before any run
