@@ -62,18 +62,25 @@ def decode_bucket(num_decode: int) -> int:
     return 1 if num_decode == 1 else next_pow2(num_decode, MIN_DECODE_ROWS)
 
 
+def step_buckets(num_decode: int, num_prefill_tokens: int, num_prefill_rows: int,
+                 max_pages: int, max_pages_per_seq: int) -> Buckets:
+    """The buckets of a step of ``num_decode`` decode rows and ``num_prefill_rows`` prefill rows
+    of ``num_prefill_tokens`` tokens in all, whose longest row spans ``max_pages`` pages."""
+    return Buckets(
+        decode_rows=decode_bucket(num_decode),
+        prefill_tokens=next_pow2(num_prefill_tokens, MIN_PREFILL_TOKENS),
+        prefill_rows=next_pow2(num_prefill_rows),
+        pages_per_seq=min(next_pow2(max_pages, MIN_PAGES_PER_SEQ), next_pow2(max_pages_per_seq)),
+    )
+
+
 def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int
                      ) -> tuple[StepBatch, Buckets]:
     """numpy StepBatch of the scheduled rows (each row's pages must already be allocated)."""
     nd, rows_p = len(sched.decode), sched.prefill
-    tp_live = sum(r.num_new for r in rows_p)
-    max_pages = max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows)
-    bk = Buckets(
-        decode_rows=decode_bucket(nd),
-        prefill_tokens=next_pow2(tp_live, MIN_PREFILL_TOKENS),
-        prefill_rows=next_pow2(len(rows_p)),
-        pages_per_seq=min(next_pow2(max_pages, MIN_PAGES_PER_SEQ), next_pow2(max_pages_per_seq)),
-    )
+    bk = step_buckets(nd, sum(r.num_new for r in rows_p), len(rows_p),
+                      max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows),
+                      max_pages_per_seq)
     td, tp, bp, m = bk.key
     t, b = td + tp, td + bp
     # Sampled rows are padded to a power of two so sampling compiles once per size.

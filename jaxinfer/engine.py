@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 import jaxinfer.prompt_logprobs as plp
-from jaxinfer.batch import build_step_batch, decode_bucket, next_pow2, row_index
+from jaxinfer.batch import build_step_batch, decode_bucket, next_pow2, row_index, step_buckets
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engine's public names
     KV_CACHE_DTYPES,
@@ -350,11 +350,39 @@ class Engine:
                 and not any(_has_penalties(seq.params) for seq, _ in done.sampled)):
             # Penalties need the output tokens' counts on the host: those rows wait for them.
             sched = self.scheduler.schedule()
+            if sched.rows and self._needs_compile(sched):
+                return self._collect_then_dispatch(done, sched)
             if sched.rows:
                 self._culprits = [row.seq for row in sched.rows]
                 self._inflight = self._dispatch(sched, done)
         self._culprits = [seq for seq, _ in done.sampled]
         return self._collect(done)
+
+    def _needs_compile(self, sched) -> bool:
+        """Whether dispatching ``sched`` would compile a forward shape not seen yet (its bucket
+        tuple, ``batch.build_step_batch``)."""
+        z, pf = self.ecfg.page_size, sched.prefill
+        key = step_buckets(len(sched.decode), sum(r.num_new for r in pf), len(pf),
+                           max(-(-(r.seq.num_computed + r.num_new) // z) for r in sched.rows),
+                           self.ecfg.max_pages_per_seq).key
+        return ("forward", key) not in self.compile_keys
+
+    def _collect_then_dispatch(self, done: _InFlight, sched) -> list[RequestOutput]:
+        """Async scheduling when the next step compiles a new shape: reads the step in flight
+        first, so its tokens (a cold run's first token) do not wait for the compile, then
+        dispatches the next step without the rows that finished meanwhile."""
+        self._culprits = [seq for seq, _ in done.sampled]
+        results = self._collect(done)
+        sched = dataclasses.replace(
+            sched, decode=[r for r in sched.decode if r.seq.status is not SeqStatus.FINISHED],
+            prefill=[r for r in sched.prefill if r.seq.status is not SeqStatus.FINISHED])
+        if sched.rows:
+            self._culprits = [row.seq for row in sched.rows]
+            try:
+                self._inflight = self._dispatch(sched, None)
+            except Exception as e:  # noqa: BLE001 - as step(): the collected tokens are kept
+                return results + self._recover(e)
+        return results
 
     def _reset_device_state(self) -> None:
         """After a failed step: a fresh KV pool when the failed call had consumed (donated) it."""

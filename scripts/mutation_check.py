@@ -369,6 +369,16 @@ MUTATIONS: list[Mutation] = [
       "out.prompt_logprobs[len(ctx):]", ("tests/test_notebook.py",)),
     M("score_context_not_from_cache", "jaxinfer/scoring.py", "prompt_logprobs_from=len(c)",
       "prompt_logprobs_from=1", ("tests/test_scoring.py",), "sharing"),
+    # Issue 21: async scheduling reads the step in flight before dispatching a new shape.
+    M("collect_first_keeps_finished_rows", "jaxinfer/engine.py",
+      "decode=[r for r in sched.decode if r.seq.status is not SeqStatus.FINISHED]",
+      "decode=list(sched.decode)", ("tests/test_async_scheduling.py",), "collect_first"),
+    M("new_shape_dispatched_before_collect", "jaxinfer/engine.py",
+      'return ("forward", key) not in self.compile_keys', "return False",
+      ("tests/test_async_scheduling.py",), "first_token"),
+    M("always_collect_before_dispatch", "jaxinfer/engine.py",
+      'return ("forward", key) not in self.compile_keys', "return True",
+      ("tests/test_async_scheduling.py",), "first_token"),
 ]
 
 

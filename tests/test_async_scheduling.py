@@ -98,3 +98,62 @@ def test_async_with_speculative_is_refused(stories_dir):
 
     with pytest.raises(ValueError, match="not supported with speculative decoding"):
         LLM(stories_dir, speculative="ngram", async_scheduling=True, compilation_cache=False)
+
+
+def _spy_order(eng, monkeypatch):
+    """Records the engine's dispatches (with their decode / prefill row counts) and collects."""
+    events = []
+    dispatch, collect = eng._dispatch, eng._collect
+
+    def spy_dispatch(sched, prev):
+        events.append(("dispatch", len(sched.decode), len(sched.prefill)))
+        return dispatch(sched, prev)
+
+    def spy_collect(done):
+        events.append(("collect",))
+        return collect(done)
+
+    monkeypatch.setattr(eng, "_dispatch", spy_dispatch)
+    monkeypatch.setattr(eng, "_collect", spy_collect)
+    return events
+
+
+def test_first_token_is_read_before_a_new_shape_is_dispatched(stories_llm, monkeypatch):
+    """Cold start (issue 21): a step whose shape is not compiled yet is dispatched only after the
+    step in flight was read back, so the first token does not wait for the decode step's compile.
+    Once the shapes are known, the next step is dispatched before the last is read (async)."""
+    eng = stories_llm.engine
+    ids = stories_llm.tokenizer.encode("Once upon a time")
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    monkeypatch.setattr(eng, "compile_keys", set())  # as a fresh engine: nothing compiled
+    events = _spy_order(eng, monkeypatch)
+    eng.add_request("cold", ids, sp)
+    first = eng.step()
+    assert [o.request_id for o in first] == ["cold"] and len(first[0].token_ids) == 1
+    # The prefill was dispatched and collected; the decode shape (new) was dispatched after.
+    assert events == [("dispatch", 0, 1), ("collect",), ("dispatch", 1, 0)]
+    while eng.has_unfinished():
+        eng.step()
+    # Later decode steps reuse the compiled shape: each is dispatched before the last is read.
+    later = events[3:]
+    assert later[:2] == [("dispatch", 1, 0), ("collect",)], events
+    assert len([e for e in events if e[0] == "dispatch"]) == 5  # prefill + 4 decode steps
+
+
+def test_collect_first_drops_rows_that_finished_meanwhile(stories_llm, monkeypatch):
+    """A row that finishes on the collected token is not dispatched again: "a" stops on ","
+    (llama2.c's greedy continuation of the prompt is ", there was ...", the shared reference)."""
+    eng = stories_llm.engine
+    ids = stories_llm.tokenizer.encode("Once upon a time")
+    monkeypatch.setattr(eng, "compile_keys", set())
+    events = _spy_order(eng, monkeypatch)
+    eng.add_request("a", ids, SamplingParams(temperature=0.0, max_tokens=10, stop=[","]))
+    eng.add_request("b", ids, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert (outs["a"].finish_reason, outs["a"].text) == ("stop", "")
+    assert outs["b"].text == ", there was"
+    # Both prefilled in one step; "a" finished when it was read, so only "b" decodes after.
+    assert events[:3] == [("dispatch", 0, 2), ("collect",), ("dispatch", 1, 0)], events
