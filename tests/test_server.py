@@ -33,8 +33,8 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['conten
 
 
 class _Server:
-    def __init__(self, url, state, llm):
-        self.url, self.state, self.llm = url, state, llm
+    def __init__(self, url, state, llm, uv=None):
+        self.url, self.state, self.llm, self.uv = url, state, llm, uv
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
                                     timeout=60)
 
@@ -54,7 +54,7 @@ def server(stories_llm):
     while not srv.started:
         assert th.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
-    yield _Server(f"http://127.0.0.1:{port}", app.state.jaxinfer, stories_llm)
+    yield _Server(f"http://127.0.0.1:{port}", app.state.jaxinfer, stories_llm, srv)
     srv.should_exit = True
     th.join(30)
     assert not th.is_alive()
@@ -327,6 +327,35 @@ def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypa
     assert eng.num_steps - applied[0][0] <= 1
     assert eng.num_steps - steps < 100  # nowhere near the 400 tokens asked for
     assert server.state.engine.outstanding == 0
+
+
+def test_a_stream_that_falls_behind_gets_its_backlog_merged(server):
+    """While the event loop is blocked the engine runs on; the tokens made meanwhile come as one
+    chunk of their joined text (not one chunk each), and the text still equals the request
+    run alone."""
+    eng = server.llm.engine
+    loop = server.uv.servers[0].get_loop()
+    _wait_idle(server)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+
+    def block_until_steps(n, timeout=20.0):  # runs on the event loop: it blocks it
+        deadline = time.monotonic() + timeout
+        while eng.num_steps < n and eng.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    texts = []
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            lines = (x for x in r.iter_lines() if x.startswith("data: {"))
+            texts.append(json.loads(next(lines)[6:])["choices"][0]["text"])
+            loop.call_soon_threadsafe(block_until_steps, eng.num_steps + 20)
+            texts += [json.loads(x[6:])["choices"][0]["text"] for x in lines]
+    ref = _alone(server.llm, "Once upon a time", max_tokens=60, temperature=0, ignore_eos=True)
+    assert "".join(texts) == ref.text
+    # 60 tokens; >= 19 of them made while the loop was blocked arrive in one chunk
+    assert len(texts) <= 60 - 18, len(texts)
+    assert max(len(t) for t in texts) > 10
 
 
 def test_queue_limit_answers_503(server, monkeypatch):

@@ -1,10 +1,14 @@
 """The server's engine thread: one loop steps the engines for every connected client.
 
 HTTP handlers run on the asyncio event loop and never step the engine. They hand requests to
-``AsyncEngine.submit`` (validated already) and read outputs from an ``asyncio.Queue``; the engine
-thread adds the requests between steps, steps every replica while there is work, and puts each
-output on its request's queue with ``loop.call_soon_threadsafe``. ``abort`` (a client that went
-away) is applied before the next step, so an aborted request's pages are free within one step.
+``AsyncEngine.submit`` (validated already) and read outputs from an ``OutputStream``; the engine
+thread adds the requests between steps, steps every replica while there is work, appends each
+output to its request's stream and, once per step, wakes the streams that got outputs (one
+``loop.call_soon_threadsafe`` per step, not one per output). A handler that falls behind gets its
+backlog merged per sequence (latest state, ``delta_text`` joined: vLLM's
+``RequestOutputCollector``), so it sends fewer, larger chunks instead of falling further behind.
+``abort`` (a client that went away) is applied before the next step, so an aborted request's
+pages are free within one step.
 
 The thread shares the ``LLM``'s ``EngineLoop`` (its lock and its output routes), so ``LLM.generate``
 called in the same process while the server runs joins the same continuous batch. Source: the
@@ -14,6 +18,8 @@ shape of vLLM's ``AsyncLLM`` (engine core in its own loop, per-request output qu
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -46,18 +52,71 @@ class EngineRequest:
     prompt_text: str | None = None
 
 
-class _Sink:
-    """Route of one HTTP request's outputs into its asyncio queue (EngineLoop calls ``append``
-    under its lock, on the engine thread)."""
+class OutputStream:
+    """The outputs of one HTTP request's sequences, from the engine thread to its handler.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-        self.loop, self.queue = loop, queue
+    The engine thread appends (``_Sink``); the handler awaits ``get``, which returns every output
+    that arrived since its last call, merged per sequence: consecutive outputs of one sequence
+    become the latest of them with their ``delta_text`` joined (the other fields of an output
+    are cumulative: text, token_ids, logprobs). Outputs of different sequences keep their order.
+    ``disconnect`` (the client went away) makes the pending and every later ``get`` return None.
+    Create it on the event loop that reads it.
+    """
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self._items: collections.deque[RequestOutput] = collections.deque()  # thread-safe ends
+        self._event = asyncio.Event()
+        self.disconnected = False
+
+    def _wake(self) -> None:  # event loop only
+        self._event.set()
+
+    def disconnect(self) -> None:
+        """The client went away (event loop only)."""
+        self.disconnected = True
+        self._event.set()
+
+    async def get(self) -> list[RequestOutput] | None:
+        """Waits for outputs; returns them merged per sequence, or None once disconnected."""
+        while not self._items and not self.disconnected:
+            self._event.clear()
+            if self._items:  # appended before the clear: its wake-up may already have run
+                break
+            await self._event.wait()
+        if self.disconnected:
+            return None
+        merged: dict[str, RequestOutput] = {}
+        while self._items:
+            out = self._items.popleft()
+            prev = merged.pop(out.request_id, None)  # re-inserted: ordered by its latest output
+            if prev is not None and prev.delta_text and out.error is None:
+                out = dataclasses.replace(out, delta_text=prev.delta_text + (out.delta_text or ""),
+                                          outputs=None)
+            merged[out.request_id] = out
+        return list(merged.values())
+
+
+class _Sink:
+    """Route of one HTTP request's outputs into its ``OutputStream`` (EngineLoop calls
+    ``append`` under its lock, on the engine thread); the stream is woken by ``AsyncEngine``
+    once the step's outputs are all in."""
+
+    def __init__(self, engine: AsyncEngine, stream: OutputStream):
+        self.engine, self.stream = engine, stream
 
     def append(self, out: RequestOutput) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-        except RuntimeError:  # the event loop is closed: nobody will read it
-            pass
+        self.stream._items.append(out)
+        self.engine._dirty[id(self.stream)] = self.stream
+
+    def extend(self, outs) -> None:
+        for out in outs:
+            self.append(out)
+
+
+def _wake_all(streams: list[OutputStream]) -> None:
+    for s in streams:
+        s._wake()
 
 
 class AsyncEngine:
@@ -80,6 +139,7 @@ class AsyncEngine:
         self._adds: list[tuple[EngineRequest, _Sink]] = []
         self._aborts: list[str] = []
         self._mine: set[str] = set()  # request ids routed to a sink (engine thread only)
+        self._dirty: dict[int, OutputStream] = {}  # streams with outputs to wake (engine thread)
         self._replica = itertools.count()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -87,8 +147,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ asyncio side
 
-    def submit(self, requests: Sequence[EngineRequest], queue: asyncio.Queue) -> None:
-        """Queues ``requests`` for the engine thread; their outputs go to ``queue``.
+    def submit(self, requests: Sequence[EngineRequest], stream: OutputStream) -> None:
+        """Queues ``requests`` for the engine thread; their outputs go to ``stream``.
 
         Raises:
             Overloaded: accepting them would exceed ``max_queue``.
@@ -100,7 +160,7 @@ class AsyncEngine:
         if self.capacity is not None and self.outstanding + len(requests) > self.capacity:
             raise Overloaded(f"{self.outstanding} sequences are running or queued; the server "
                              f"takes at most {self.capacity} (max_num_seqs + --max-queue)")
-        sink = _Sink(asyncio.get_running_loop(), queue)
+        sink = _Sink(self, stream)
         self.outstanding += len(requests)
         with self._cv:
             self._adds.extend((r, sink) for r in requests)
@@ -161,12 +221,28 @@ class AsyncEngine:
                         self._add_locked(req, sink)
                     if self._has_work():
                         self._step_locked()
+                self._flush()
         except BaseException as e:  # noqa: BLE001 - reported by /health and every later submit
             self.error = e
             log.exception("the engine thread stopped")
             with self._eloop._lock:
                 self._fail_mine_locked(f"the engine stopped: {type(e).__name__}: {e}")
+            self._flush()
             raise
+
+    def _flush(self) -> None:
+        """Wakes the streams that got outputs: one ``call_soon_threadsafe`` per event loop."""
+        if not self._dirty:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[OutputStream]] = {}
+        for s in self._dirty.values():
+            by_loop.setdefault(s.loop, []).append(s)
+        self._dirty = {}
+        for loop, streams in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake_all, streams)
+            except RuntimeError:  # the event loop is closed: nobody will read them
+                pass
 
     def _abort_locked(self, request_ids) -> None:
         for rid in request_ids:

@@ -2,9 +2,11 @@
 
 A request is checked completely before anything reaches the engine (model name 404; body,
 sampling values, prompt length 400, each naming the field), then becomes one engine sequence per
-(prompt, choice): choice index ``prompt_index * n + j`` as vLLM. Outputs come back on one asyncio
-queue (``engine_thread``); a client that disconnects (a watcher reads ``http.disconnect``) or
-stops reading has its unfinished sequences aborted at once. A sequence that fails inside the
+(prompt, choice): choice index ``prompt_index * n + j`` as vLLM. Outputs come back on one
+``OutputStream`` (``engine_thread``: what arrived since the last read, merged per sequence, so a
+stream that falls behind sends one chunk per choice with the joined text, and one write per read
+of the stream); a client that disconnects (a watcher reads ``http.disconnect``) or stops reading
+has its unfinished sequences aborted at once. A sequence that fails inside the
 engine is a 500 for this request alone (in a stream: an error event, then ``[DONE]``).
 """
 
@@ -24,12 +26,9 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.parallel_sampling import child_params
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.server.engine_thread import EngineRequest, Overloaded, ShuttingDown
+from jaxinfer.server.engine_thread import EngineRequest, OutputStream, Overloaded, ShuttingDown
 from jaxinfer.server.errors import APIError, error_body
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
-
-_DISCONNECTED = object()  # put on a request's queue when its client goes away
-
 
 @dataclasses.dataclass
 class _Choice:
@@ -103,11 +102,11 @@ def _encode_all(llm, prompts: list, sp: SamplingParams, kind: str, req) -> list[
     return encoded
 
 
-async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
+async def _watch_disconnect(raw: Request, stream: OutputStream) -> None:
     while True:
         msg = await raw.receive()
         if msg["type"] == "http.disconnect":
-            queue.put_nowait(_DISCONNECTED)
+            stream.disconnect()
             return
 
 
@@ -130,12 +129,12 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
             echo = (text or "") if kind == "completion" and req.echo else ""
             choices.append(_Choice(i * req.n + j, rid, ids, j == 0, echo, 0, len(echo)))
             reqs.append(EngineRequest(rid, ids, csp, text))
-    queue: asyncio.Queue = asyncio.Queue()
+    stream = OutputStream()
     try:
-        state.engine.submit(reqs, queue)
+        state.engine.submit(reqs, stream)
     except (Overloaded, ShuttingDown) as e:
         raise APIError(str(e), status=503) from None
-    run = _Run(state, raw, req, kind, base, choices, queue)
+    run = _Run(state, raw, req, kind, base, choices, stream)
     if req.stream:
         return _SSEResponse(run.stream(), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
@@ -145,12 +144,12 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
 class _Run:
     """The sequences of one HTTP request while they run."""
 
-    def __init__(self, state, raw, req, kind, base, choices, queue):
+    def __init__(self, state, raw, req, kind, base, choices, stream):
         self.state, self.raw, self.req, self.kind = state, raw, req, kind
         self.id, self.created = base, int(time.time())
         self.choices = choices
         self.by_rid = {c.request_id: c for c in choices}
-        self.queue = queue
+        self.outputs = stream
         self.released = False
         self.tok = state.llm.tokenizer
         # completions with echo and logprobs: the echoed prompt carries its logprobs
@@ -166,25 +165,30 @@ class _Run:
             self.state.engine.abort(left)
         self.state.engine.release(len(self.choices))
 
-    async def _outputs(self) -> AsyncIterator[RequestOutput | None]:
-        """Outputs until every choice finished; None when the client went away."""
-        watcher = asyncio.create_task(_watch_disconnect(self.raw, self.queue))
+    async def _outputs(self) -> AsyncIterator[list[RequestOutput] | None]:
+        """Outputs, a read of the stream at a time (merged per sequence), until every choice
+        finished; None when the client went away."""
+        watcher = asyncio.create_task(_watch_disconnect(self.raw, self.outputs))
         try:
             remaining = len(self.choices)
             while remaining:
-                out = await self.queue.get()
-                if out is _DISCONNECTED:
+                got = await self.outputs.get()
+                if got is None:
                     yield None
                     return
-                c = self.by_rid.get(out.request_id)
-                if c is None or c.final is not None:
-                    continue
-                if out.finished:
-                    c.final = out
-                    remaining -= 1
-                    if out.error is None:
-                        self.state.metrics.finished(out, count_prompt=c.first_of_prompt)
-                yield out
+                outs = []
+                for out in got:
+                    c = self.by_rid.get(out.request_id)
+                    if c is None or c.final is not None:
+                        continue
+                    if out.finished:
+                        c.final = out
+                        remaining -= 1
+                        if out.error is None:
+                            self.state.metrics.finished(out, count_prompt=c.first_of_prompt)
+                    outs.append(out)
+                if outs:
+                    yield outs
         finally:
             watcher.cancel()
 
@@ -192,11 +196,13 @@ class _Run:
 
     async def collect(self) -> JSONResponse:
         try:
-            async for out in self._outputs():
-                if out is None:  # nobody to answer: abort (finally) and send nothing useful
+            async for outs in self._outputs():
+                if outs is None:  # nobody to answer: abort (finally) and send nothing useful
                     return JSONResponse(error_body("client disconnected", 499), status_code=499)
-                if out.error is not None:
-                    raise APIError(f"the engine failed this request: {out.error}", status=500)
+                for out in outs:
+                    if out.error is not None:
+                        raise APIError(f"the engine failed this request: {out.error}",
+                                       status=500)
         finally:
             self._cleanup()
         finals = [c.final for c in self.choices]
@@ -272,22 +278,27 @@ class _Run:
                     yield self._chunk([{"index": c.index, "text": c.echo, "logprobs": None,
                                         "finish_reason": None}])
                     c.echo_sent = True
-            async for out in self._outputs():
-                if out is None:
+            async for outs in self._outputs():
+                if outs is None:
                     return
-                if out.error is not None:
-                    yield fmt.sse(error_body(f"the engine failed this request: {out.error}",
-                                             500))
-                    yield fmt.SSE_DONE
-                    return
-                c = self.by_rid[out.request_id]
-                if c.echo and not c.echo_sent and out.prompt_logprobs is not None:
-                    c.echo_sent = True  # the prompt logprobs come with the first output
-                    yield self._chunk([{"index": c.index, "text": c.echo, "logprobs":
-                                        self._echo_lps(c, out), "finish_reason": None}])
-                d = self._delta(c, out)
-                if d is not None:
-                    yield self._chunk([d])
+                parts = []  # one write per read of the stream
+                for out in outs:
+                    if out.error is not None:
+                        parts += [fmt.sse(error_body(f"the engine failed this request: "
+                                                     f"{out.error}", 500)), fmt.SSE_DONE]
+                        yield "".join(parts)
+                        return
+                    c = self.by_rid[out.request_id]
+                    if c.echo and not c.echo_sent and out.prompt_logprobs is not None:
+                        c.echo_sent = True  # the prompt logprobs come with the first output
+                        parts.append(self._chunk([{"index": c.index, "text": c.echo,
+                                                   "logprobs": self._echo_lps(c, out),
+                                                   "finish_reason": None}]))
+                    d = self._delta(c, out)
+                    if d is not None:
+                        parts.append(self._chunk([d]))
+                if parts:
+                    yield "".join(parts)
             if self.req.include_usage:
                 finals = [c.final for c in self.choices]
                 yield self._chunk([], fmt.usage([c.final for c in self.choices
