@@ -1,0 +1,231 @@
+"""Compiling an engine's step shapes ahead of use (``jaxinfer serve --warmup``).
+
+Every step's shapes are padded to buckets (``jaxinfer.batch``): the forward step compiles once per
+bucket tuple ``("forward", (Td, Tp, Bp, M))`` and the sampling step once per
+``("sample", B', controls, num_logprobs)`` (``Engine.compile_keys``). A key met for the first
+time mid-serving compiles while every running request waits (about a second per key for
+stories260K on CPU). ``precompile`` dispatches a dummy all-padding step of each key through the
+engine's own jitted functions, with the static arguments ``Engine._dispatch`` passes, so the jit
+caches hold them before the first request. Its padding tokens write only into the null page
+(``kv_cache.NULL_PAGE``), which no sequence owns, so the pool's other pages are untouched.
+
+``serving_keys`` enumerates the keys a serving engine reaches (module constants below say which,
+and the measurement behind the choice); ``all_keys`` every key the buckets allow (hundreds).
+Source: tpu-inference and JetStream compile their token buckets at start-up the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from jaxinfer.batch import (
+    MIN_PAGES_PER_SEQ,
+    MIN_PREFILL_TOKENS,
+    decode_bucket,
+    next_pow2,
+)
+from jaxinfer.engine_config import EngineConfig
+from jaxinfer.kv_cache import NULL_PAGE
+from jaxinfer.paged_attention import AttentionMetadata
+from jaxinfer.sampling import SamplingParams, SamplingTensors
+from jaxinfer.step import LogitsControls, StepBatch
+
+Key = tuple
+"""A compile key as in ``Engine.compile_keys``: ``("forward", (Td, Tp, Bp, M))`` or
+``("sample", B', controls, num_logprobs)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecompileReport:
+    """What ``precompile`` did.
+
+    Attributes:
+        keys: the keys dispatched, in order (forward keys each followed by their plain
+            sampling key, as the engine pairs them).
+        new_keys: how many of them were not in ``engine.compile_keys`` before.
+        seconds: wall time of the whole call, seconds.
+    """
+
+    keys: tuple[Key, ...]
+    new_keys: int
+    seconds: float
+
+
+def _first_live(bucket_of: Callable[[int], int], top: int) -> dict[int, int]:
+    """{bucket: the smallest live count n in [0, top] that ``bucket_of`` maps to it}."""
+    out: dict[int, int] = {}
+    for n in range(top + 1):
+        out.setdefault(bucket_of(n), n)
+    return out
+
+
+def all_keys(ecfg: EngineConfig) -> list[Key]:
+    """Every forward key ``build_step_batch`` can give under ``ecfg``'s limits, each followed by
+    its plain sampling key (the first time its B' occurs).
+
+    A bucket tuple is kept when its smallest live counts fit the limits (decode rows plus
+    prefill rows <= ``max_num_seqs``, prefill rows <= ``max_prefill_seqs``, decode plus prefill
+    tokens <= ``max_num_batched_tokens``), and M ranges over the block-table widths of a longest
+    row from the longest prefill chunk those counts allow up to ``max_pages_per_seq``. So the
+    list may hold keys the scheduler never makes; it omits none (tests/test_precompile.py runs
+    the real scheduler against it). Hundreds of keys for the server's defaults."""
+    z, cap = ecfg.page_size, next_pow2(ecfg.max_pages_per_seq)
+    rows_max = min(ecfg.max_prefill_seqs, ecfg.max_num_seqs)
+    td_min = _first_live(decode_bucket, ecfg.max_num_seqs)
+    tp_min = _first_live(lambda n: next_pow2(n, MIN_PREFILL_TOKENS), ecfg.max_num_batched_tokens)
+    bp_min = _first_live(next_pow2, rows_max)
+    width = {p: min(next_pow2(p, MIN_PAGES_PER_SEQ), cap)
+             for p in range(1, ecfg.max_pages_per_seq + 1)}
+    ms = lambda pages: sorted({m for p, m in width.items() if p >= pages})  # noqa: E731
+    fwd: list[tuple[int, int, int, int]] = []
+    for td, nd in td_min.items():
+        if td:
+            fwd += [(td, 0, 0, m) for m in ms(1)]
+        for tp, nt in tp_min.items():
+            for bp, nb in bp_min.items():
+                if not (tp and bp) or nd + nb > ecfg.max_num_seqs:
+                    continue
+                tokens = max(nt, nb)  # each prefill row has at least one token
+                if nd + tokens > ecfg.max_num_batched_tokens:
+                    continue
+                longest = -(-tokens // min(bp, rows_max, ecfg.max_num_seqs - nd))
+                if longest <= ecfg.max_model_len:
+                    fwd += [(td, tp, bp, m) for m in ms(-(-longest // z))]
+    return with_sample_keys(fwd)
+
+
+def with_sample_keys(forward: Iterable[tuple[int, int, int, int]]) -> list[Key]:
+    """("forward", key) for each bucket tuple, each followed by ("sample", B', False, 0) the
+    first time its B' occurs: the engine runs that sampling step after it."""
+    out: list[Key] = []
+    seen: set[int] = set()
+    for bk in forward:
+        out.append(("forward", tuple(bk)))
+        b = sample_rows(bk[0], bk[2])
+        if b not in seen:
+            seen.add(b)
+            out.append(("sample", b, False, 0))
+    return out
+
+
+def sample_rows(td: int, bp: int) -> int:
+    """B', the sampled rows of a step with Td decode and Bp prefill rows (``logits_indices``)."""
+    return next_pow2(td + bp)
+
+
+def dummy_step_batch(key: tuple[int, int, int, int], page_size: int) -> StepBatch:
+    """A numpy StepBatch of bucket ``key`` = (Td, Tp, Bp, M) holding only padding, laid out as
+    ``build_step_batch`` pads: every token writes into the null page, every block-table entry
+    is the null page, every row has kv_len 0 (decode padding rows one query token each)."""
+    td, tp, bp, m = key
+    t, b = td + tp, td + bp
+    seq_ids = np.full(t, -1, np.int32)
+    seq_ids[:td] = np.arange(td, dtype=np.int32)
+    q_lens = np.zeros(b, np.int32)
+    q_lens[:td] = 1
+    md = AttentionMetadata(
+        positions=np.zeros(t, np.int32), slot_mapping=np.full(t, NULL_PAGE * page_size, np.int32),
+        block_tables=np.full((b, m), NULL_PAGE, np.int32), kv_lens=np.zeros(b, np.int32),
+        cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), seq_ids=seq_ids,
+        num_decode=td)
+    return StepBatch(tokens=np.zeros(t, np.int32), md=md,
+                     logits_indices=np.zeros(sample_rows(td, bp), np.int32))
+
+
+def precompile(engine, keys: Iterable[Key] | None = None,
+               progress: Callable[[int, int, Key], None] | None = None) -> PrecompileReport:
+    """Compiles ``keys`` (default ``serving_keys(engine.ecfg)``) into the engine's jit caches.
+
+    Each forward key runs one dummy all-padding step (``dummy_step_batch``) through
+    ``engine._forward``, then its B' sampled rows through ``engine._sample`` with the plain
+    options (no controls, no logprobs: greedy and sampled rows share that compilation), and with
+    the options of every sampling key in ``keys`` of the same B', each with the static arguments
+    ``Engine._dispatch`` passes. Every key run goes into ``engine.compile_keys``. The KV pool is
+    donated and replaced as in a real step; only the null page is written. Call it while no
+    other thread steps the engine (before serving); a request already running is unaffected.
+
+    Args:
+        engine: a ``jaxinfer.engine.Engine`` (not a speculative one).
+        keys: compile keys as in ``Engine.compile_keys``, "forward" and "sample" kinds.
+        progress: called after each forward key (and its sampling keys) as
+            ``progress(k, n, key)``: k of n forward keys done.
+
+    Returns:
+        ``PrecompileReport``.
+
+    Raises:
+        ValueError: a key of another kind or a malformed one (the message names it); a
+            sampling key whose B' no forward key in ``keys`` gives; a speculative engine.
+    """
+    t0 = time.perf_counter()
+    if hasattr(engine, "spec"):
+        raise ValueError("precompile: a speculative engine steps through its own round function "
+                         "('spec_round' keys); precompile supports the plain Engine only")
+    fwd, smp = _split_keys(list(serving_keys(engine.ecfg) if keys is None else keys))
+    rows = {sample_rows(bk[0], bk[2]) for bk in fwd}
+    orphans = sorted(k for k in smp if k[1] not in rows)
+    if orphans:
+        raise ValueError(f"precompile: sampling keys {orphans} have no forward key of the same "
+                         "row count B' in keys (their logits come from one)")
+    ecfg, v = engine.ecfg, engine.cfg.vocab_size
+    before = set(engine.compile_keys)
+    done: list[Key] = []
+    prev = engine._no_prev
+    for k, bk in enumerate(fwd, 1):
+        b = sample_rows(bk[0], bk[2])
+        engine.kv, logits = engine._forward(
+            engine.params, engine.kv, dummy_step_batch(bk, ecfg.page_size), prev, cfg=engine.cfg,
+            attn_impl=ecfg.attn_impl, batch_invariant=ecfg.batch_invariant)
+        engine.compile_keys.add(("forward", bk))
+        done.append(("forward", bk))
+        st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b,
+                                         pad_to=b)
+        for sk in [("sample", b, False, 0)] + [s for s in smp if s[1] == b]:
+            if sk in done:
+                continue
+            controls = None if not sk[2] else LogitsControls(
+                np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool))
+            out, prev = engine._sample(logits, st, controls, num_logprobs=sk[3],
+                                       num_slots=engine._num_slots,
+                                       batch_invariant=ecfg.batch_invariant)
+            engine.compile_keys.add(sk)
+            done.append(sk)
+        prev.block_until_ready()  # the compile happened at dispatch; this bounds the device work
+        if progress is not None:
+            progress(k, len(fwd), ("forward", bk))
+    return PrecompileReport(tuple(done), len(set(done) - before), time.perf_counter() - t0)
+
+
+def _split_keys(keys: list) -> tuple[list[tuple[int, int, int, int]], list[Key]]:
+    """(forward bucket tuples, sampling keys) of ``keys``, each deduplicated in order.
+    Raises ValueError naming a malformed key."""
+    fwd, smp = [], []
+    for k in keys:
+        ints = lambda xs: all(isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+                              for x in xs)
+        if (isinstance(k, tuple) and len(k) == 2 and k[0] == "forward" and isinstance(k[1], tuple)
+                and len(k[1]) == 4 and ints(k[1]) and (k[1][1] == 0) == (k[1][2] == 0)
+                and k[1][0] + k[1][1] > 0 and k[1][3] > 0):
+            fwd.append(k[1])
+        elif (isinstance(k, tuple) and len(k) == 4 and k[0] == "sample" and ints(k[1:2] + k[3:])
+              and k[1] > 0 and isinstance(k[2], bool)):
+            smp.append(k)
+        else:
+            raise ValueError(f"precompile: cannot compile key {k!r}: expected ('forward', (Td, "
+                             "Tp, Bp, M)) with Td + Tp > 0, M > 0 and Tp == 0 exactly when "
+                             "Bp == 0, or ('sample', B', controls: bool, num_logprobs)")
+    return list(dict.fromkeys(fwd)), list(dict.fromkeys(smp))
+
+
+def serving_keys(ecfg: EngineConfig, *, max_prefill_rows: int = 1,
+                 max_prefill_tokens: int | None = None) -> list[Key]:
+    """The keys ``precompile`` compiles by default: those of ``all_keys`` with at most
+    ``max_prefill_rows`` prefill rows (Bp) and ``max_prefill_tokens`` prefill tokens (Tp bucket;
+    None: no limit), with their plain sampling keys."""
+    fwd = [k[1] for k in all_keys(ecfg) if k[0] == "forward" and k[1][2] <= max_prefill_rows
+           and (max_prefill_tokens is None or k[1][1] <= max_prefill_tokens)]
+    return with_sample_keys(fwd)
