@@ -14,7 +14,7 @@ from conftest import STORIES, stories_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.batch import build_step_batch
+from jaxinfer.batch import build_step_batch, next_pow2
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.kv_cache import NULL_PAGE, PageAllocator
 from jaxinfer.precompile import all_keys, precompile, serving_keys, with_sample_keys
@@ -87,6 +87,24 @@ def test_enumerated_keys_cover_every_scheduled_step(run):
         assert key in every, (key, ecfg)
         if prefill_rows <= 1:
             assert key in served, (key, ecfg)
+
+
+@pytest.mark.parametrize("budget", [32, 33, 64, 65])
+@pytest.mark.parametrize("page_size,max_model_len", [(4, 64), (8, 65), (16, 128)])
+def test_enumerated_keys_cover_the_limits_edges(budget, page_size, max_model_len):
+    """Chunks that fill the token budget exactly, rows at max_model_len, one page over a
+    power of two: the edges a random draw rarely reaches."""
+    ecfg = EngineConfig(max_model_len=max_model_len, page_size=page_size, max_num_seqs=5,
+                        max_num_batched_tokens=budget, max_prefill_seqs=2, num_pages=0,
+                        enable_prefix_caching=False)
+    n = max_model_len - 1
+    reqs = [(list(range(3, 3 + n)), 1, 0), ([3] * (page_size + 1), n - page_size, 0),
+            ([4] * (budget - 1), 2, 1), ([5] * 2, 3, 2), ([6] * budget, 1, 3)]
+    reqs = [(p[:n], min(t, max_model_len - len(p[:n])), at) for p, t, at in reqs]
+    every = {k[1] for k in all_keys(ecfg) if k[0] == "forward"}
+    got = scheduled_keys(ecfg, 5 * ecfg.max_pages_per_seq + 1, reqs)
+    assert {k for k, _ in got} <= every
+    assert any(k[1] == next_pow2(budget, 32) for k, _ in got)  # the budget-filling chunk ran
 
 
 def test_sample_keys_follow_each_new_row_count():
@@ -210,3 +228,36 @@ def test_bad_keys_are_errors_naming_them(llm):
     with pytest.raises(ValueError, match=r"\('sample', 16, False, 0\)"):
         precompile(llm.engine, [("forward", (4, 0, 0, 4)), ("sample", 16, False, 0)])
     assert llm.engine.compile_keys == keys  # nothing ran
+
+
+def test_serve_warmup_logs_progress_and_total(monkeypatch):
+    """``jaxinfer serve --warmup``'s path: every engine's keys precompiled, "compiling k/n" over
+    all engines, then the total (``precompile`` itself replaced: tested above)."""
+    import types
+
+    import jaxinfer.precompile
+    from jaxinfer.jobs import UsageError
+    from jaxinfer.server.command import precompile_engines
+
+    calls = []
+
+    def fake_precompile(engine, keys, progress):
+        fwd = [k for k in keys if k[0] == "forward"]
+        calls.append((engine.name, len(fwd)))
+        for i, k in enumerate(fwd, 1):
+            progress(i, len(fwd), k)
+
+    monkeypatch.setattr(jaxinfer.precompile, "precompile", fake_precompile)
+    ecfg = EngineConfig(max_model_len=128, page_size=32, max_num_seqs=4,
+                        max_num_batched_tokens=64)
+    n = sum(k[0] == "forward" for k in serving_keys(ecfg))
+    llm = types.SimpleNamespace(engines=[types.SimpleNamespace(ecfg=ecfg, name=i) for i in (0, 1)])
+    said = []
+    precompile_engines(llm, "serving", said.append, interval=0.0)
+    assert calls == [(0, n), (1, n)]
+    assert [m.split(" step")[0] for m in said] == (
+        [f"compiling {k}/{2 * n}" for k in range(1, 2 * n + 1)] + [f"compiled {2 * n}"])
+    assert said[-1].startswith(f"compiled {2 * n} step shapes (serving) in ")
+    llm.engines[1].spec = object()  # a speculative engine
+    with pytest.raises(UsageError, match="--warmup requests"):
+        precompile_engines(llm, "serving", said.append)

@@ -48,8 +48,9 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read after the process ends
     # 32-token pages: 255 tokens need 8 pages, so decode compiles two page buckets (4, 8)
-    proc = subprocess.Popen(_serve("--port", str(port), "--warmup", "--max-num-seqs", "4",
-                                   "--page-size", "32", "--log-level", "info"),
+    # (--warmup requests: two small jobs; the default --warmup would compile ~40 step shapes)
+    proc = subprocess.Popen(_serve("--port", str(port), "--warmup", "requests", "--max-num-seqs",
+                                   "4", "--page-size", "32", "--log-level", "info"),
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     try:
         deadline = time.monotonic() + 240

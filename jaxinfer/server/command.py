@@ -54,9 +54,12 @@ def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.Ar
     s.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="most sequences waiting beyond --max-num-seqs; more get HTTP 503 "
                    "(default: no limit)")
-    s.add_argument("--warmup", action="store_true",
-                   help="compile the common step shapes (one request, a batch) before the port "
-                   "opens")
+    s.add_argument("--warmup", nargs="?", const="serving", default=None,
+                   choices=("serving", "all", "requests"),
+                   help="compile step shapes before the port opens. serving (the default when "
+                   "given alone): every step with at most one prefill row "
+                   "(jaxinfer.precompile.serving_keys); all: every step shape the buckets allow "
+                   "(several times longer); requests: run one request and a batch of eight")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running requests may take to finish")
     s.add_argument("--log-level", default="info",
@@ -89,7 +92,49 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def warmup(llm) -> None:
+def warmup(llm, mode: str = "serving", say=None) -> None:
+    """Compiles step shapes before serving. ``mode`` "serving" or "all": every engine's
+    ``precompile.serving_keys`` or ``precompile.all_keys`` (``precompile_engines``);
+    "requests": one short request and a batch of eight, greedy and sampled (``warmup_requests``).
+    ``say(msg)`` logs progress. Raises UsageError for "serving" or "all" on a speculative
+    engine (its rounds compile other functions; use "requests")."""
+    if mode == "requests":
+        warmup_requests(llm)
+    else:
+        precompile_engines(llm, mode, say or (lambda msg: None))
+
+
+def precompile_engines(llm, mode: str, say, interval: float = 2.0) -> None:
+    """``precompile.precompile`` on every engine of ``llm`` with the keys of ``mode``
+    ("serving" or "all"); ``say`` gets "compiling k/n" at most every ``interval`` seconds and
+    the total time at the end."""
+    import time
+
+    from jaxinfer.jobs import UsageError
+    from jaxinfer.precompile import all_keys, precompile, serving_keys
+
+    if any(hasattr(e, "spec") for e in llm.engines):
+        raise UsageError(f"--warmup {mode} does not support speculative decoding (its rounds "
+                         "compile their own functions); use --warmup requests")
+    keys = [(all_keys if mode == "all" else serving_keys)(e.ecfg) for e in llm.engines]
+    total = sum(sum(k[0] == "forward" for k in ks) for ks in keys)
+    t0 = last = time.perf_counter()
+    done = 0
+
+    def progress(k, n, key):
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= interval or done + k in (1, total):
+            last = now
+            say(f"compiling {done + k}/{total} step shapes ({now - t0:.0f} s), last {key[1]}")
+
+    for engine, ks in zip(llm.engines, keys, strict=True):
+        precompile(engine, ks, progress)
+        done += sum(k[0] == "forward" for k in ks)
+    say(f"compiled {total} step shapes ({mode}) in {time.perf_counter() - t0:.1f} s")
+
+
+def warmup_requests(llm) -> None:
     """Compiles the step shapes most requests use: one short request, a batch of eight, greedy
     and sampled (a bucket seen later still compiles on first use)."""
     from jaxinfer.sampling_params import SamplingParams
@@ -132,8 +177,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         say = (lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True))
         llm = _load_llm(args)
         if args.warmup:
-            say("warming up (compiling the common step shapes)")
-            warmup(llm)
+            say(f"warming up ({args.warmup}): compiling step shapes before the port opens")
+            warmup(llm, args.warmup, say)
         app = create_app(llm, model_name=args.served_model_name or args.model,
                          max_queue=args.max_queue)
         config = uvicorn.Config(app, log_level=args.log_level, lifespan="on",
