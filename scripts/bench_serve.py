@@ -3,6 +3,9 @@ peers on the same weights, one run.
 
     python scripts/bench_serve.py                                   # stories260K, rates 1,4,16,inf
     python scripts/bench_serve.py --request-rates 2,inf --num-prompts 200 --max-concurrency 32
+    python scripts/bench_serve.py --request-rates 1,2,4,8,16,32,inf --num-prompts 100  # sweep
+    python scripts/bench_serve.py --request-rates none --soak 1000  # 1,000 requests at rate inf
+    python scripts/bench_serve.py --model llama110m --num-prompts 32 --request-rates 1,4,inf
     python scripts/bench_serve.py --quick                           # smoke test
     python scripts/bench_serve.py --base-url http://127.0.0.1:8000 --served-model NAME  # running
 
@@ -28,11 +31,27 @@ Servers, each started as a subprocess on a free loopback port (SIGTERM after):
   names the same weights as GGUF; skipped cleanly otherwise (its source build takes most of an
   hour on 2 cores).
 
+Models (``--model``): ``stories260K`` (default), ``llama110m`` (benchlib's random ~110M Llama,
+float32, the same directory for both servers) or a path; the peers load the same weights as a
+Hugging Face directory with stories260K's SentencePiece tokenizer (both models use it).
+
 Before the measured rates, one pass of the workload at rate inf compiles jaxinfer's step
 shapes (reported as ``cold_pass``; ``--no-warm-pass`` skips it). Reported per server and rate:
 completed, failures, duration, request throughput, output tok/s, TTFT / TPOT / ITL (mean, p50,
-p99, seconds), the server's RSS at start, after the cold pass and at the end (``/proc``), and
-the jaxinfer / peer ratios. One JSON line on stdout, appended to ``results/bench_serve.jsonl``.
+p99, seconds), the load average before and after, the server's RSS at start, after the cold
+pass and at the end (``/proc``), and the jaxinfer / peer ratios (output tok/s, TTFT p50 and
+p99). Per server, ``ttft_p99_rates``: the highest tested rate up to which every tested rate kept
+TTFT p99 under 1 s, and under 5 s (None: not even the lowest).
+
+Soak (``--soak N``): after the rates, N more requests (their own seeded workload) at rate inf,
+at most ``--max-concurrency`` in flight; reported: completed, failures, output tok/s, and the
+server's RSS before, after every ``--soak-sample-every`` completed requests and after, with
+jaxinfer's ``jaxinfer:num_compilations`` at each sample (RSS that grows with it is compiled
+executables; RSS that grows without it would be a leak) and its ``/metrics`` once idle again
+(running, waiting, KV pages used: all 0 when nothing leaked).
+
+One JSON line on stdout, appended to ``results/bench_serve.jsonl``; ``scripts/plot_bench.py
+--serve-png PATH`` draws its latency-vs-rate figure.
 """
 
 from __future__ import annotations
@@ -52,7 +71,19 @@ import time
 from pathlib import Path
 
 import numpy as np
-from benchlib import STORIES, add_common_args, emit, host_info, log, make_workload, ratio, stats
+from benchlib import (
+    STORIES,
+    add_common_args,
+    emit,
+    host_info,
+    log,
+    make_workload,
+    ratio,
+    resolve_model,
+    stats,
+)
+
+TTFT_P99_LIMITS = (1.0, 5.0)  # seconds: the ttft_p99_rates thresholds
 
 
 def _free_port() -> int:
@@ -69,6 +100,28 @@ def _rss_mb(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+async def _scrape(client, url: str, names: tuple[str, ...]) -> dict:
+    """Values of ``names`` in a Prometheus text page (summed over labels); {} if unreachable."""
+    try:
+        text = (await client.get(url + "/metrics", timeout=30)).text
+    except Exception:  # noqa: BLE001 - a peer without /metrics
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in names:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+JAX_GAUGES = ("jaxinfer:num_compilations", "jaxinfer:num_requests_running",
+              "jaxinfer:num_requests_waiting", "jaxinfer:num_kv_pages_used")
 
 
 class Server:
@@ -156,30 +209,47 @@ async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
 
 
 async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
-                    concurrency: int, seed: int) -> dict:
+                    concurrency: int, seed: int, probe=None, probe_every: int = 0) -> dict:
+    """One pass of ``work`` at ``rate``. ``probe(client, completed, t)`` (async) runs before,
+    after every ``probe_every`` finished requests and after; its results are ``samples``."""
     import httpx
 
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(work)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(work))
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    load0, samples, probes, finished = _load(), [], [], 0
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
 
         async def go(prompt, max_tokens):
+            nonlocal finished
             async with sem:
-                return await _one(client, server, prompt, max_tokens)
+                res = await _one(client, server, prompt, max_tokens)
+            finished += 1
+            if probe is not None and probe_every and finished % probe_every == 0 \
+                    and finished < len(work):
+                probes.append(asyncio.create_task(
+                    probe(client, finished, time.perf_counter() - t0)))
+            return res
 
         t0 = time.perf_counter()
+        if probe is not None:
+            samples.append(await probe(client, 0, 0.0))
         tasks = []
         for (prompt, max_tokens), gap in zip(work, gaps, strict=True):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(go(prompt, max_tokens)))
         results = await asyncio.gather(*tasks)
         dur = time.perf_counter() - t0
+        if probe is not None:
+            samples += await asyncio.gather(*probes)
+            samples.append(await probe(client, len(work), dur))
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["out"] for r in ok)
+    extra = {"samples": samples} if probe is not None else {}
     return {
-        "rate": "inf" if math.isinf(rate) else rate, "completed": len(ok),
+        "rate": "inf" if math.isinf(rate) else rate, "load_before": load0,
+        "load_after": _load(), **extra, "completed": len(ok),
         "failures": len(results) - len(ok),
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
         "duration_s": round(dur, 3), "request_throughput": round(len(ok) / dur, 3),
@@ -190,16 +260,21 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
     }
 
 
-def _hf_serve_dir() -> Path:
-    """stories260K as a Hugging Face directory with its tokenizer (for `transformers serve`)."""
-    from benchlib import stories_hf_dir
-
-    src = stories_hf_dir()
-    path = src.with_name("stories260K-hf-serve2")
+def _hf_serve_dir(model: str) -> Path:
+    """The Hugging Face directory of ``model`` with stories260K's SentencePiece tokenizer and a
+    LlamaTokenizer config (as tests/test_lm_eval.py), for `transformers serve`: the weight
+    files are links to the converted (stories260K) or random (llama110m) checkpoint."""
+    _, _, src = resolve_model(model, hf=True)
+    if src is None:
+        raise FileNotFoundError(f"{model} is not a Hugging Face directory (no config.json)")
+    path = src.with_name(src.name + "-hf-serve3")
     if not (path / "tokenizer_config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        shutil.copytree(src, tmp)
-        shutil.copy(STORIES / "tok512.model", tmp / "tokenizer.model")  # as tests/test_lm_eval
+        tmp.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.is_file() and f.name not in ("tokenizer.model", "tokenizer_config.json"):
+                (tmp / f.name).symlink_to(f.resolve())
+        shutil.copy(STORIES / "tok512.model", tmp / "tokenizer.model")
         (tmp / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
              "unk_token": "<unk>", "add_bos_token": True}))
@@ -213,9 +288,11 @@ def _servers(args) -> tuple[list[Server], dict]:
         return [Server("jaxinfer", None, args.base_url.rstrip("/"), args.served_model, True)], {}
     servers = []
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(args.model), "--port",
+    engine_path, _, _ = resolve_model(args.model)
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(engine_path), "--port",
            str(port), "--warmup", "--max-num-seqs", str(args.max_num_seqs), "--log-level",
-           "warning", "--served-model-name", "bench"]
+           "warning", "--served-model-name", "bench", "--max-model-len",
+           str(args.max_model_len)] + args.jaxinfer_args.split()
     servers.append(Server("jaxinfer", cmd, f"http://127.0.0.1:{port}", "bench", True))
     if "transformers" in args.peers:
         exe = shutil.which("transformers")
@@ -223,7 +300,7 @@ def _servers(args) -> tuple[list[Server], dict]:
             skipped["transformers"] = "the transformers CLI is not installed"
         else:
             try:
-                hf = _hf_serve_dir()
+                hf = _hf_serve_dir(args.model)
                 port = _free_port()
                 env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
                 servers.append(Server(
@@ -247,59 +324,140 @@ def _servers(args) -> tuple[list[Server], dict]:
     return servers, skipped
 
 
+def ttft_p99_rates(rates: list[dict], limits=TTFT_P99_LIMITS) -> dict:
+    """Per limit, the highest tested rate up to which every tested rate (in increasing order,
+    ``inf`` last) had TTFT p99 under it and no failures; None if the lowest did not."""
+    order = sorted(rates, key=lambda r: math.inf if r["rate"] == "inf" else r["rate"])
+    out = {}
+    for lim in limits:
+        best = None
+        for r in order:
+            p99 = r["ttft_s"]["p99"]
+            if r["failures"] or p99 is None or p99 >= lim:
+                break
+            best = r["rate"]
+        out[f"under_{lim:g}s"] = best
+    return out
+
+
+def _probe_for(srv: Server):
+    pid = srv.proc.pid if srv.proc else None
+
+    async def probe(client, completed: int, t: float) -> dict:
+        row = {"completed": completed, "t_s": round(t, 2), "rss_mb": _rss_mb(pid) if pid else None}
+        if srv.name == "jaxinfer":
+            got = await _scrape(client, srv.url, ("jaxinfer:num_compilations",))
+            row["compilations"] = got.get("jaxinfer:num_compilations")
+        return row
+
+    return probe
+
+
+async def _idle_metrics(srv: Server, timeout: float = 30.0) -> dict:
+    """jaxinfer's gauges once the server is idle (running and waiting 0, or the timeout)."""
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = await _scrape(client, srv.url, JAX_GAUGES)
+            busy = got.get("jaxinfer:num_requests_running", 0) + got.get(
+                "jaxinfer:num_requests_waiting", 0)
+            if not got or not busy or time.monotonic() > deadline:
+                return {k.split(":")[1]: v for k, v in got.items()}
+            await asyncio.sleep(0.2)
+
+
+def _texts(model: str, n: int, seed: int, args) -> list[tuple[str, int]]:
+    from jaxinfer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(STORIES / "tok512.model", vocab_size=512)
+    _, vocab, _ = resolve_model(model)
+    return [(tok.decode(ids[1:]), mt) for ids, mt in make_workload(
+        n, max_model_len=args.max_model_len, vocab=vocab, seed=seed,
+        mean_input=args.mean_input, mean_output=args.mean_output)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
-    ap.add_argument("--model", default=str(STORIES), help="checkpoint for jaxinfer serve")
+    ap.add_argument("--model", default="stories260K",
+                    help="stories260K, llama110m (random ~110M Llama) or a checkpoint path")
     ap.add_argument("--base-url", default=None, help="benchmark a server already running")
     ap.add_argument("--served-model", default=None, help="its model name (with --base-url)")
     ap.add_argument("--peers", default="transformers,llamacpp",
                     help="comma list: transformers, llamacpp ('' for none)")
     ap.add_argument("--gguf", default=None, help="the same weights as GGUF, for llama.cpp")
-    ap.add_argument("--request-rates", default="1,4,16,inf")
+    ap.add_argument("--request-rates", default="1,4,16,inf",
+                    help="comma list of requests/s ('inf': all at once; 'none': no rates)")
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=512,
+                    help="jaxinfer's --max-model-len; lengths are drawn up to half of it")
+    ap.add_argument("--jaxinfer-args", default="",
+                    help="more flags for jaxinfer serve (one string, split on spaces)")
     ap.add_argument("--mean-input", type=float, default=48)
     ap.add_argument("--mean-output", type=float, default=64)
+    ap.add_argument("--soak", type=int, default=0, metavar="N",
+                    help="after the rates, N requests at rate inf with RSS samples (0: none)")
+    ap.add_argument("--soak-sample-every", type=int, default=100, metavar="K",
+                    help="RSS sampled every K finished soak requests")
     ap.add_argument("--no-warm-pass", action="store_true",
                     help="measure from a cold server (by default one pass of the workload at "
                     "rate inf runs first, so step shapes are compiled; reported as cold_pass)")
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.request_rates, args.mean_output = 16, "8,inf", 24
-    rates = [float(r) for r in args.request_rates.split(",")]
+        args.soak = min(args.soak, 24)
+        args.soak_sample_every = min(args.soak_sample_every, 8)
+    rates = ([] if args.request_rates.strip() in ("", "none") else
+             [float(r) for r in args.request_rates.split(",")])
     args.peers = [p for p in args.peers.split(",") if p]
 
-    from jaxinfer.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(STORIES / "tok512.model", vocab_size=512)
-    work = [(tok.decode(ids[1:]), mt) for ids, mt in make_workload(
-        args.num_prompts, max_model_len=512, vocab=512, seed=args.seed,
-        mean_input=args.mean_input, mean_output=args.mean_output)]
+    work = _texts(args.model, args.num_prompts, args.seed, args)
+    soak_work = _texts(args.model, args.soak, args.seed + 1000, args) if args.soak else []
     servers, skipped = _servers(args)
     log_dir = Path(args.results_dir) / "bench_serve_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for srv in servers:
         log(f"starting {srv.name}")
+        t_start = time.perf_counter()
         why = srv.start(log_dir)
         if why is not None:
             skipped[srv.name] = why
             log(f"{srv.name} skipped: {why}")
             continue
         pid = srv.proc.pid if srv.proc else None
-        entry = {"rss_mb_start": _rss_mb(pid) if pid else None, "rates": []}
+        entry = {"startup_s": round(time.perf_counter() - t_start, 2),
+                 "rss_mb_start": _rss_mb(pid) if pid else None, "rates": []}
         if not args.no_warm_pass:  # compiles (jaxinfer) and first-use costs, reported apart
             cold = asyncio.run(_run_rate(srv, work, math.inf, args.max_concurrency, args.seed))
             entry["cold_pass"] = {k: cold[k] for k in ("duration_s", "failures",
-                                                      "output_tok_s")}
+                                                      "output_tok_s", "load_before",
+                                                      "load_after")}
             entry["rss_mb_after_cold"] = _rss_mb(pid) if pid else None
         for i, rate in enumerate(rates):
             r = asyncio.run(_run_rate(srv, work, rate, args.max_concurrency, args.seed + i))
             log(f"{srv.name} rate {r['rate']}: {r['output_tok_s']} tok/s, TTFT p50 "
-                f"{r['ttft_s']['p50']} s, {r['failures']} failures")
+                f"{r['ttft_s']['p50']} p99 {r['ttft_s']['p99']} s, {r['failures']} failures, "
+                f"load {r['load_before']} -> {r['load_after']}")
             entry["rates"].append(r)
+        if rates:
+            entry["ttft_p99_rates"] = ttft_p99_rates(entry["rates"])
+        if args.soak:
+            r = asyncio.run(_run_rate(srv, soak_work, math.inf, args.max_concurrency,
+                                      args.seed + 1000, probe=_probe_for(srv),
+                                      probe_every=args.soak_sample_every))
+            r.pop("rate")
+            r["idle_metrics"] = asyncio.run(_idle_metrics(srv)) if srv.name == "jaxinfer" \
+                else None
+            rss = [x["rss_mb"] for x in r["samples"]]
+            log(f"{srv.name} soak: {r['completed']} done, {r['failures']} failures, "
+                f"{r['output_tok_s']} tok/s, RSS {rss[0]} -> {rss[-1]} MB, "
+                f"idle {r['idle_metrics']}")
+            entry["soak"] = r
         entry["rss_mb_end"] = _rss_mb(pid) if pid else None
         entry["exit_status"] = srv.stop()
         results[srv.name] = entry
@@ -310,11 +468,17 @@ def main() -> None:
             continue
         ratios[peer] = [{"rate": a["rate"],
                          "output_tok_s": ratio(a["output_tok_s"], b["output_tok_s"]),
-                         "ttft_p50": ratio(a["ttft_s"]["p50"], b["ttft_s"]["p50"])}
+                         "ttft_p50": ratio(a["ttft_s"]["p50"], b["ttft_s"]["p50"]),
+                         "ttft_p99": ratio(a["ttft_s"]["p99"], b["ttft_s"]["p99"])}
                         for a, b in zip(base["rates"], res["rates"], strict=True)]
-    emit({"bench": "bench_serve", **host_info(), "num_prompts": args.num_prompts,
-          "max_concurrency": args.max_concurrency, "mean_input": args.mean_input,
-          "mean_output": args.mean_output, "servers": results, "skipped": skipped,
+        if "soak" in base and "soak" in res:
+            ratios[peer].append({"rate": "soak", "output_tok_s": ratio(
+                base["soak"]["output_tok_s"], res["soak"]["output_tok_s"])})
+    emit({"bench": "bench_serve", **host_info(), "model": args.model,
+          "num_prompts": args.num_prompts, "soak": args.soak,
+          "max_concurrency": args.max_concurrency, "max_num_seqs": args.max_num_seqs,
+          "mean_input": args.mean_input, "mean_output": args.mean_output,
+          "jaxinfer_args": args.jaxinfer_args, "servers": results, "skipped": skipped,
           "jaxinfer_over_peer": ratios}, "bench_serve", args.results_dir)
 
 

@@ -279,6 +279,9 @@ def test_64_concurrent_streams_equal_requests_alone_and_bad_ones_get_their_error
         assert isinstance(res, openai.APIStatusError), res
         assert res.status_code == status and res.body["param"] == param, res.body
     _wait_idle(server)
+    # nothing of the 64 + bad requests is left behind (a leak would grow over a soak)
+    assert not llm.engine._requests and not llm._loop._routes
+    assert not server.state.engine._mine and not server.state.engine._dirty
     for kw, res in zip(goods, results[:64], strict=True):
         assert not isinstance(res, BaseException), (kw, res)
         sp = {k: v for k, v in kw.items() if k != "prompt"}
@@ -526,6 +529,7 @@ def test_metrics_parse_and_count_the_work_done(server):
     assert after["jaxinfer:num_kv_pages_used"] == eng.allocator.num_pages - 1 - \
         eng.allocator.num_free
     assert 0 <= after["jaxinfer:prefix_cache_hit_rate"] <= 1
+    assert after["jaxinfer:num_compilations"] == len(eng.compile_keys) >= 2
 
 
 def test_models_health_tokenize_detokenize(server):

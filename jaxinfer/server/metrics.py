@@ -4,7 +4,8 @@ Engine state is read when scraped (a collector): ``num_requests_running``,
 ``num_requests_waiting`` (engine queues plus requests not yet handed to the engine),
 ``num_kv_pages_used`` / ``num_kv_pages_total`` / ``kv_cache_usage_perc`` (pages held by
 sequences over the pool, page 0 reserved; cached pages no sequence holds are free, as vLLM),
-``num_kv_pages_cached``, ``num_preemptions_total``, and the prefix cache's
+``num_kv_pages_cached``, ``num_preemptions_total``, ``num_compilations`` (step shapes compiled so
+far: flat once the server is warm), and the prefix cache's
 ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (prompt tokens) and
 ``prefix_cache_hit_rate`` (from ``LLM.prefix_cache_stats()``; 0 when the LLM has none).
 Per-request figures are counted as each request finishes: ``prompt_tokens_total``,
@@ -62,6 +63,9 @@ class _EngineCollector:
                           used / total if total else 0.0)
         yield self._counter("jaxinfer:num_preemptions", "Preemptions (sequences recomputed).",
                             sum(e.scheduler.num_preemptions for e in engines))
+        yield self._gauge("jaxinfer:num_compilations", "Device functions compiled so far (step "
+                          "shapes met, Engine.num_compilations; flat once warm).",
+                          sum(e.num_compilations for e in engines))
         stats = prefix_cache_stats(self.llm)
         yield self._counter("jaxinfer:prefix_cache_queries", "Prompt tokens looked up in the "
                             "prefix cache.", stats["queried_tokens"])
