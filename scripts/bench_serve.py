@@ -102,6 +102,21 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
+def _cpu_s(pid: int | None) -> tuple[float, float] | None:
+    """(CPU seconds of the whole process, of its main thread) from ``/proc`` (user + system)."""
+    if pid is None:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        def read(path):
+            f = Path(path).read_text().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / tick  # utime, stime (fields 14, 15)
+
+        return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -211,8 +226,14 @@ async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
 async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
                     concurrency: int, seed: int, probe=None, probe_every: int = 0) -> dict:
     """One pass of ``work`` at ``rate``. ``probe(client, completed, t)`` (async) runs before,
-    after every ``probe_every`` finished requests and after; its results are ``samples``."""
+    after every ``probe_every`` finished requests and after; its results are ``samples``.
+    ``server_cpu_ms_per_token``: the server process's CPU time (all threads, and its main
+    thread: uvicorn's event loop for jaxinfer) over the pass per output token, a figure of its
+    own work that other jobs on the machine disturb less than wall time."""
     import httpx
+
+    pid = server.proc.pid if server.proc else None
+    cpu0 = _cpu_s(pid)
 
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(work)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(work))
@@ -232,6 +253,9 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
                     probe(client, finished, time.perf_counter() - t0)))
             return res
 
+        comp = "jaxinfer:num_compilations"
+        comp0 = (await _scrape(client, server.url, (comp,))).get(comp) \
+            if server.name == "jaxinfer" else None
         t0 = time.perf_counter()
         if probe is not None:
             samples.append(await probe(client, 0, 0.0))
@@ -244,9 +268,19 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
         if probe is not None:
             samples += await asyncio.gather(*probes)
             samples.append(await probe(client, len(work), dur))
+        if comp0 is not None:  # step shapes compiled during the pass (they stall every request)
+            extra0 = {"compilations": [comp0, (await _scrape(client, server.url, (comp,)))
+                                       .get(comp)]}
+        else:
+            extra0 = {}
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["out"] for r in ok)
-    extra = {"samples": samples} if probe is not None else {}
+    extra = {**extra0, **({"samples": samples} if probe is not None else {})}
+    cpu1 = _cpu_s(pid)
+    if cpu0 and cpu1 and out_tokens:
+        extra["server_cpu_ms_per_token"] = {
+            "all_threads": round(1e3 * (cpu1[0] - cpu0[0]) / out_tokens, 4),
+            "main_thread": round(1e3 * (cpu1[1] - cpu0[1]) / out_tokens, 4)}
     return {
         "rate": "inf" if math.isinf(rate) else rate, "load_before": load0,
         "load_after": _load(), **extra, "completed": len(ok),
@@ -442,7 +476,8 @@ def main() -> None:
             r = asyncio.run(_run_rate(srv, work, rate, args.max_concurrency, args.seed + i))
             log(f"{srv.name} rate {r['rate']}: {r['output_tok_s']} tok/s, TTFT p50 "
                 f"{r['ttft_s']['p50']} p99 {r['ttft_s']['p99']} s, {r['failures']} failures, "
-                f"load {r['load_before']} -> {r['load_after']}")
+                f"load {r['load_before']} -> {r['load_after']}, server CPU ms/token "
+                f"{r.get('server_cpu_ms_per_token')}, compilations {r.get('compilations')}")
             entry["rates"].append(r)
         if rates:
             entry["ttft_p99_rates"] = ttft_p99_rates(entry["rates"])

@@ -8,6 +8,9 @@
   roofline (dashed). Run ``bench_roofline.py --sweep`` for batch sizes 1, 2, 4, ..., 64.
 - ``latency_percentiles.png``: from the latest ``bench_serving.jsonl`` record: TTFT and TPOT
   (mean, p50, p99) of the engine and of transformers per model (log scale).
+- ``--serve-png PATH``: from ``bench_serve.jsonl``, the latest record with measured rates of each
+  model (``--serve-models``): TTFT p50 and p99 vs request rate (log scale, ``inf`` last) and
+  output tokens/s vs rate, one line per server, one row per model.
 
 Prints one JSON line (the files written) and appends it to ``results/plot_bench.jsonl``.
 """
@@ -102,11 +105,67 @@ def plot_latency(records: list[dict], out: Path, plt) -> bool:
     return True
 
 
+def _rate_key(rate) -> float:
+    return float("inf") if rate == "inf" else float(rate)
+
+
+def latest_serve_records(records: list[dict], models: list[str] | None = None) -> list[dict]:
+    """The latest ``bench_serve`` record with measured rates per model (in ``models`` order, or
+    first-seen order), skipping ``--quick`` smoke runs (fewer than 30 prompts)."""
+    latest: dict[str, dict] = {}
+    for rec in records:
+        if rec.get("num_prompts", 0) < 30:
+            continue
+        if any(srv.get("rates") for srv in rec.get("servers", {}).values()):
+            latest[rec.get("model", "stories260K")] = rec
+    order = models or list(latest)
+    return [latest[m] for m in order if m in latest]
+
+
+def plot_serve(records: list[dict], out: Path, plt) -> bool:
+    """Latency and throughput vs request rate (``bench_serve``); True if something was drawn."""
+    if not records:
+        return False
+    fig, axes = plt.subplots(len(records), 2, figsize=(8.5, 2.9 * len(records)), squeeze=False)
+    for row, rec in zip(axes, records, strict=True):
+        model = rec.get("model", "stories260K")
+        for k, (name, srv) in enumerate(sorted(rec["servers"].items())):
+            rates = sorted(srv.get("rates", []), key=lambda r: _rate_key(r["rate"]))
+            if not rates:
+                continue
+            xs = list(range(len(rates)))
+            color = f"C{k}"
+            row[0].plot(xs, [r["ttft_s"]["p50"] for r in rates], marker="o", color=color,
+                        label=f"{name} p50")
+            row[0].plot(xs, [r["ttft_s"]["p99"] for r in rates], marker="^", ls="--",
+                        color=color, label=f"{name} p99")
+            row[1].plot(xs, [r["output_tok_s"] for r in rates], marker="o", color=color,
+                        label=name)
+            for ax in row:
+                ax.set_xticks(xs, [str(r["rate"]).removesuffix(".0") for r in rates])
+        row[0].axhline(1.0, color="grey", lw=0.8, ls=":")
+        row[0].set(yscale="log", xlabel="request rate (req/s)", ylabel="TTFT (s)",
+                   title=f"{model}: time to first token")
+        row[1].set(xlabel="request rate (req/s)", ylabel="output tokens/s",
+                   title=f"{model}: output throughput")
+        for ax in row:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_args(ap)
+    ap.add_argument("--serve-png", default=None, metavar="PATH",
+                    help="also draw bench_serve's latency-vs-rate figure to PATH")
+    ap.add_argument("--serve-models", default=None,
+                    help="comma list of models for --serve-png (default: every model measured)")
     args = ap.parse_args()
     import matplotlib
 
@@ -120,6 +179,11 @@ def main() -> None:
         written.append(str(d / "throughput_vs_batch.png"))
     if plot_latency(read_jsonl(d / "bench_serving.jsonl"), d / "latency_percentiles.png", plt):
         written.append(str(d / "latency_percentiles.png"))
+    if args.serve_png:
+        models = args.serve_models.split(",") if args.serve_models else None
+        recs = latest_serve_records(read_jsonl(d / "bench_serve.jsonl"), models)
+        if plot_serve(recs, Path(args.serve_png), plt):
+            written.append(args.serve_png)
     emit({"bench": "plot", "written": written}, "plot_bench", args.results_dir)
 
 

@@ -242,3 +242,60 @@ def test_plot(tmp_path, monkeypatch):
                            for st in ("mean", "p50", "p99")]
     for fig in keep.figures:
         plt.close(fig)
+
+
+def _serve_rates(ttft_p99: dict, tok_s: float) -> list[dict]:
+    return [{"rate": r, "failures": 0, "output_tok_s": tok_s * (i + 1),
+             "ttft_s": {"p50": p99 / 4, "p99": p99}} for i, (r, p99) in enumerate(ttft_p99.items())]
+
+
+def test_serve_ttft_rates_and_plot(tmp_path, monkeypatch):
+    """bench_serve's TTFT-p99 rates on hand-made passes (a pass over the limit, or with a
+    failure, ends the run of rates that count), and plot_bench's latency-vs-rate figure: one
+    row per model, its lines the records' numbers in rate order (``inf`` last)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench_serve
+    import plot_bench
+
+    rates = _serve_rates({"inf": 9.0, 8.0: 0.5, 1.0: 0.2, 4.0: 3.0, 2.0: 0.8}, 100.0)
+    assert bench_serve.ttft_p99_rates(rates) == {"under_1s": 2.0, "under_5s": 8.0}
+    rates[3]["failures"] = 1  # rate 4: a failure ends the run for both limits
+    assert bench_serve.ttft_p99_rates(rates) == {"under_1s": 2.0, "under_5s": 2.0}
+    assert bench_serve.ttft_p99_rates(_serve_rates({1.0: 2.0}, 1.0))["under_1s"] is None
+
+    def record(model, n):
+        return {"bench": "bench_serve", "model": model, "num_prompts": n, "servers": {
+            "jaxinfer": {"rates": _serve_rates({"inf": 2.0, 1.0: 0.1, 4.0: 0.4}, 300.0)},
+            "transformers": {"rates": _serve_rates({"inf": 3.0, 1.0: 0.02, 4.0: 0.05}, 100.0)}}}
+
+    lines = [record("stories260K", 100), record("llama110m", 32), record("stories260K", 16)]
+    (tmp_path / "bench_serve.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    recs = plot_bench.latest_serve_records(plot_bench.read_jsonl(tmp_path / "bench_serve.jsonl"))
+    assert recs == lines[:2]  # the --quick record (16 prompts) is skipped
+    keep = _KeepFigures(plt)
+    assert plot_bench.plot_serve(recs, tmp_path / "s.png", keep)
+    axes = keep.figures[0].axes
+    assert len(axes) == 4
+    for row, rec in enumerate(recs):
+        ttft, tput = axes[2 * row], axes[2 * row + 1]
+        for name, srv in rec["servers"].items():
+            by = sorted(srv["rates"], key=lambda r: float(r["rate"]))  # "inf" sorts last
+            got = {x.get_label(): x.get_xydata().tolist() for x in ttft.lines}
+            assert got[f"{name} p99"] == [[i, r["ttft_s"]["p99"]] for i, r in enumerate(by)]
+            assert got[f"{name} p50"] == [[i, r["ttft_s"]["p50"]] for i, r in enumerate(by)]
+            got = {x.get_label(): x.get_xydata().tolist() for x in tput.lines}
+            assert got[name] == [[i, r["output_tok_s"]] for i, r in enumerate(by)]
+        assert [t.get_text() for t in ttft.get_xticklabels()] == ["1", "4", "inf"]
+    plt.close(keep.figures[0])
+    monkeypatch.setattr(sys, "argv", ["plot_bench", "--results-dir", str(tmp_path),
+                                      "--serve-png", str(tmp_path / "serve.png")])
+    plot_bench.main()  # in-process: the CLI path without a second interpreter's imports
+    rec = json.loads((tmp_path / "plot_bench.jsonl").read_text().splitlines()[-1])
+    assert rec["written"] == [str(tmp_path / "serve.png")]
+    assert (tmp_path / "serve.png").stat().st_size < 100_000
+    assert _color_pixels(tmp_path / "serve.png", "C1") > 300
