@@ -9,9 +9,16 @@ engine's own jitted functions, with the static arguments ``Engine._dispatch`` pa
 caches hold them before the first request. Its padding tokens write only into the null page
 (``kv_cache.NULL_PAGE``), which no sequence owns, so the pool's other pages are untouched.
 
-``serving_keys`` enumerates the keys a serving engine reaches (module constants below say which,
-and the measurement behind the choice); ``all_keys`` every key the buckets allow (hundreds).
-Source: tpu-inference and JetStream compile their token buckets at start-up the same way.
+``all_keys`` enumerates every key the buckets allow under an ``EngineConfig`` (590 forward keys
+for the server's defaults on stories260K: max_model_len 512, page size 8, 64 sequences, 512
+tokens a step, 8 prefill rows); ``serving_keys``, the default, those with at most one prefill
+row (135 of them): every decode-only step, and every prefill-only or decode-plus-one-prefill step
+at each Tp and M. Why: bench_serve's workload run in-process (60 requests, rates inf, 8, 2)
+reached 37 forward keys cold; the ones met at low rates had one prefill row, and after
+precompiling ``serving_keys`` the 2 requests/s run compiled nothing (TTFT p50 0.007 s against
+6.8 s cold); the keys still met at rates 8 and inf (beyond what the machine sustained) all had
+several prefill rows (a queue of waiting requests), where a compile adds to a wait already long.
+Source: tpu-inference compiles its token buckets at start-up the same way.
 """
 
 from __future__ import annotations
@@ -147,6 +154,12 @@ def precompile(engine, keys: Iterable[Key] | None = None,
     ``Engine._dispatch`` passes. Every key run goes into ``engine.compile_keys``. The KV pool is
     donated and replaced as in a real step; only the null page is written. Call it while no
     other thread steps the engine (before serving); a request already running is unaffected.
+
+    The jit caches also key on whether each input is committed to a device: the first forward
+    runs with the engine's ``_no_prev`` (as a step dispatched with none in flight), the others
+    with the previous sampling output (as a pipelined step). On one device both are uncommitted
+    and share one compilation; where they differ (a mesh's committed outputs) a key met with the
+    other kind still compiles on first use. Prompt-logprobs forwards are not covered.
 
     Args:
         engine: a ``jaxinfer.engine.Engine`` (not a speculative one).
