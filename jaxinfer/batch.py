@@ -74,13 +74,27 @@ def step_buckets(num_decode: int, num_prefill_tokens: int, num_prefill_rows: int
     )
 
 
-def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int
-                     ) -> tuple[StepBatch, Buckets]:
-    """numpy StepBatch of the scheduled rows (each row's pages must already be allocated)."""
+def exact_buckets(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int) -> Buckets:
+    """The smallest buckets holding the scheduled rows (``step_buckets``)."""
+    pf = sched.prefill
+    return step_buckets(len(sched.decode), sum(r.num_new for r in pf), len(pf),
+                        max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows),
+                        max_pages_per_seq)
+
+
+def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int,
+                     buckets: Buckets | None = None) -> tuple[StepBatch, Buckets]:
+    """numpy StepBatch of the scheduled rows (each row's pages must already be allocated),
+    padded to ``buckets`` (default: ``exact_buckets``; larger ones pad further).
+
+    Raises:
+        ValueError: ``buckets`` is smaller than the rows need in some dimension.
+    """
     nd, rows_p = len(sched.decode), sched.prefill
-    bk = step_buckets(nd, sum(r.num_new for r in rows_p), len(rows_p),
-                      max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows),
-                      max_pages_per_seq)
+    need = exact_buckets(sched, page_size, max_pages_per_seq)
+    bk = need if buckets is None else buckets
+    if not all(n <= b and (n == 0) == (b == 0) for n, b in zip(need.key, bk.key, strict=True)):
+        raise ValueError(f"buckets {bk.key} cannot hold a step that needs {need.key}")
     td, tp, bp, m = bk.key
     t, b = td + tp, td + bp
     # Sampled rows are padded to a power of two so sampling compiles once per size.

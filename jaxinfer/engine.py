@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 import jaxinfer.prompt_logprobs as plp
-from jaxinfer.batch import build_step_batch, decode_bucket, next_pow2, row_index, step_buckets
+from jaxinfer.batch import build_step_batch, decode_bucket, exact_buckets, next_pow2, row_index
+from jaxinfer.bucket_reuse import choose_buckets
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engine's public names
     KV_CACHE_DTYPES,
@@ -40,6 +41,7 @@ from jaxinfer.sampling import (
 from jaxinfer.scheduler import Scheduler, SeqStatus, Sequence
 from jaxinfer.sharding import to_host
 from jaxinfer.step import LogitsControls, jitted_forward_step, jitted_sample_step
+from jaxinfer.step_controls import has_penalties, logits_controls, needs_controls
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxinfer.tokenizers.ids_only import no_tokenizer_message
 
@@ -69,10 +71,6 @@ class _InFlight:
 
 MAX_STEP_FAILURES = 2
 """A request in this many failed steps fails (``Engine.step``'s recovery)."""
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class Engine:
@@ -162,6 +160,7 @@ class Engine:
         self._failures: dict[str, int] = {}
         self.num_step_failures = 0
         self.compile_keys: set[tuple] = set()
+        self._wanted: dict[tuple, int] = {}  # uncompiled key -> steps padded past it (bucket_reuse)
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
         if cfg.model_type == "llama2c" and tokenizer.bos_id is not None:
@@ -290,27 +289,7 @@ class Engine:
     # ---------------------------------------------------------------- the step
 
     def _controls(self, rows, b: int) -> LogitsControls | None:
-        def needs(seq: Sequence) -> bool:
-            p = seq.params
-            in_min = len(seq.output_ids) + len(seq.pending) < p.min_tokens
-            return in_min or _has_penalties(p)
-
-        if not any(needs(r.seq) for r, _ in rows):
-            return None
-        v = self.cfg.vocab_size
-        prompt_mask = np.zeros((b, v), bool)
-        counts = np.zeros((b, v), np.int32)
-        banned = np.zeros((b, v), bool)
-        for row, r in rows:
-            seq = row.seq
-            prompt_mask[r, seq.prompt_ids] = True
-            np.add.at(counts[r], np.asarray(seq.output_ids, np.int64), 1)  # no pending: see step
-            if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens:
-                stops = list(seq.params.stop_token_ids)
-                if not seq.params.ignore_eos:
-                    stops += list(self.stop_ids)
-                banned[r, [t for t in stops if 0 <= t < v]] = True
-        return LogitsControls(prompt_mask, counts, banned)
+        return logits_controls(rows, b, self.cfg.vocab_size, self.stop_ids)
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of requests that got new tokens or
@@ -347,7 +326,7 @@ class Engine:
             self._inflight = self._dispatch(self._schedule(), None)
         done, self._inflight = self._inflight, None
         if (self._async and not self._isolate and self.scheduler.has_work()
-                and not any(_has_penalties(seq.params) for seq, _ in done.sampled)):
+                and not any(has_penalties(seq.params) for seq, _ in done.sampled)):
             # Penalties need the output tokens' counts on the host: those rows wait for them.
             sched = self.scheduler.schedule()
             if sched.rows and self._needs_compile(sched):
@@ -359,13 +338,19 @@ class Engine:
         return self._collect(done)
 
     def _needs_compile(self, sched) -> bool:
-        """Whether dispatching ``sched`` would compile a forward shape not seen yet (its bucket
-        tuple, ``batch.build_step_batch``)."""
-        z, pf = self.ecfg.page_size, sched.prefill
-        key = step_buckets(len(sched.decode), sum(r.num_new for r in pf), len(pf),
-                           max(-(-(r.seq.num_computed + r.num_new) // z) for r in sched.rows),
-                           self.ecfg.max_pages_per_seq).key
-        return ("forward", key) not in self.compile_keys
+        """Whether dispatching ``sched`` would compile a forward shape not seen yet."""
+        return ("forward", self._buckets(sched).key) not in self.compile_keys
+
+    def _buckets(self, sched):
+        """The step's buckets: exact, or a compiled key one size up (``bucket_reuse``)."""
+        need = exact_buckets(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
+        if (("forward", need.key) in self.compile_keys or not self.ecfg.reuse_compiled_buckets
+                or any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)):
+            return need
+        want_lp = any(r.seq.params.logprobs is not None for r in sched.rows)
+        flags = (any(needs_controls(r.seq) for r in sched.rows),
+                 min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0)
+        return choose_buckets(need, self.compile_keys, self._wanted, flags)
 
     def _collect_then_dispatch(self, done: _InFlight, sched) -> list[RequestOutput]:
         """Async scheduling when the next step compiles a new shape: reads the step in flight
@@ -442,7 +427,11 @@ class Engine:
     def _dispatch(self, sched, prev: _InFlight | None) -> _InFlight:
         """Builds and dispatches one step; advances ``num_computed`` and marks each sampled
         token pending. Returns without waiting for the device."""
-        batch, bk = build_step_batch(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
+        bk = self._buckets(sched)
+        need = exact_buckets(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
+        if bk != need:  # padded past an uncompiled key: count it towards compiling it
+            self._wanted[need.key] = self._wanted.get(need.key, 0) + 1
+        batch, bk = build_step_batch(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq, bk)
         td, nd = bk.decode_rows, len(sched.decode)
         b = len(batch.logits_indices)
         rows = [(row, row_index(i, nd, td)) for i, row in enumerate(sched.rows)]

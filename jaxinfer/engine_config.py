@@ -57,6 +57,11 @@ class EngineConfig:
             (its size and composition, chunking, async scheduling, preemption), at a cost in
             speed (``jaxinfer.batch_invariant``). Needs ``attn_impl`` resolving to "xla" and no
             mesh (ValueError otherwise).
+        reuse_compiled_buckets: a step whose exact shape is not compiled yet runs padded to a
+            compiled one at most one bucket larger in each dimension, until the shape has been
+            wanted ``bucket_reuse.REUSE_STEPS`` times (``jaxinfer.bucket_reuse``): fewer
+            compilations at a batch's tail and between a server's arrivals, each such step up to
+            ~2x its exact cost.
     """
 
     max_model_len: int
@@ -75,6 +80,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     batch_invariant: bool = False
     enable_prefix_caching: bool = True
+    reuse_compiled_buckets: bool = True
 
     def __post_init__(self):
         for name, low in (("max_model_len", 2), ("page_size", 1), ("max_num_seqs", 1),
@@ -87,7 +93,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be True, False or None, got {v!r}")
-        for name in ("batch_invariant", "enable_prefix_caching"):
+        for name in ("batch_invariant", "enable_prefix_caching", "reuse_compiled_buckets"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -96,6 +96,8 @@ class LLM:
             requests computed (``jaxinfer.prefix_cache``); outputs are the same with it off.
             Each output's ``metrics.num_cached_tokens`` counts its prompt tokens read from the
             cache; ``LLM.prefix_cache_stats()`` gives the hit rate and evictions.
+        reuse_compiled_buckets: run a step of a shape not compiled yet padded to a compiled one
+            at most one bucket larger (``jaxinfer.bucket_reuse``): fewer compilations.
 
     Raises:
         CheckpointError / TokenizerError: the model cannot be loaded (message names the file):
@@ -124,7 +126,8 @@ class LLM:
                  draft_heads: str | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", unroll_layers: bool | None = None,
                  async_scheduling: bool | None = None, skip_tokenizer_init: bool = False,
-                 batch_invariant: bool = False, enable_prefix_caching: bool = True):
+                 batch_invariant: bool = False, enable_prefix_caching: bool = True,
+                 reuse_compiled_buckets: bool = True):
         check_llm_args(locals())  # first: locals() is the arguments alone
         from jaxinfer.loaders import load
         from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
@@ -164,6 +167,7 @@ class LLM:
             attn_impl=attn_impl, seed=seed, kv_cache_dtype=kv_cache_dtype,
             unroll_layers=unroll_layers, async_scheduling=async_scheduling,
             batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching,
+            reuse_compiled_buckets=reuse_compiled_buckets,
         )
         if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
             kv_pages = default_num_pages(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params),

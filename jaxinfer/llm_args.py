@@ -102,6 +102,7 @@ RULES = {
     "skip_tokenizer_init": lambda v: _flag("skip_tokenizer_init", v),
     "batch_invariant": lambda v: _flag("batch_invariant", v),
     "enable_prefix_caching": lambda v: _flag("enable_prefix_caching", v),
+    "reuse_compiled_buckets": lambda v: _flag("reuse_compiled_buckets", v),
 }
 
 

@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--unroll-layers", choices=("auto", "0", "1"), default="auto",
                     help="EngineConfig.unroll_layers (auto: the engine's default, on for CPU)")
+    ap.add_argument("--reuse-steps", type=int, default=None,
+                    help="bucket_reuse.REUSE_STEPS for the job (0: never pad a step up to a "
+                         "compiled bucket; default: the engine's)")
     ap.add_argument("--no-hlo", action="store_true", help="skip the HLO sizes")
     ap.add_argument("--persistent-cache", metavar="DIR", default=None,
                     help="keep JAX's persistent compilation cache on, in DIR (run twice for a "
@@ -87,7 +90,10 @@ def main() -> None:
     import jax
     from jax import monitoring
 
-    from jaxinfer import cli
+    from jaxinfer import bucket_reuse, cli
+
+    if args.reuse_steps is not None:
+        bucket_reuse.REUSE_STEPS = args.reuse_steps
     from jaxinfer import engine as engine_mod
 
     t_imports = time.time() - T0
@@ -207,6 +213,7 @@ def main() -> None:
     summary = {
         "bench": "profile_compile", **host_info(), "job": args.job, "model": str(path),
         "unroll_layers": args.unroll_layers, "cli_args": args.cli_args,
+        "reuse_steps": bucket_reuse.REUSE_STEPS,
         "persistent_cache": args.persistent_cache, "exit_code": rc,
         "num_prompts": cli_summary.get("prompts"),
         "completion_tokens": cli_summary.get("completion_tokens"),

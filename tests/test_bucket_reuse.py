@@ -1,0 +1,103 @@
+"""Reusing a compiled bucket one size up (jaxinfer/bucket_reuse.py, issue 21's cold start)."""
+
+import dataclasses
+
+import pytest
+from test_engine import reference_requests
+
+from jaxinfer.batch import Buckets
+from jaxinfer.bucket_reuse import REUSE_STEPS, choose_buckets
+from jaxinfer.sampling import SamplingParams
+
+GREEDY = (False, 0)  # sampling flags: no logits controls, no logprobs
+
+
+def keys(*forward, samples=()):
+    return ({("forward", k) for k in forward}
+            | {("sample", b, False, 0) for b in samples})
+
+
+@pytest.mark.parametrize("need, compiled, expected", [
+    # compiled exactly: itself
+    ((4, 0, 0, 8), keys((4, 0, 0, 8), (8, 0, 0, 8), samples=(4, 8)), (4, 0, 0, 8)),
+    # one bucket up in rows (4 -> 8), its sampling variant compiled: reused
+    ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(8,)), (8, 0, 0, 8)),
+    # a lone decode row's next bucket is 4 rows (batch.decode_bucket's floor)
+    ((1, 0, 0, 8), keys((4, 0, 0, 8), samples=(4,)), (4, 0, 0, 8)),
+    # one up in rows and in pages at once
+    ((4, 0, 0, 8), keys((8, 0, 0, 16), samples=(8,)), (8, 0, 0, 16)),
+    # two buckets up (4 -> 16 rows, or 8 -> 32 pages): too costly, compile the exact key
+    ((4, 0, 0, 8), keys((16, 0, 0, 8), (4, 0, 0, 32), samples=(4, 16)), (4, 0, 0, 8)),
+    # smaller in any dimension cannot hold the step
+    ((4, 0, 0, 8), keys((8, 0, 0, 4), samples=(8,)), (4, 0, 0, 8)),
+    # a decode-only step never takes a key with a prefill region, nor the reverse
+    ((4, 0, 0, 8), keys((4, 32, 1, 8), samples=(8,)), (4, 0, 0, 8)),
+    ((0, 32, 1, 4), keys((4, 32, 1, 4), samples=(8,)), (0, 32, 1, 4)),
+    # the sampling variant of the padded rows must be compiled too
+    ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(4,)), (4, 0, 0, 8)),
+    # mixed steps: prefill tokens and rows one up each
+    ((4, 32, 1, 8), keys((4, 64, 2, 8), samples=(8,)), (4, 64, 2, 8)),
+    # the cheapest holder (fewest tokens) wins
+    ((4, 32, 1, 8), keys((8, 64, 1, 8), (8, 32, 1, 16), samples=(16,)), (8, 32, 1, 16)),
+])
+def test_choice_against_hand_worked_cases(need, compiled, expected):
+    assert choose_buckets(Buckets(*need), compiled, {}, GREEDY).key == expected
+
+
+def test_sampling_flags_select_the_variant():
+    compiled = keys((8, 0, 0, 8)) | {("sample", 8, True, 0)}
+    need = Buckets(4, 0, 0, 8)
+    assert choose_buckets(need, compiled, {}, GREEDY).key == (4, 0, 0, 8)
+    assert choose_buckets(need, compiled, {}, (True, 0)).key == (8, 0, 0, 8)
+    assert choose_buckets(need, compiled, {}, (True, 20)).key == (4, 0, 0, 8)
+
+
+def test_a_shape_wanted_often_enough_is_compiled():
+    compiled = keys((8, 0, 0, 8), samples=(8,))
+    need = Buckets(4, 0, 0, 8)
+    assert choose_buckets(need, compiled, {need.key: REUSE_STEPS - 1}, GREEDY).key == (8, 0, 0, 8)
+    assert choose_buckets(need, compiled, {need.key: REUSE_STEPS}, GREEDY).key == (4, 0, 0, 8)
+
+
+def _dispatched_shapes(eng, forward, monkeypatch):
+    """(Td, Tp, Bp, M) of every forward step, read from the arrays the device function gets."""
+    shapes = []
+
+    def spy(params, kv, batch, prev, **kw):
+        md = batch.md
+        td = int(md.num_decode)
+        t, (b, m) = len(batch.tokens), md.block_tables.shape
+        shapes.append((td, t - td, b - td, m))
+        return forward(params, kv, batch, prev, **kw)
+
+    monkeypatch.setattr(eng, "_forward", spy)
+    return shapes
+
+
+def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeypatch):
+    """A batch whose rows finish one by one (decode rows 8 -> 4 -> 1 while the block tables grow)
+    runs on fewer distinct shapes with reuse than without, and its greedy outputs are still the
+    llama2.c references; every padded step's shape holds the step (build_step_batch checks)."""
+    eng, tok = stories_llm.engine, stories_llm.tokenizer
+    refs = [r for r in reference_requests(tok) if r[1].max_tokens <= 64]  # a short tail
+    assert refs
+    prompts = [ids for ids, _, _ in refs] + [tok.encode("Tom had a red ball")] * 4
+    params = [sp for _, sp, _ in refs] + [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30, 66)]
+    runs, forward = {}, eng._forward
+    for reuse in (False, True):
+        if hasattr(eng.allocator, "clear_cache"):
+            eng.allocator.clear_cache()  # the same steps both times: no prefix cache hits
+        monkeypatch.setattr(eng, "ecfg", dataclasses.replace(eng.ecfg,
+                                                             reuse_compiled_buckets=reuse))
+        monkeypatch.setattr(eng, "compile_keys", set())  # as a fresh engine
+        monkeypatch.setattr(eng, "_wanted", {})
+        shapes = _dispatched_shapes(eng, forward, monkeypatch)
+        outs = stories_llm.generate(prompts, params)
+        for (ids, _, expected), out in zip(refs, outs, strict=False):
+            assert tok.decode(ids + out.token_ids) == expected
+        runs[reuse] = (shapes, [o.token_ids for o in outs])
+    (plain, toks_plain), (reused, toks_reused) = runs[False], runs[True]
+    assert len(set(reused)) < len(set(plain)), (sorted(set(plain)), sorted(set(reused)))
+    assert len(reused) == len(plain)  # the same steps, some of them padded
+    assert toks_reused == toks_plain
