@@ -144,7 +144,8 @@ def dummy_step_batch(key: tuple[int, int, int, int], page_size: int) -> StepBatc
 
 
 def precompile(engine, keys: Iterable[Key] | None = None,
-               progress: Callable[[int, int, Key], None] | None = None) -> PrecompileReport:
+               progress: Callable[[int, int, Key], None] | None = None,
+               workers: int = 1) -> PrecompileReport:
     """Compiles ``keys`` (default ``serving_keys(engine.ecfg)``) into the engine's jit caches.
 
     Each forward key runs one dummy all-padding step (``dummy_step_batch``) through
@@ -161,20 +162,29 @@ def precompile(engine, keys: Iterable[Key] | None = None,
     and share one compilation; where they differ (a mesh's committed outputs) a key met with the
     other kind still compiles on first use. Prompt-logprobs forwards are not covered.
 
+    With ``workers`` > 1 the forward keys are first compiled ahead of time
+    (``jax.jit(...).lower(...).compile()``) by that many threads at once (XLA compiles outside
+    the GIL); the dispatches that follow find the executables in jax's compilation cache and
+    compile nothing.
+
     Args:
         engine: a ``jaxinfer.engine.Engine`` (not a speculative one).
         keys: compile keys as in ``Engine.compile_keys``, "forward" and "sample" kinds.
-        progress: called after each forward key (and its sampling keys) as
-            ``progress(k, n, key)``: k of n forward keys done.
+        progress: called as each forward key is compiled (with its sampling keys, when
+            ``workers`` is 1) as ``progress(k, n, key)``: k of n forward keys done.
+        workers: threads compiling forward keys at once (>= 1).
 
     Returns:
         ``PrecompileReport``.
 
     Raises:
         ValueError: a key of another kind or a malformed one (the message names it); a
-            sampling key whose B' no forward key in ``keys`` gives; a speculative engine.
+            sampling key whose B' no forward key in ``keys`` gives; a speculative engine;
+            ``workers`` < 1.
     """
     t0 = time.perf_counter()
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"precompile: workers must be an integer >= 1, got {workers!r}")
     if hasattr(engine, "spec"):
         raise ValueError("precompile: a speculative engine steps through its own round function "
                          "('spec_round' keys); precompile supports the plain Engine only")
@@ -187,12 +197,15 @@ def precompile(engine, keys: Iterable[Key] | None = None,
     ecfg, v = engine.ecfg, engine.cfg.vocab_size
     before = set(engine.compile_keys)
     done: list[Key] = []
+    static = dict(cfg=engine.cfg, attn_impl=ecfg.attn_impl, batch_invariant=ecfg.batch_invariant)
+    if workers > 1:
+        _compile_ahead(engine, fwd, static, workers, progress)
+        progress = None
     prev = engine._no_prev
     for k, bk in enumerate(fwd, 1):
         b = sample_rows(bk[0], bk[2])
         engine.kv, logits = engine._forward(
-            engine.params, engine.kv, dummy_step_batch(bk, ecfg.page_size), prev, cfg=engine.cfg,
-            attn_impl=ecfg.attn_impl, batch_invariant=ecfg.batch_invariant)
+            engine.params, engine.kv, dummy_step_batch(bk, ecfg.page_size), prev, **static)
         engine.compile_keys.add(("forward", bk))
         done.append(("forward", bk))
         st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b,
@@ -211,6 +224,28 @@ def precompile(engine, keys: Iterable[Key] | None = None,
         if progress is not None:
             progress(k, len(fwd), ("forward", bk))
     return PrecompileReport(tuple(done), len(set(done) - before), time.perf_counter() - t0)
+
+
+def _compile_ahead(engine, fwd: list[tuple[int, int, int, int]], static: dict, workers: int,
+                   progress) -> None:
+    """Compiles each forward bucket tuple ahead of time on ``workers`` threads (nothing runs;
+    the KV pool is only read for its shape)."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    page_size = engine.ecfg.page_size
+
+    def compile_one(bk):
+        batch = dummy_step_batch(bk, page_size)
+        engine._forward.lower(engine.params, engine.kv, batch, engine._no_prev,
+                              **static).compile()
+        return bk
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="jaxinfer-precompile") as pool:
+        futures = [pool.submit(compile_one, bk) for bk in fwd]
+        for k, fut in enumerate(as_completed(futures), 1):
+            bk = fut.result()
+            if progress is not None:
+                progress(k, len(fwd), ("forward", bk))
 
 
 def _split_keys(keys: list) -> tuple[list[tuple[int, int, int, int]], list[Key]]:

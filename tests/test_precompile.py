@@ -182,20 +182,27 @@ def test_precompiled_workload_compiles_nothing_and_keeps_the_pool(llm):
 
     engine = llm.engine
     cases = reference_cases(llm)
-    seen = []
-    report = precompile(engine, WORKLOAD_KEYS, progress=lambda k, n, key: seen.append((k, n)))
-    assert seen == [(1, 3), (2, 3), (3, 3)]
-    assert set(report.keys) == set(WORKLOAD_KEYS) and report.new_keys == len(WORKLOAD_KEYS)
-    sizes = engine._forward._cache_size(), engine._sample._cache_size()
     events = []
-    listener = lambda name, secs, **kw: events.append(name)  # noqa: E731
+    listener = lambda name, secs, **kw: events.append((name, kw.get("fun_name", "")))  # noqa: E731
     monitoring.register_event_duration_secs_listener(listener)
     try:
+        # Two keys compiled ahead of time by two threads, then the rest one by one.
+        seen = []
+        first = precompile(engine, WORKLOAD_KEYS[:3], lambda k, n, key: seen.append((k, n)), 2)
+        compiled = [f for e, f in events if e.endswith("backend_compile_duration")]
+        assert sorted(seen) == [(1, 2), (2, 2)] and first.new_keys == 3
+        assert sum("forward_step" in f for f in compiled) == 2  # the dispatches reused them
+        seen = []
+        report = precompile(engine, WORKLOAD_KEYS, progress=lambda k, n, key: seen.append((k, n)))
+        assert seen == [(1, 3), (2, 3), (3, 3)]
+        assert set(report.keys) == set(WORKLOAD_KEYS) and report.new_keys == 2
+        sizes = engine._forward._cache_size(), engine._sample._cache_size()
+        events.clear()
         check_texts(run_staggered(engine, cases), cases)
     finally:
         monitoring.unregister_event_duration_listener(listener)
     assert (engine._forward._cache_size(), engine._sample._cache_size()) == sizes
-    assert [e for e in events if "compile" in e] == []
+    assert [e for e in events if "compile" in e[0]] == []
     assert engine.compile_keys == set(WORKLOAD_KEYS)  # the workload stayed inside them
 
     # Again, with precompile run mid-way: by step 10 B's pages (and A's, freed) hold K/V.
@@ -227,6 +234,8 @@ def test_bad_keys_are_errors_naming_them(llm):
         precompile(llm.engine, [("prompt_logprobs", (1, 0, 0, 4))])
     with pytest.raises(ValueError, match=r"\('sample', 16, False, 0\)"):
         precompile(llm.engine, [("forward", (4, 0, 0, 4)), ("sample", 16, False, 0)])
+    with pytest.raises(ValueError, match="workers must be an integer >= 1, got 0"):
+        precompile(llm.engine, [("forward", (4, 0, 0, 4))], workers=0)
     assert llm.engine.compile_keys == keys  # nothing ran
 
 
