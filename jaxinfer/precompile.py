@@ -29,12 +29,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from jaxinfer.batch import (
-    MIN_PAGES_PER_SEQ,
-    MIN_PREFILL_TOKENS,
-    decode_bucket,
-    next_pow2,
-)
+from jaxinfer.batch import next_pow2, step_buckets
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.paged_attention import AttentionMetadata
@@ -74,24 +69,26 @@ def all_keys(ecfg: EngineConfig) -> list[Key]:
     """Every forward key ``build_step_batch`` can give under ``ecfg``'s limits, each followed by
     its plain sampling key (the first time its B' occurs).
 
-    A bucket tuple is kept when its smallest live counts fit the limits (decode rows plus
+    Each dimension's buckets are ``batch.step_buckets`` of the live counts up to the limits; a
+    bucket tuple is kept when its smallest live counts fit the limits (decode rows plus
     prefill rows <= ``max_num_seqs``, prefill rows <= ``max_prefill_seqs``, decode plus prefill
     tokens <= ``max_num_batched_tokens``), and M ranges over the block-table widths of a longest
     row from the longest prefill chunk those counts allow up to ``max_pages_per_seq``. So the
     list may hold keys the scheduler never makes; it omits none (tests/test_precompile.py runs
     the real scheduler against it). Hundreds of keys for the server's defaults."""
-    z, cap = ecfg.page_size, next_pow2(ecfg.max_pages_per_seq)
+    z, per_seq = ecfg.page_size, ecfg.max_pages_per_seq
     rows_max = min(ecfg.max_prefill_seqs, ecfg.max_num_seqs)
-    td_min = _first_live(decode_bucket, ecfg.max_num_seqs)
-    tp_min = _first_live(lambda n: next_pow2(n, MIN_PREFILL_TOKENS), ecfg.max_num_batched_tokens)
-    bp_min = _first_live(next_pow2, rows_max)
-    width = {p: min(next_pow2(p, MIN_PAGES_PER_SEQ), cap)
-             for p in range(1, ecfg.max_pages_per_seq + 1)}
-    ms = lambda pages: sorted({m for p, m in width.items() if p >= pages})  # noqa: E731
+
+    def bucket(nd=0, nt=0, nb=0, pages=1) -> tuple[int, int, int, int]:
+        return step_buckets(nd, nt, nb, pages, per_seq).key
+
+    td_min = _first_live(lambda n: bucket(nd=n)[0], ecfg.max_num_seqs)
+    tp_min = _first_live(lambda n: bucket(nt=n)[1], ecfg.max_num_batched_tokens)
+    bp_min = _first_live(lambda n: bucket(nb=n)[2], rows_max)
     fwd: list[tuple[int, int, int, int]] = []
     for td, nd in td_min.items():
         if td:
-            fwd += [(td, 0, 0, m) for m in ms(1)]
+            fwd += sorted({bucket(nd, 0, 0, p) for p in range(1, per_seq + 1)})
         for tp, nt in tp_min.items():
             for bp, nb in bp_min.items():
                 if not (tp and bp) or nd + nb > ecfg.max_num_seqs:
@@ -101,7 +98,8 @@ def all_keys(ecfg: EngineConfig) -> list[Key]:
                     continue
                 longest = -(-tokens // min(bp, rows_max, ecfg.max_num_seqs - nd))
                 if longest <= ecfg.max_model_len:
-                    fwd += [(td, tp, bp, m) for m in ms(-(-longest // z))]
+                    fwd += sorted({bucket(nd, tokens, nb, p)
+                                   for p in range(-(-longest // z), per_seq + 1)})
     return with_sample_keys(fwd)
 
 
