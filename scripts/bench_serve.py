@@ -147,6 +147,7 @@ class Server:
         self.name, self.cmd, self.url, self.model = name, cmd, url, model
         self.vllm_extras, self.start_timeout, self.env = vllm_extras, start_timeout, env
         self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None  # of a server started elsewhere (--base-url --server-pid)
         self.log_path: Path | None = None
 
     def start(self, log_dir: Path) -> str | None:
@@ -232,7 +233,7 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
     own work that other jobs on the machine disturb less than wall time."""
     import httpx
 
-    pid = server.proc.pid if server.proc else None
+    pid = server.proc.pid if server.proc else server.pid
     cpu0 = _cpu_s(pid)
 
     rng = np.random.default_rng(seed)
@@ -319,7 +320,9 @@ def _hf_serve_dir(model: str) -> Path:
 def _servers(args) -> tuple[list[Server], dict]:
     skipped: dict[str, str] = {}
     if args.base_url:
-        return [Server("jaxinfer", None, args.base_url.rstrip("/"), args.served_model, True)], {}
+        srv = Server("jaxinfer", None, args.base_url.rstrip("/"), args.served_model, True)
+        srv.pid = args.server_pid
+        return [srv], {}
     servers = []
     port = _free_port()
     engine_path, _, _ = resolve_model(args.model)
@@ -375,7 +378,7 @@ def ttft_p99_rates(rates: list[dict], limits=TTFT_P99_LIMITS) -> dict:
 
 
 def _probe_for(srv: Server):
-    pid = srv.proc.pid if srv.proc else None
+    pid = srv.proc.pid if srv.proc else srv.pid
 
     async def probe(client, completed: int, t: float) -> dict:
         row = {"completed": completed, "t_s": round(t, 2), "rss_mb": _rss_mb(pid) if pid else None}
@@ -419,6 +422,8 @@ def main() -> None:
                     help="stories260K, llama110m (random ~110M Llama) or a checkpoint path")
     ap.add_argument("--base-url", default=None, help="benchmark a server already running")
     ap.add_argument("--served-model", default=None, help="its model name (with --base-url)")
+    ap.add_argument("--server-pid", type=int, default=None,
+                    help="its process id (with --base-url): CPU time and RSS from /proc")
     ap.add_argument("--peers", default="transformers,llamacpp",
                     help="comma list: transformers, llamacpp ('' for none)")
     ap.add_argument("--gguf", default=None, help="the same weights as GGUF, for llama.cpp")
@@ -463,7 +468,7 @@ def main() -> None:
             skipped[srv.name] = why
             log(f"{srv.name} skipped: {why}")
             continue
-        pid = srv.proc.pid if srv.proc else None
+        pid = srv.proc.pid if srv.proc else srv.pid
         entry = {"startup_s": round(time.perf_counter() - t_start, 2),
                  "rss_mb_start": _rss_mb(pid) if pid else None, "rates": []}
         if not args.no_warm_pass:  # compiles (jaxinfer) and first-use costs, reported apart
