@@ -126,7 +126,8 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0) -> None:
         now = time.perf_counter()
         if now - last >= interval or done + k in (1, total):
             last = now
-            say(f"compiling {done + k}/{total} step shapes ({now - t0:.0f} s), last {key[1]}")
+            say(f"compiling {done + k}/{total} step shapes ({now - t0:.0f} s), last "
+                f"(Td, Tp, Bp, M) = {key[1]}")
 
     for engine, ks in zip(llm.engines, keys, strict=True):
         precompile(engine, ks, progress)
