@@ -77,7 +77,7 @@ def scheduled_keys(ecfg: EngineConfig, num_pages: int, reqs) -> list[tuple[tuple
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(serving_runs())
 def test_enumerated_keys_cover_every_scheduled_step(run):
     ecfg, num_pages, reqs = run
