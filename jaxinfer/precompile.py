@@ -3,18 +3,19 @@
 Every step's shapes are padded to buckets (``jaxinfer.batch``): the forward step compiles once per
 bucket tuple ``("forward", (Td, Tp, Bp, M))`` and the sampling step once per
 ``("sample", B', controls, num_logprobs)`` (``Engine.compile_keys``). A key met for the first
-time mid-serving compiles while every running request waits (about a second per key for
-stories260K on CPU). ``precompile`` dispatches a dummy all-padding step of each key through the
-engine's own jitted functions, with the static arguments ``Engine._dispatch`` passes, so the jit
-caches hold them before the first request. Its padding tokens write only into the null page
-(``kv_cache.NULL_PAGE``), which no sequence owns, so the pool's other pages are untouched.
+time mid-serving compiles while every running request waits (2-4 CPU-seconds a key for
+stories260K on CPU, docs/server.md). ``precompile`` dispatches a dummy all-padding step of each
+key through the engine's own jitted functions, with the static arguments ``Engine._dispatch``
+passes, so the jit caches hold them before the first request. Its padding tokens write only
+into the null page (``kv_cache.NULL_PAGE``), which no sequence owns, so the pool's other pages
+are untouched.
 
 ``all_keys`` enumerates every key the buckets allow under an ``EngineConfig`` (590 forward keys
 for the server's defaults on stories260K: max_model_len 512, page size 8, 64 sequences, 512
 tokens a step, 8 prefill rows); ``serving_keys``, the default, those with at most one prefill
 row (135 of them): every decode-only step, and every prefill-only or decode-plus-one-prefill step
 at each Tp and M. Why: bench_serve's workload run in-process (60 requests, rates inf, 8, 2)
-reached 37 forward keys cold; the ones met at low rates had one prefill row, and after
+reached 29 forward keys cold; the ones met at low rates had one prefill row, and after
 precompiling ``serving_keys`` the 2 requests/s run compiled nothing (TTFT p50 0.007 s against
 6.8 s cold); the keys still met at rates 8 and inf (beyond what the machine sustained) all had
 several prefill rows (a queue of waiting requests), where a compile adds to a wait already long.
@@ -124,8 +125,9 @@ def sample_rows(td: int, bp: int) -> int:
 
 def dummy_step_batch(key: tuple[int, int, int, int], page_size: int) -> StepBatch:
     """A numpy StepBatch of bucket ``key`` = (Td, Tp, Bp, M) holding only padding, laid out as
-    ``build_step_batch`` pads: every token writes into the null page, every block-table entry
-    is the null page, every row has kv_len 0 (decode padding rows one query token each)."""
+    ``build_step_batch`` pads: tokens i32[Td + Tp] all writing into the null page (slot mapping
+    ``NULL_PAGE * page_size``), block tables i32[Td + Bp, M] all the null page, kv_lens 0 (decode
+    padding rows one query token each), logits_indices i32[next_pow2(Td + Bp)]."""
     td, tp, bp, m = key
     t, b = td + tp, td + bp
     seq_ids = np.full(t, -1, np.int32)
