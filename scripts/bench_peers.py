@@ -322,7 +322,7 @@ def main() -> None:
         args.max_model_len, args.hf_batch_size, args.decode_steps = 64, 4, 8
     args.model = args.model or ("stories260K" if args.quick else "llama110m")
 
-    load_before = loadavg()
+    load_before, started = loadavg(), time.strftime("%Y-%m-%dT%H:%M:%S")
     wants_hf = bool({"hf_generate", "hf_generate_batch", "decode1"} & set(engines))
     path, vocab, hf_dir = resolve_model(args.model, hf=wants_hf)
     reqs = make_workload(args.num_prompts, max_model_len=args.max_model_len, vocab=vocab,
@@ -359,13 +359,14 @@ def main() -> None:
                       "gguf": None if skip else args.gguf, "prompt_len": 16 if args.quick else 64,
                       "warmup": 2 if args.quick else 8, "steps": args.decode_steps}
             r = run_child("decode1", d_spec, args, tmp)
-            decode1 = r.get("inner") or {"error": r.get("error")}
+            decode1 = {**(r.get("inner") or {"error": r.get("error")}),
+                       "wall_s": r.get("wall_s"), "load1_before": r.get("load1_before")}
             if skip:
                 decode1["llama_cpp"] = {"skipped": skip}
     finish(results, expected)
     summary = {
         "bench": "peers", **host_info(), **cpu_info(), "quick": args.quick,
-        "loadavg_before": load_before, "loadavg_after": loadavg(),
+        "started": started, "loadavg_before": load_before, "loadavg_after": loadavg(),
         "model": args.model, "threads": args.threads, "hf_batch_size": args.hf_batch_size,
         "workload": {"num_prompts": len(reqs), "seed": args.seed, "mean_input": args.mean_input,
                      "mean_output": args.mean_output, "max_model_len": args.max_model_len,
