@@ -4,15 +4,22 @@ A step's exact buckets (``batch.step_buckets``) are its compilation key; a key n
 a full XLA compile (about 1 s for stories260K, 3-5 s for a ~110M model on a 2-core CPU), and a
 batch job's tail meets new keys (fewer decode rows over longer block tables) for only a few steps
 each. ``choose_buckets`` pads such a step up to an already compiled key that is at most one bucket
-larger in every dimension (so the step costs at most about twice its exact shape), and compiles
-the exact key only once ``REUSE_STEPS`` steps have wanted it (a shape that persists is worth its
-compile). Padding changes no row's values: padded rows and tokens write only to the null page and
-are never sampled. Outputs of ``EngineConfig.batch_invariant`` engines are bitwise the same either
-way; otherwise a row's floating point may differ in the last bits with the batch's shape, as it
-does between any two batch compositions.
+larger in every dimension (so the step costs at most about twice its exact shape). Once
+``REUSE_STEPS`` steps have wanted the exact key (a shape that persists is worth its compile),
+``BackgroundCompiler`` compiles it on a background thread while the padded steps go on, and the
+engine switches to it when it is ready: no step waits for that compile (one-device engines; a
+sharded one compiles it inline). Padding changes no row's values: padded rows and tokens write
+only to the null page and are never sampled. Outputs of ``EngineConfig.batch_invariant`` engines
+are bitwise the same either way; otherwise a row's floating point may differ in the last bits
+with the batch's shape, as it does between any two batch compositions.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import numpy as np
 
 from jaxinfer.batch import Buckets, next_pow2
 
@@ -28,20 +35,18 @@ def _one_up(value: int) -> int:
     return 0 if value == 0 else 4 if value == 1 else 2 * value
 
 
-def choose_buckets(need: Buckets, compiled: set, wanted: dict, sample_flags: tuple[bool, int]
-                   ) -> Buckets:
+def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple[bool, int]) -> Buckets:
     """The buckets to run a step whose exact buckets are ``need``: ``need`` itself when it is
-    compiled (or has been wanted ``REUSE_STEPS`` times), else the cheapest compiled forward key
-    with every dimension in [need, one bucket up] whose sampling variant is compiled too.
+    compiled, else the cheapest compiled forward key with every dimension in [need, one bucket
+    up] whose sampling variant is compiled too, else ``need`` (it compiles).
 
     Args:
         need: the step's exact buckets.
         compiled: ``Engine.compile_keys`` (``("forward", key)``, ``("sample", rows, controls,
             num_logprobs)``...).
-        wanted: exact key -> steps that wanted it while it was not compiled (read only here).
         sample_flags: (the step has logits controls, its number of logprobs): the sampling key.
     """
-    if ("forward", need.key) in compiled or wanted.get(need.key, 0) >= REUSE_STEPS:
+    if ("forward", need.key) in compiled:
         return need
     best = None
     for kind, *rest in compiled:
@@ -57,3 +62,77 @@ def choose_buckets(need: Buckets, compiled: set, wanted: dict, sample_flags: tup
         if best is None or cost < best[0]:
             best = (cost, key)
     return need if best is None else Buckets(*best[1])
+
+
+class BackgroundCompiler:
+    """Compiles an engine's step shapes (forward and its sampling variant) on one background
+    thread, ahead of time (``jit(...).lower(...).compile()`` fills jax's caches, so the first
+    dispatch of the shape then compiles nothing). One-device engines only: the KV pool is
+    lowered as shapes without shardings (it is donated step by step), as the dispatches see it.
+    """
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[tuple, tuple[tuple, Future]] = {}
+        self.failed: dict[tuple, str] = {}  # key -> why its compile failed (compiles inline then)
+        self.compiled: list[tuple] = []  # keys compiled here, in order (observability, tests)
+
+    def submit(self, need: Buckets, sample_flags: tuple[bool, int]) -> None:
+        """Starts compiling ``need`` (idempotent)."""
+        from jaxinfer.precompile import dummy_step_batch, sample_rows
+
+        if need.key in self._futures or need.key in self.failed:
+            return
+        e = self._engine
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-compile")
+        kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), e.kv)
+        batch = dummy_step_batch(need.key, e.ecfg.page_size)
+        static = dict(cfg=e.cfg, attn_impl=e.ecfg.attn_impl, batch_invariant=e.ecfg.batch_invariant)
+        b = sample_rows(need.decode_rows, need.prefill_rows)
+
+        def compile_both():
+            from jaxinfer.sampling import SamplingParams, SamplingTensors
+            from jaxinfer.step import LogitsControls
+
+            lowered = e._forward.lower(e.params, kv, batch, e._no_prev, **static)
+            logits = jax.ShapeDtypeStruct(lowered.out_info[1].shape, lowered.out_info[1].dtype)
+            lowered.compile()
+            st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b,
+                                             [0] * b, pad_to=b)
+            v = e.cfg.vocab_size
+            controls = None if not sample_flags[0] else LogitsControls(
+                np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool))
+            e._sample.lower(logits, st, controls, num_logprobs=sample_flags[1],
+                            num_slots=e._num_slots,
+                            batch_invariant=e.ecfg.batch_invariant).compile()
+
+        self._futures[need.key] = (sample_flags, self._pool.submit(compile_both))
+
+    def poll(self) -> list[tuple]:
+        """The compile keys (forward and sampling) of the compiles finished since the last
+        poll; a failed one goes to ``failed``."""
+        from jaxinfer.precompile import sample_rows
+
+        ready = []
+        for key, (flags, fut) in list(self._futures.items()):
+            if not fut.done():
+                continue
+            del self._futures[key]
+            exc = fut.exception()
+            if exc is not None:
+                self.failed[key] = f"{type(exc).__name__}: {exc}"
+                continue
+            self.compiled.append(key)
+            ready += [("forward", key), ("sample", sample_rows(key[0], key[2]), *flags)]
+        return ready
+
+    def busy(self) -> bool:
+        """Whether a compile is in progress."""
+        return bool(self._futures)
+
+    def wait(self) -> None:
+        """Blocks until every submitted compile has finished (or failed)."""
+        for _, fut in list(self._futures.values()):
+            fut.exception()

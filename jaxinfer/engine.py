@@ -14,7 +14,7 @@ import numpy as np
 
 import jaxinfer.prompt_logprobs as plp
 from jaxinfer.batch import build_step_batch, decode_bucket, exact_buckets, next_pow2, row_index
-from jaxinfer.bucket_reuse import choose_buckets
+import jaxinfer.bucket_reuse as bucket_reuse
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engine's public names
     KV_CACHE_DTYPES,
@@ -161,6 +161,7 @@ class Engine:
         self.num_step_failures = 0
         self.compile_keys: set[tuple] = set()
         self._wanted: dict[tuple, int] = {}  # uncompiled key -> steps padded past it (bucket_reuse)
+        self._compiler = bucket_reuse.BackgroundCompiler(self) if mesh is None else None
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
         if cfg.model_type == "llama2c" and tokenizer.bos_id is not None:
@@ -350,7 +351,14 @@ class Engine:
         want_lp = any(r.seq.params.logprobs is not None for r in sched.rows)
         flags = (any(needs_controls(r.seq) for r in sched.rows),
                  min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0)
-        return choose_buckets(need, self.compile_keys, self._wanted, flags)
+        if self._compiler is not None:
+            self.compile_keys.update(self._compiler.poll())
+        chosen = bucket_reuse.choose_buckets(need, self.compile_keys, flags)
+        if chosen != need and self._wanted.get(need.key, 0) >= bucket_reuse.REUSE_STEPS:
+            if self._compiler is None or need.key in self._compiler.failed:
+                return need  # compiles inline, as any new shape
+            self._compiler.submit(need, flags)  # padded steps go on meanwhile
+        return chosen
 
     def _collect_then_dispatch(self, done: _InFlight, sched) -> list[RequestOutput]:
         """Async scheduling when the next step compiles a new shape: reads the step in flight

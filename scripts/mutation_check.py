@@ -386,11 +386,17 @@ MUTATIONS: list[Mutation] = [
       "not in compiled:\n            continue", "in ():\n            continue",
       ("tests/test_bucket_reuse.py",), "hand_worked or flags"),
     M("reuse_never", "jaxinfer/engine.py",
-      "return choose_buckets(need, self.compile_keys, self._wanted, flags)", "return need",
+      "chosen = bucket_reuse.choose_buckets(need, self.compile_keys, flags)", "chosen = need",
       ("tests/test_bucket_reuse.py",), "tail"),
     M("batch_ignores_chosen_buckets", "jaxinfer/batch.py",
       "bk = need if buckets is None else buckets", "bk = need",
       ("tests/test_bucket_reuse.py",), "tail"),
+    M("background_compile_never_ready", "jaxinfer/bucket_reuse.py",
+      'ready += [("forward", key), ("sample", sample_rows(key[0], key[2]), *flags)]', "pass",
+      ("tests/test_bucket_reuse.py",), "background"),
+    M("background_compile_never_started", "jaxinfer/engine.py",
+      "self._compiler.submit(need, flags)  # padded steps go on meanwhile", "pass",
+      ("tests/test_bucket_reuse.py",), "background"),
 ]
 
 

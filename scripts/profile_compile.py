@@ -64,8 +64,10 @@ def main() -> None:
     ap.add_argument("--unroll-layers", choices=("auto", "0", "1"), default="auto",
                     help="EngineConfig.unroll_layers (auto: the engine's default, on for CPU)")
     ap.add_argument("--reuse-steps", type=int, default=None,
-                    help="bucket_reuse.REUSE_STEPS for the job (0: never pad a step up to a "
-                         "compiled bucket; default: the engine's)")
+                    help="bucket_reuse.REUSE_STEPS for the job (default: the engine's)")
+    ap.add_argument("--no-bucket-reuse", action="store_true",
+                    help="never pad a step up to a compiled bucket (as reuse_compiled_buckets="
+                         "False)")
     ap.add_argument("--no-hlo", action="store_true", help="skip the HLO sizes")
     ap.add_argument("--persistent-cache", metavar="DIR", default=None,
                     help="keep JAX's persistent compilation cache on, in DIR (run twice for a "
@@ -94,6 +96,8 @@ def main() -> None:
 
     if args.reuse_steps is not None:
         bucket_reuse.REUSE_STEPS = args.reuse_steps
+    if args.no_bucket_reuse:
+        bucket_reuse.choose_buckets = lambda need, compiled, flags: need
     from jaxinfer import engine as engine_mod
 
     t_imports = time.time() - T0
@@ -213,7 +217,7 @@ def main() -> None:
     summary = {
         "bench": "profile_compile", **host_info(), "job": args.job, "model": str(path),
         "unroll_layers": args.unroll_layers, "cli_args": args.cli_args,
-        "reuse_steps": bucket_reuse.REUSE_STEPS,
+        "reuse_steps": bucket_reuse.REUSE_STEPS, "bucket_reuse": not args.no_bucket_reuse,
         "persistent_cache": args.persistent_cache, "exit_code": rc,
         "num_prompts": cli_summary.get("prompts"),
         "completion_tokens": cli_summary.get("completion_tokens"),

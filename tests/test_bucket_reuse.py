@@ -6,7 +6,7 @@ import pytest
 from test_engine import reference_requests
 
 from jaxinfer.batch import Buckets
-from jaxinfer.bucket_reuse import REUSE_STEPS, choose_buckets
+from jaxinfer.bucket_reuse import choose_buckets
 from jaxinfer.sampling import SamplingParams
 
 GREEDY = (False, 0)  # sampling flags: no logits controls, no logprobs
@@ -41,22 +41,15 @@ def keys(*forward, samples=()):
     ((4, 32, 1, 8), keys((8, 64, 1, 8), (8, 32, 1, 16), samples=(16,)), (8, 32, 1, 16)),
 ])
 def test_choice_against_hand_worked_cases(need, compiled, expected):
-    assert choose_buckets(Buckets(*need), compiled, {}, GREEDY).key == expected
+    assert choose_buckets(Buckets(*need), compiled, GREEDY).key == expected
 
 
 def test_sampling_flags_select_the_variant():
     compiled = keys((8, 0, 0, 8)) | {("sample", 8, True, 0)}
     need = Buckets(4, 0, 0, 8)
-    assert choose_buckets(need, compiled, {}, GREEDY).key == (4, 0, 0, 8)
-    assert choose_buckets(need, compiled, {}, (True, 0)).key == (8, 0, 0, 8)
-    assert choose_buckets(need, compiled, {}, (True, 20)).key == (4, 0, 0, 8)
-
-
-def test_a_shape_wanted_often_enough_is_compiled():
-    compiled = keys((8, 0, 0, 8), samples=(8,))
-    need = Buckets(4, 0, 0, 8)
-    assert choose_buckets(need, compiled, {need.key: REUSE_STEPS - 1}, GREEDY).key == (8, 0, 0, 8)
-    assert choose_buckets(need, compiled, {need.key: REUSE_STEPS}, GREEDY).key == (4, 0, 0, 8)
+    assert choose_buckets(need, compiled, GREEDY).key == (4, 0, 0, 8)
+    assert choose_buckets(need, compiled, (True, 0)).key == (8, 0, 0, 8)
+    assert choose_buckets(need, compiled, (True, 20)).key == (4, 0, 0, 8)
 
 
 def _dispatched_shapes(eng, forward, monkeypatch):
@@ -101,3 +94,51 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
     assert len(set(reused)) < len(set(plain)), (sorted(set(plain)), sorted(set(reused)))
     assert len(reused) == len(plain)  # the same steps, some of them padded
     assert toks_reused == toks_plain
+
+
+def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monkeypatch):
+    """A lone decode row padded to 4 rows for ``REUSE_STEPS`` steps gets its exact shape compiled
+    on the background thread; the padded steps go on meanwhile, and the exact shape runs only
+    once that compile is done. Its text is still llama2.c's reference."""
+    import jaxinfer.bucket_reuse as bucket_reuse
+
+    eng, tok = stories_llm.engine, stories_llm.tokenizer
+    (ids, sp, expected), = [r for r in reference_requests(tok)
+                            if r[2].startswith("Once upon a time") and r[1].max_tokens < 100]
+    monkeypatch.setattr(bucket_reuse, "REUSE_STEPS", 3)
+    monkeypatch.setattr(eng, "compile_keys", set())
+    monkeypatch.setattr(eng, "_wanted", {})
+    compiler = bucket_reuse.BackgroundCompiler(eng)
+    submit = compiler.submit
+
+    def submit_and_wait(need, flags):  # deterministic: the compile is done by the next step
+        submit(need, flags)
+        compiler.wait()
+
+    monkeypatch.setattr(compiler, "submit", submit_and_wait)
+    monkeypatch.setattr(eng, "_compiler", compiler)
+    if hasattr(eng.allocator, "clear_cache"):
+        eng.allocator.clear_cache()
+    seen, forward = [], eng._forward
+
+    def spy(params, kv, batch, prev, **kw):
+        md = batch.md
+        td = int(md.num_decode)
+        key = (td, len(batch.tokens) - td, md.block_tables.shape[0] - td, md.block_tables.shape[1])
+        seen.append((key, key in compiler.compiled))
+        return forward(params, kv, batch, prev, **kw)
+
+    spy.lower = forward.lower  # the background compiler lowers the engine's jitted function
+    monkeypatch.setattr(eng, "_forward", spy)
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = stories_llm.generate([ids] + [tok.encode("Tom had a red ball")] * 3, [sp] + [short] * 3)
+    assert tok.decode(ids + outs[0].token_ids) == expected
+    # The lone row (M = 4 pages while under 64 tokens): padded to 4 rows for REUSE_STEPS steps,
+    # then (the compile started by the next step's choice is done at once here) exact.
+    lone = [(key, ready) for key, ready in seen if key in ((1, 0, 0, 4), (4, 0, 0, 4))]
+    first_exact = next(i for i, (key, _) in enumerate(lone) if key == (1, 0, 0, 4))
+    assert eng._wanted[(1, 0, 0, 4)] == 3
+    assert [key for key, _ in lone[first_exact - 3:first_exact]] == [(4, 0, 0, 4)] * 3
+    assert all(ready for key, ready in lone[first_exact:]), lone
+    assert compiler.compiled == [(1, 0, 0, 4)]
+    assert not compiler.failed
