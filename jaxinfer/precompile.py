@@ -277,3 +277,30 @@ def serving_keys(ecfg: EngineConfig, *, max_prefill_rows: int = 1,
     fwd = [k[1] for k in all_keys(ecfg) if k[0] == "forward" and k[1][2] <= max_prefill_rows
            and (max_prefill_tokens is None or k[1][1] <= max_prefill_tokens)]
     return with_sample_keys(fwd)
+
+
+def cover_keys(keys: Iterable[Key], candidates: Iterable[Key] | None = None) -> list[Key]:
+    """A small set of forward keys (with their plain sampling keys) such that every forward key
+    of ``keys`` is, in every dimension, at most one bucket below one of them: with bucket reuse
+    (``jaxinfer.bucket_reuse``) a step of any key of ``keys`` then runs padded to a compiled
+    key at once, and one that persists compiles in the background, so no step waits for a
+    compile. Greedy set cover (each pick covers the most keys still uncovered, ties to the
+    cheaper: fewer tokens, then smaller) over ``candidates`` (default: ``keys`` themselves).
+
+    Source: the classic greedy approximation of set cover (Chvatal 1979)."""
+    from jaxinfer.bucket_reuse import holds_within_one_bucket
+
+    need = list(dict.fromkeys(k[1] for k in keys if k[0] == "forward"))
+    pool = need if candidates is None else list(
+        dict.fromkeys(k[1] for k in candidates if k[0] == "forward"))
+    covers = {c: {n for n in need if holds_within_one_bucket(n, c)} for c in pool}
+    left, picked = set(need), []
+    while left:
+        best = max(pool, key=lambda c: (len(covers[c] & left), -(c[0] + c[1]),
+                                        tuple(-x for x in c)))
+        got = covers[best] & left
+        if not got:
+            raise ValueError(f"cover_keys: keys {sorted(left)} are covered by no candidate")
+        picked.append(best)
+        left -= got
+    return with_sample_keys(sorted(picked))

@@ -35,6 +35,9 @@ def keys(*forward, samples=()):
     ((0, 32, 1, 4), keys((4, 32, 1, 4), samples=(8,)), (0, 32, 1, 4)),
     # the sampling variant of the padded rows must be compiled too
     ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(4,)), (4, 0, 0, 8)),
+    # one prefill row's next bucket is 2 rows (the 1 -> 4 floor is the decode rows' only)
+    ((0, 32, 1, 4), keys((0, 32, 4, 4), samples=(4,)), (0, 32, 1, 4)),
+    ((0, 32, 1, 4), keys((0, 32, 2, 4), samples=(2,)), (0, 32, 2, 4)),
     # mixed steps: prefill tokens and rows one up each
     ((4, 32, 1, 8), keys((4, 64, 2, 8), samples=(8,)), (4, 64, 2, 8)),
     # the cheapest holder (fewest tokens) wins

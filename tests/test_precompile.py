@@ -271,3 +271,27 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
     llm.engines[1].spec = object()  # a speculative engine
     with pytest.raises(UsageError, match="--warmup requests"):
         precompile_engines(llm, "serving", said.append)
+
+
+@pytest.mark.parametrize("ecfg", [
+    EngineConfig(max_model_len=512, page_size=8),  # the server's defaults on stories260K
+    EngineConfig(max_model_len=256, page_size=16, max_num_seqs=16, max_num_batched_tokens=128,
+                 max_prefill_seqs=4),
+])
+def test_cover_keys_cover_every_step_shape_within_one_bucket(ecfg):
+    """Every key of all_keys has a cover key at most one bucket up in each dimension (worked
+    out here from the bucket rules: decode rows 1 -> 4, else x2; 0 stays 0), and the cover is
+    far smaller than what it covers."""
+    from jaxinfer.precompile import cover_keys
+
+    def up(v, dim):
+        return 0 if v == 0 else (4 if (dim == 0 and v == 1) else 2 * v)
+
+    every = [k[1] for k in all_keys(ecfg) if k[0] == "forward"]
+    cover = cover_keys(all_keys(ecfg))
+    fwd = [k[1] for k in cover if k[0] == "forward"]
+    for k in every:
+        assert any(all(k[d] <= c[d] <= up(k[d], d) for d in range(4)) for c in fwd), k
+    assert 0 < len(fwd) * 4 < len(every), (len(fwd), len(every))
+    # each cover key comes with its plain sampling variant
+    assert {("sample", next_pow2(c[0] + c[2]), False, 0) for c in fwd} <= set(cover)

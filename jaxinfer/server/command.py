@@ -54,12 +54,15 @@ def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.Ar
     s.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="most sequences waiting beyond --max-num-seqs; more get HTTP 503 "
                    "(default: no limit)")
-    s.add_argument("--warmup", nargs="?", const="serving", default=None,
-                   choices=("serving", "all", "requests"),
-                   help="compile step shapes before the port opens. serving (the default when "
-                   "given alone): every step with at most one prefill row "
-                   "(jaxinfer.precompile.serving_keys); all: every step shape the buckets allow "
-                   "(several times longer); requests: run one request and a batch of eight")
+    s.add_argument("--warmup", nargs="?", const="cover", default=None,
+                   choices=("cover", "serving", "all", "requests"),
+                   help="compile step shapes before the port opens. cover (the default when "
+                   "given alone): a set of shapes one bucket above every shape the buckets "
+                   "allow, so every step runs padded to a compiled one at once "
+                   "(jaxinfer.precompile.cover_keys, jaxinfer.bucket_reuse); serving: every step "
+                   "with at most one prefill row (precompile.serving_keys, ~2x cover's "
+                   "shapes); all: every step shape (~9x); requests: run one request and a batch "
+                   "of eight")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running requests may take to finish")
     s.add_argument("--log-level", default="info",
@@ -92,9 +95,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def warmup(llm, mode: str = "serving", say=None) -> None:
-    """Compiles step shapes before serving. ``mode`` "serving" or "all": every engine's
-    ``precompile.serving_keys`` or ``precompile.all_keys`` (``precompile_engines``);
+def warmup(llm, mode: str = "cover", say=None) -> None:
+    """Compiles step shapes before serving. ``mode`` "cover", "serving" or "all": every
+    engine's ``precompile.cover_keys(all_keys)``, ``precompile.serving_keys`` or
+    ``precompile.all_keys`` (``precompile_engines``);
     "requests": one short request and a batch of eight, greedy and sampled (``warmup_requests``).
     ``say(msg)`` logs progress. Raises UsageError for "serving" or "all" on a speculative
     engine (its rounds compile other functions; use "requests")."""
@@ -106,17 +110,22 @@ def warmup(llm, mode: str = "serving", say=None) -> None:
 
 def precompile_engines(llm, mode: str, say, interval: float = 2.0) -> None:
     """``precompile.precompile`` on every engine of ``llm`` with the keys of ``mode``
-    ("serving" or "all"); ``say`` gets "compiling k/n" at most every ``interval`` seconds and
-    the total time at the end."""
+    ("cover", "serving" or "all"); ``say`` gets "compiling k/n" at most every ``interval``
+    seconds and the total time at the end."""
     import time
 
     from jaxinfer.jobs import UsageError
-    from jaxinfer.precompile import all_keys, precompile, serving_keys
+    from jaxinfer.precompile import all_keys, cover_keys, precompile, serving_keys
 
     if any(hasattr(e, "spec") for e in llm.engines):
         raise UsageError(f"--warmup {mode} does not support speculative decoding (its rounds "
                          "compile their own functions); use --warmup requests")
-    keys = [(all_keys if mode == "all" else serving_keys)(e.ecfg) for e in llm.engines]
+    def keys_of(ecfg):
+        if mode == "cover":
+            return cover_keys(all_keys(ecfg))
+        return (all_keys if mode == "all" else serving_keys)(ecfg)
+
+    keys = [keys_of(e.ecfg) for e in llm.engines]
     total = sum(sum(k[0] == "forward" for k in ks) for ks in keys)
     t0 = last = time.perf_counter()
     done = 0
