@@ -322,7 +322,7 @@ def main() -> None:
         args.max_model_len, args.hf_batch_size, args.decode_steps = 64, 4, 8
     args.model = args.model or ("stories260K" if args.quick else "llama110m")
 
-    load_before, started = loadavg(), time.strftime("%Y-%m-%dT%H:%M:%S")
+    load_before, started, git = loadavg(), time.strftime("%Y-%m-%dT%H:%M:%S"), git_state()
     wants_hf = bool({"hf_generate", "hf_generate_batch", "decode1"} & set(engines))
     path, vocab, hf_dir = resolve_model(args.model, hf=wants_hf)
     reqs = make_workload(args.num_prompts, max_model_len=args.max_model_len, vocab=vocab,
@@ -375,7 +375,7 @@ def main() -> None:
                                           max(len(i) for i, _ in reqs)],
                      "output_len_range": [min(n for _, n in reqs), max(n for _, n in reqs)]},
         "engines": results, "skipped": skipped, "decode_batch1": decode1,
-        "versions": versions(),
+        "versions": versions(), "git_at_start": git,
     }
     log(f"{'engine':20s} {'wall s':>8s} {'cpu s':>7s} {'tokens':>7s} {'tok/s':>8s} {'vs hf':>6s}")
     for name, r in results.items():
@@ -388,6 +388,19 @@ def main() -> None:
     if decode1:
         log(f"batch-1 decode: {json.dumps(decode1)}")
     emit(summary, "bench_peers", args.results_dir)
+
+
+def git_state() -> dict:
+    """The checkout's commit and its uncommitted engine files: a shared working tree changes
+    under a long run, and the jaxinfer runs use whatever is there."""
+    def git(*a):
+        p = subprocess.run(["git", *a], cwd=Path(__file__).resolve().parents[1],
+                           capture_output=True, text=True)
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--", "jaxinfer", "kernels_pallas")
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted": [ln[3:] for ln in status.splitlines()] if status else []}
 
 
 def versions() -> dict:
