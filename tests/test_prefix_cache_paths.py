@@ -318,17 +318,21 @@ def _spec_engine(model, caching, method, draft):
     return make_spec_engine(eng, method, 3, draft, None)
 
 
-def _abort_at_page_end(eng, ids, sp) -> list[int]:
-    """Runs a request round by round until its tokens (prompt + output) fill whole pages, aborts
-    it there; returns its tokens."""
+def _abort_at_page_end(eng, ids, sp, mate) -> list[int]:
+    """Runs a request beside ``mate`` (prompt ids, params) round by round until its tokens
+    (prompt + output) fill whole pages, aborts it there, runs the mate to its end; returns the
+    aborted request's tokens."""
     eng.add_request("cut", ids, sp)
+    eng.add_request("mate", *mate)
     known = list(ids)
     while eng.has_unfinished():
         for o in eng.step():
-            known = list(ids) + o.token_ids
+            if o.request_id == "cut":
+                known = list(ids) + o.token_ids
         if len(known) % Z == 0 and len(known) > len(ids):
             eng.abort_request("cut")
-            assert not eng.has_unfinished()
+            while eng.has_unfinished():
+                eng.step()
             return known
     raise AssertionError(f"{len(known)} tokens: never stopped at a page end")
 
@@ -344,8 +348,15 @@ def test_speculative_rejected_drafts_never_poison_shared_pages(stories, base_ids
     sp = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=2)
     short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     a = base_ids[:10]
+    # Each request below that would run alone runs beside a mate that outlives it (a prompt
+    # sharing no page with the others): its prefill and verify rounds then have the two-row
+    # buckets of wave 2 (a lone row has buckets of its own), and the mate's lone tail rounds
+    # share one bucket: 3 compiled round shapes per method instead of 5.
+    mate = ([1, 450, 451, 452], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                logprobs=2))
+    assert base_ids[1] != 450
     engines = {c: _spec_engine(stories, c, method, draft) for c in (True, False)}
-    first = {c: run_waves(e, [[(a, sp)]]) for c, e in engines.items()}
+    first = {c: run_waves(e, [[(a, sp), mate]]) for c, e in engines.items()}
     assert_same(first[True], first[False])
     known = a + first[False][0].token_ids
     assert len(known) == 24  # its last token (position 23) is sampled, never computed
@@ -358,9 +369,9 @@ def test_speculative_rejected_drafts_never_poison_shared_pages(stories, base_ids
     assert [o.metrics.num_cached_tokens for o in outs[True]] == [16, 16, 8, 16]
     # A sequence aborted between rounds when its last token (sampled, its K/V not computed: the
     # slot holds a rejected draft's) ends a page: that page must not be cached.
-    cut = {c: _abort_at_page_end(e, base_ids[2:11], sp) for c, e in engines.items()}
+    cut = {c: _abort_at_page_end(e, base_ids[2:11], sp, mate) for c, e in engines.items()}
     assert cut[True] == cut[False]
-    after = {c: run_waves(e, [[(cut[c] + [7], short)]]) for c, e in engines.items()}
+    after = {c: run_waves(e, [[(cut[c] + [7], short), mate]]) for c, e in engines.items()}
     assert_same(after[True], after[False])
     assert after[True][0].metrics.num_cached_tokens == len(cut[True]) - Z
     rates = {c: [o.metrics.acceptance_rate for o in first[c] + outs[c]] for c in (True, False)}
