@@ -286,18 +286,24 @@ def test_tiny_families_run_quantized(tmp_path, family, quant, kv):
 
     m = load(build_checkpoint(family, str(tmp_path / family)))
     prompts = [[5, 17, 33, 9, 120, 64], [200, 3, 77], [11, 250, 42, 8]]
-    ref = _engine_greedy(m.config, m.params, prompts)
     got = _engine_greedy(m.config, apply_quantization(m.params, quant), prompts, kv)
     assert all(len(g) == 8 for g in got)
-    # The first token must match wherever the float model's top-2 logit margin is clear of the
-    # quantization noise (qwen2's second prompt is a near-tie: margin 0.03 at logit std 1.5).
+    # The first token must be the float model's greedy token wherever its top-2 logit margin is
+    # clear of the quantization noise (qwen2's second prompt is a near-tie: margin 0.03 at logit
+    # std 1.5). Float logits from the dense (unpaged) forward, all prompts in one call: they are
+    # right-padded to one length, which leaves each one's last-position logits unchanged (causal
+    # attention), so one compilation serves the three.
     from jaxinfer.dense import dense_logits
 
+    n = max(len(p) for p in prompts)
+    padded = jnp.asarray([p + [0] * (n - len(p)) for p in prompts])
+    all_logits = np.asarray(dense_logits(m.params, m.config, padded))
     checked = 0
-    for p, r, g in zip(prompts, ref, got, strict=True):
-        logits = np.sort(np.asarray(dense_logits(m.params, m.config, jnp.asarray([p])))[0, -1])
-        if logits[-1] - logits[-2] > 0.1 * logits.std():
-            assert g[0] == r[0], (family, quant, kv, ref, got)
+    for i, (p, g) in enumerate(zip(prompts, got, strict=True)):
+        logits = all_logits[i, len(p) - 1]
+        top2 = np.sort(logits)[-2:]
+        if top2[1] - top2[0] > 0.1 * logits.std():
+            assert g[0] == int(np.argmax(logits)), (family, quant, kv, got)
             checked += 1
     assert checked >= 1
 
