@@ -83,13 +83,17 @@ class BackgroundCompiler:
         self._futures: dict[tuple, tuple[tuple, Future]] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its compile failed (compiles inline then)
         self.compiled: list[tuple] = []  # keys compiled here, in order (observability, tests)
+        self.pending: set = set()  # compile keys counted by the engine, compiling here still
 
-    def submit(self, need: Buckets, sample_flags: tuple[bool, int]) -> None:
-        """Starts compiling ``need`` (idempotent)."""
+    def submit(self, need: Buckets, sample_flags: tuple[bool, int], compiled: set) -> list:
+        """Starts compiling ``need`` and its sampling variant (idempotent). Returns their compile
+        keys not in ``compiled`` yet: the engine counts them now (so its compile count depends on
+        its steps only, not on when the thread finishes) and ``pending`` holds them until done.
+        """
         from jaxinfer.precompile import dummy_step_batch, sample_rows
 
         if need.key in self._futures or need.key in self.failed:
-            return
+            return []
         e = self._engine
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-compile")
@@ -114,25 +118,29 @@ class BackgroundCompiler:
                             num_slots=e._num_slots,
                             batch_invariant=e.ecfg.batch_invariant).compile()
 
-        self._futures[need.key] = (sample_flags, self._pool.submit(compile_both))
+        keys = [k for k in (("forward", need.key), ("sample", b, *sample_flags))
+                if k not in compiled]
+        self._futures[need.key] = (keys, self._pool.submit(compile_both))
+        self.pending.update(keys)
+        return keys
 
     def poll(self) -> list[tuple]:
-        """The compile keys (forward and sampling) of the compiles finished since the last
-        poll; a failed one goes to ``failed``."""
-        from jaxinfer.precompile import sample_rows
-
-        ready = []
-        for key, (flags, fut) in list(self._futures.items()):
+        """Retires the compiles finished since the last poll (their keys leave ``pending``;
+        a finished forward key goes to ``compiled``). Returns the keys of failed ones (they go
+        to ``failed``; the engine forgets them and compiles them inline)."""
+        failed = []
+        for key, (keys, fut) in list(self._futures.items()):
             if not fut.done():
                 continue
             del self._futures[key]
+            self.pending.difference_update(keys)
             exc = fut.exception()
             if exc is not None:
                 self.failed[key] = f"{type(exc).__name__}: {exc}"
-                continue
-            self.compiled.append(key)
-            ready += [("forward", key), ("sample", sample_rows(key[0], key[2]), *flags)]
-        return ready
+                failed += keys
+            else:
+                self.compiled.append(key)
+        return failed
 
     def busy(self) -> bool:
         """Whether a compile is in progress."""

@@ -345,19 +345,22 @@ class Engine:
     def _buckets(self, sched):
         """The step's buckets: exact, or a compiled key one size up (``bucket_reuse``)."""
         need = exact_buckets(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
-        if (("forward", need.key) in self.compile_keys or not self.ecfg.reuse_compiled_buckets
+        usable = self.compile_keys
+        if self._compiler is not None and self._compiler.pending:
+            self.compile_keys.difference_update(self._compiler.poll())
+            usable = self.compile_keys - self._compiler.pending  # counted, not ready yet
+        if (("forward", need.key) in usable or not self.ecfg.reuse_compiled_buckets
                 or any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)):
             return need
         want_lp = any(r.seq.params.logprobs is not None for r in sched.rows)
         flags = (any(needs_controls(r.seq) for r in sched.rows),
                  min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0)
-        if self._compiler is not None:
-            self.compile_keys.update(self._compiler.poll())
-        chosen = bucket_reuse.choose_buckets(need, self.compile_keys, flags)
+        chosen = bucket_reuse.choose_buckets(need, usable, flags)
         if chosen != need and self._wanted.get(need.key, 0) >= bucket_reuse.REUSE_STEPS:
             if self._compiler is None or need.key in self._compiler.failed:
                 return need  # compiles inline, as any new shape
-            self._compiler.submit(need, flags)  # padded steps go on meanwhile
+            # Padded steps go on meanwhile; the keys count as compiled from now on.
+            self.compile_keys.update(self._compiler.submit(need, flags, self.compile_keys))
         return chosen
 
     def _collect_then_dispatch(self, done: _InFlight, sched) -> list[RequestOutput]:

@@ -114,9 +114,10 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     compiler = bucket_reuse.BackgroundCompiler(eng)
     submit = compiler.submit
 
-    def submit_and_wait(need, flags):  # deterministic: the compile is done by the next step
-        submit(need, flags)
+    def submit_and_wait(need, flags, compiled):  # deterministic: done by the next step
+        keys = submit(need, flags, compiled)
         compiler.wait()
+        return keys
 
     monkeypatch.setattr(compiler, "submit", submit_and_wait)
     monkeypatch.setattr(eng, "_compiler", compiler)
@@ -143,5 +144,6 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     assert eng._wanted[(1, 0, 0, 4)] == 3
     assert [key for key, _ in lone[first_exact - 3:first_exact]] == [(4, 0, 0, 4)] * 3
     assert all(ready for key, ready in lone[first_exact:]), lone
-    assert compiler.compiled == [(1, 0, 0, 4)]
+    assert compiler.compiled == [(1, 0, 0, 4)] and not compiler.pending
+    assert ("forward", (1, 0, 0, 4)) in eng.compile_keys  # counted once submitted
     assert not compiler.failed
