@@ -27,8 +27,9 @@ Servers, each started as a subprocess on a free loopback port (SIGTERM after):
   tokenizer.model and a LlamaTokenizer config, as tests/test_lm_eval.py); it needs
   ``accelerate`` (the ``dev`` extra) for its device map; skipped with the reason when it cannot
   start. Its KV cache holds as many token slots as jaxinfer's (``--max-num-seqs`` x
-  ``--max-model-len``, in pages of 32): by default it takes 90% of the free memory (14 GB of
-  RSS for stories260K, killed by the kernel's OOM killer on a shared 23 GB machine).
+  ``--max-model-len``, in pages of 32; ``--transformers-args`` replaces that): by default it
+  takes 90% of the free memory (14 GB of RSS for stories260K, killed by the kernel's OOM killer
+  on a shared 23 GB machine).
 - ``llamacpp``: ``python -m llama_cpp.server`` when ``llama_cpp`` is installed and ``--gguf``
   names the same weights as GGUF; skipped cleanly otherwise (its source build takes most of an
   hour on 2 cores).
@@ -345,9 +346,12 @@ def _servers(args) -> tuple[list[Server], dict]:
                 servers.append(Server(
                     "transformers", [exe, "serve", str(hf), "--port", str(port),
                                      "--continuous-batching", "--device", "cpu",
-                                     "--dtype", "float32", "--cb-block-size", "32",
-                                     "--cb-num-blocks", str(-(-args.max_num_seqs
-                                                              * args.max_model_len // 32))],
+                                     "--dtype", "float32"] + (
+                                         args.transformers_args.split()
+                                         if args.transformers_args is not None else
+                                         ["--cb-block-size", "32", "--cb-num-blocks",
+                                          str(-(-args.max_num_seqs * args.max_model_len
+                                                // 32))]),
                     f"http://127.0.0.1:{port}", str(hf), False, env=env))
             except Exception as e:  # noqa: BLE001 - the peer is optional
                 skipped["transformers"] = f"cannot prepare the HF directory: {e}"[:300]
@@ -440,6 +444,9 @@ def main() -> None:
                     help="jaxinfer's --max-model-len; lengths are drawn up to half of it")
     ap.add_argument("--jaxinfer-args", default="",
                     help="more flags for jaxinfer serve (one string, split on spaces)")
+    ap.add_argument("--transformers-args", default=None,
+                    help="flags for transformers serve in place of the KV sizing (one string, "
+                    "e.g. '--cb-max-memory-percent 0.2')")
     ap.add_argument("--mean-input", type=float, default=48)
     ap.add_argument("--mean-output", type=float, default=64)
     ap.add_argument("--soak", type=int, default=0, metavar="N",
@@ -522,7 +529,8 @@ def main() -> None:
           "num_prompts": args.num_prompts, "soak": args.soak,
           "max_concurrency": args.max_concurrency, "max_num_seqs": args.max_num_seqs,
           "mean_input": args.mean_input, "mean_output": args.mean_output,
-          "jaxinfer_args": args.jaxinfer_args, "servers": results, "skipped": skipped,
+          "jaxinfer_args": args.jaxinfer_args, "transformers_args": args.transformers_args,
+          "servers": results, "skipped": skipped,
           "jaxinfer_over_peer": ratios}, "bench_serve", args.results_dir)
 
 
