@@ -218,10 +218,15 @@ async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
     end = time.perf_counter()
-    if err or not (done or finished) or not times:
-        return {"ok": False, "error": err or ("no text" if times else
+    # A request whose tokens decode to no text (llama110m's random weights sample ids past its
+    # 512-piece tokenizer) completed if the usage says so; it has no TTFT, TPOT or ITL.
+    if err or not (done or finished) or not (times or (usage and usage["completion_tokens"])):
+        return {"ok": False, "error": err or ("no text" if (done or finished) else
                                               "neither [DONE] nor a finish_reason")}
     n_out = usage["completion_tokens"] if usage else len(times)
+    if not times:
+        return {"ok": True, "ttft": None, "e2e": end - t0, "out": n_out, "tpot": None,
+                "itl": []}
     return {"ok": True, "ttft": times[0] - t0, "e2e": end - t0, "out": n_out,
             "tpot": (times[-1] - times[0]) / (n_out - 1) if n_out > 1 else None,
             "itl": list(np.diff(times))}
@@ -295,6 +300,7 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
         "ttft_s": stats([r["ttft"] for r in ok]), "tpot_s": stats([r["tpot"] for r in ok]),
         "itl_s": stats([x for r in ok for x in r["itl"]]),
         "e2e_s": stats([r["e2e"] for r in ok]),
+        "no_text": sum(r["ttft"] is None for r in ok),  # completed without a text chunk
     }
 
 
