@@ -545,3 +545,24 @@ def test_models_health_tokenize_detokenize(server):
     r = _post(server, "/detokenize", {"tokens": [403, 407, 261, 378]}).json()
     assert r["prompt"] == tok.decode([403, 407, 261, 378]) == "Once upon a time"
 
+
+
+def test_more_sequences_than_the_server_ever_takes_is_400_not_503(server, monkeypatch):
+    """A request that could never fit under --max-queue is the client's error (a 503 would be
+    retried for nothing), naming ``n``; found by a new-user check."""
+    monkeypatch.setattr(server.state.engine, "capacity", 5)
+    body = {"model": MODEL, "prompt": "Sam", "max_tokens": 2, "temperature": 0, "n": 6}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and "6 sequences" in err["message"], err
+    body["n"] = 5  # fits: served
+    assert _post(server, "/v1/completions", body).status_code == 200
+
+
+def test_lone_surrogate_prompt_is_a_clear_400(server):
+    raw = '{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % MODEL
+    r = _post(server, "/v1/completions", raw, raw=True)
+    assert r.status_code == 400, r.text
+    assert "lone surrogate \\ud800" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "prompt"

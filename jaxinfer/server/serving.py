@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 import jaxinfer.server.formatting as fmt
 from jaxinfer.errors import JaxinferError
+from jaxinfer.jobs import _unicode_problem
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.parallel_sampling import child_params
 from jaxinfer.sampling_params import SamplingParams
@@ -89,6 +90,9 @@ def _encode_all(llm, prompts: list, sp: SamplingParams, kind: str, req) -> list[
     for i, p in enumerate(prompts):
         where = "" if len(prompts) == 1 else f" (prompt {i})"
         head = "messages: " if kind == "chat" else ""
+        problem = _unicode_problem(p, False) if isinstance(p, str) else None
+        if problem:
+            raise APIError(f"{head}prompt{where} {problem}", param=_validate_param("", kind, req))
         try:
             ids, text = llm.encode_prompt(p if not isinstance(p, list) else
                                           {"prompt_token_ids": p})
@@ -129,6 +133,12 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
             echo = (text or "") if kind == "completion" and req.echo else ""
             choices.append(_Choice(i * req.n + j, rid, ids, j == 0, echo, 0, len(echo)))
             reqs.append(EngineRequest(rid, ids, csp, text))
+    cap = state.engine.capacity
+    if cap is not None and len(reqs) > cap:  # never fits: not worth a retry
+        param = "n" if req.n > 1 else "prompt"
+        raise APIError(f"the request asks for {len(reqs)} sequences ({len(encoded)} prompts x "
+                       f"n={req.n}); the server takes at most {cap} at once (max_num_seqs + "
+                       "--max-queue)", param=param)
     stream = OutputStream()
     try:
         state.engine.submit(reqs, stream)
