@@ -43,8 +43,9 @@ def holds_within_one_bucket(need: tuple, key: tuple) -> bool:
 
 def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple[bool, int]) -> Buckets:
     """The buckets to run a step whose exact buckets are ``need``: ``need`` itself when it is
-    compiled, else the cheapest compiled forward key with every dimension in [need, one bucket
-    up] whose sampling variant is compiled too, else ``need`` (it compiles).
+    compiled, else the cheapest (fewest tokens) compiled forward key with every dimension in
+    [need, one bucket up], preferring those whose sampling variant is compiled too (else that
+    variant compiles, far cheaper than a forward step), else ``need`` (it compiles).
 
     Args:
         need: the step's exact buckets.
@@ -62,9 +63,8 @@ def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple[bool, int])
         if not holds_within_one_bucket(need.key, key):
             continue
         td, tp, bp, _ = key
-        if ("sample", next_pow2(td + bp), *sample_flags) not in compiled:
-            continue
-        cost = (td + tp, key)
+        sample_missing = ("sample", next_pow2(td + bp), *sample_flags) not in compiled
+        cost = (sample_missing, td + tp, key)
         if best is None or cost < best[0]:
             best = (cost, key)
     return need if best is None else Buckets(*best[1])

@@ -33,8 +33,11 @@ def keys(*forward, samples=()):
     # a decode-only step never takes a key with a prefill region, nor the reverse
     ((4, 0, 0, 8), keys((4, 32, 1, 8), samples=(8,)), (4, 0, 0, 8)),
     ((0, 32, 1, 4), keys((4, 32, 1, 4), samples=(8,)), (0, 32, 1, 4)),
-    # the sampling variant of the padded rows must be compiled too
-    ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(4,)), (4, 0, 0, 8)),
+    # the padded rows' sampling variant not compiled: still padded (a sampling compile is far
+    # cheaper than a forward one) ...
+    ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(4,)), (8, 0, 0, 8)),
+    # ... but a holder whose sampling variant is compiled wins over a cheaper one without
+    ((4, 0, 0, 8), keys((8, 0, 0, 8), (4, 0, 0, 16), samples=(8,)), (8, 0, 0, 8)),
     # one prefill row's next bucket is 2 rows (the 1 -> 4 floor is the decode rows' only)
     ((0, 32, 1, 4), keys((0, 32, 4, 4), samples=(4,)), (0, 32, 1, 4)),
     ((0, 32, 1, 4), keys((0, 32, 2, 4), samples=(2,)), (0, 32, 2, 4)),
@@ -48,11 +51,15 @@ def test_choice_against_hand_worked_cases(need, compiled, expected):
 
 
 def test_sampling_flags_select_the_variant():
-    compiled = keys((8, 0, 0, 8)) | {("sample", 8, True, 0)}
+    # two holders; only (8, 0, 0, 16)'s rows (8) have the controls variant, only
+    # (4, 0, 0, 16)'s rows (4) the plain one and the logprobs one
+    compiled = keys((8, 0, 0, 16), (4, 0, 0, 16)) | {
+        ("sample", 8, True, 0), ("sample", 4, False, 0), ("sample", 4, False, 20)}
     need = Buckets(4, 0, 0, 8)
-    assert choose_buckets(need, compiled, GREEDY).key == (4, 0, 0, 8)
-    assert choose_buckets(need, compiled, (True, 0)).key == (8, 0, 0, 8)
-    assert choose_buckets(need, compiled, (True, 20)).key == (4, 0, 0, 8)
+    assert choose_buckets(need, compiled, GREEDY).key == (4, 0, 0, 16)
+    assert choose_buckets(need, compiled, (True, 0)).key == (8, 0, 0, 16)
+    assert choose_buckets(need, compiled, (False, 20)).key == (4, 0, 0, 16)
+    assert choose_buckets(need, compiled, (True, 20)).key == (4, 0, 0, 16)  # none: cheapest
 
 
 def _dispatched_shapes(eng, forward, monkeypatch):

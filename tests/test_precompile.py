@@ -268,6 +268,17 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
     assert [m.split(" step")[0] for m in said] == (
         [f"compiling {k}/{2 * n}" for k in range(1, 2 * n + 1)] + [f"compiled {2 * n}"])
     assert said[-1].startswith(f"compiled {2 * n} step shapes (serving) in ")
+    # cover (the default): a cover of all_keys, and at every sampled-row count the sampling
+    # variants with logits controls and with logprobs (penalties, min_tokens, logprobs requests)
+    got = []
+    monkeypatch.setattr(jaxinfer.precompile, "precompile",
+                        lambda engine, keys, progress: got.append(keys))
+    for e in llm.engines:
+        e.cfg = types.SimpleNamespace(vocab_size=512)
+    precompile_engines(llm, "cover", said.append)
+    rows = {k[1] for k in got[0] if k[0] == "sample" and k[2:] == (False, 0)}
+    assert rows and {k for k in got[0] if k[0] == "sample" and k[2:] != (False, 0)} == {
+        ("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, 20), (True, 20))}
     llm.engines[1].spec = object()  # a speculative engine
     with pytest.raises(UsageError, match="--warmup requests"):
         precompile_engines(llm, "serving", said.append)

@@ -116,16 +116,23 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0) -> None:
 
     from jaxinfer.jobs import UsageError
     from jaxinfer.precompile import all_keys, cover_keys, precompile, serving_keys
+    from jaxinfer.sampling import MAX_LOGPROBS
 
     if any(hasattr(e, "spec") for e in llm.engines):
         raise UsageError(f"--warmup {mode} does not support speculative decoding (its rounds "
                          "compile their own functions); use --warmup requests")
-    def keys_of(ecfg):
-        if mode == "cover":
-            return cover_keys(all_keys(ecfg))
-        return (all_keys if mode == "all" else serving_keys)(ecfg)
+    def keys_of(engine):
+        if mode != "cover":
+            return (all_keys if mode == "all" else serving_keys)(engine.ecfg)
+        keys = cover_keys(all_keys(engine.ecfg))
+        # Sampling with logits controls (penalties, min_tokens) and with logprobs, at every row
+        # count: a request asking for them then finds its variant compiled too.
+        lp = min(MAX_LOGPROBS, engine.cfg.vocab_size)
+        rows = sorted({k[1] for k in keys if k[0] == "sample"})
+        return keys + [("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, lp),
+                                                                      (True, lp))]
 
-    keys = [keys_of(e.ecfg) for e in llm.engines]
+    keys = [keys_of(e) for e in llm.engines]
     total = sum(sum(k[0] == "forward" for k in ks) for ks in keys)
     t0 = last = time.perf_counter()
     done = 0
