@@ -31,6 +31,7 @@ from jaxinfer.server.engine_thread import EngineRequest, OutputStream, Overloade
 from jaxinfer.server.errors import APIError, error_body
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 
+
 @dataclasses.dataclass
 class _Choice:
     index: int
