@@ -74,6 +74,18 @@ def step_buckets(num_decode: int, num_prefill_tokens: int, num_prefill_rows: int
     )
 
 
+def _one_up(value: int, decode_rows: bool) -> int:
+    """The next bucket of a dimension: decode rows go 1 -> 4 (``batch.decode_bucket``'s floor),
+    every other value doubles; 0 (an absent region) stays 0."""
+    return 0 if value == 0 else 4 if (decode_rows and value == 1) else 2 * value
+
+
+def holds_within_one_bucket(need: tuple, key: tuple) -> bool:
+    """Whether bucket tuple ``key`` holds a step of exact buckets ``need`` and is at most one
+    bucket larger in every dimension (an absent region, 0, stays absent)."""
+    return all(n <= k <= _one_up(n, d == 0) for d, (n, k) in enumerate(zip(need, key, strict=True)))
+
+
 def exact_buckets(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int) -> Buckets:
     """The smallest buckets holding the scheduled rows (``step_buckets``)."""
     pf = sched.prefill
@@ -90,7 +102,7 @@ def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: i
     Raises:
         ValueError: ``buckets`` is smaller than the rows need in some dimension.
     """
-    nd, rows_p = len(sched.decode), sched.prefill
+    nd = len(sched.decode)
     need = exact_buckets(sched, page_size, max_pages_per_seq)
     bk = need if buckets is None else buckets
     if not all(n <= b and (n == 0) == (b == 0) for n, b in zip(need.key, bk.key, strict=True)):

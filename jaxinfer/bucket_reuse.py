@@ -21,24 +21,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import numpy as np
 
-from jaxinfer.batch import Buckets, next_pow2
+from jaxinfer.batch import Buckets, holds_within_one_bucket, next_pow2
 
 REUSE_STEPS = 64
 """Steps that want an uncompiled key, padded to a compiled one, before that key is compiled. A
 padded step costs up to ~2x (batch-1 decode of a ~110M model on 2 cores: ~25 ms more), a compile
 ~1-5 s: 64 padded steps cost less than the compile they may save."""
-
-
-def _one_up(value: int, decode_rows: bool) -> int:
-    """The next bucket of a dimension: decode rows go 1 -> 4 (``batch.decode_bucket``'s floor),
-    every other value doubles; 0 (an absent region) stays 0."""
-    return 0 if value == 0 else 4 if (decode_rows and value == 1) else 2 * value
-
-
-def holds_within_one_bucket(need: tuple, key: tuple) -> bool:
-    """Whether bucket tuple ``key`` holds a step of exact buckets ``need`` and is at most one
-    bucket larger in every dimension (an absent region, 0, stays absent)."""
-    return all(n <= k <= _one_up(n, d == 0) for d, (n, k) in enumerate(zip(need, key, strict=True)))
 
 
 def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple[bool, int]) -> Buckets:

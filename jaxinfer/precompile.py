@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from jaxinfer.batch import next_pow2, step_buckets
+from jaxinfer.batch import holds_within_one_bucket, next_pow2, step_buckets
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.paged_attention import AttentionMetadata
@@ -288,8 +288,6 @@ def cover_keys(keys: Iterable[Key], candidates: Iterable[Key] | None = None) -> 
     cheaper: fewer tokens, then smaller) over ``candidates`` (default: ``keys`` themselves).
 
     Source: the classic greedy approximation of set cover (Chvatal 1979)."""
-    from jaxinfer.bucket_reuse import holds_within_one_bucket
-
     need = list(dict.fromkeys(k[1] for k in keys if k[0] == "forward"))
     pool = need if candidates is None else list(
         dict.fromkeys(k[1] for k in candidates if k[0] == "forward"))

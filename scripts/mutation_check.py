@@ -380,7 +380,7 @@ MUTATIONS: list[Mutation] = [
       'return ("forward", self._buckets(sched).key) not in self.compile_keys', "return True",
       ("tests/test_async_scheduling.py",), "first_token"),
     # Issue 21: a step of an uncompiled shape runs padded to a compiled one one bucket up.
-    M("reuse_two_buckets_up", "jaxinfer/bucket_reuse.py", "else 2 * value", "else 4 * value",
+    M("reuse_two_buckets_up", "jaxinfer/batch.py", "else 2 * value", "else 4 * value",
       ("tests/test_bucket_reuse.py",), "hand_worked"),
     M("reuse_ignores_sampling_variant", "jaxinfer/bucket_reuse.py",
       "sample_missing = (\"sample\", next_pow2(td + bp), *sample_flags) not in compiled",

@@ -561,7 +561,7 @@ def test_more_sequences_than_the_server_ever_takes_is_400_not_503(server, monkey
 
 
 def test_lone_surrogate_prompt_is_a_clear_400(server):
-    raw = '{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % MODEL
+    raw = '{"model": "' + MODEL + '", "prompt": "a\\ud800b", "max_tokens": 2}'
     r = _post(server, "/v1/completions", raw, raw=True)
     assert r.status_code == 400, r.text
     assert "lone surrogate \\ud800" in r.json()["error"]["message"], r.text
