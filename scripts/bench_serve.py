@@ -467,8 +467,14 @@ def main() -> None:
         args.num_prompts, args.request_rates, args.mean_output = 16, "8,inf", 24
         args.soak = min(args.soak, 24)
         args.soak_sample_every = min(args.soak_sample_every, 8)
-    rates = ([] if args.request_rates.strip() in ("", "none") else
-             [float(r) for r in args.request_rates.split(",")])
+    try:
+        rates = ([] if args.request_rates.strip() in ("", "none") else
+                 [float(r) for r in args.request_rates.split(",")])
+    except ValueError:
+        ap.error(f"--request-rates: expected comma-separated numbers, inf or none, got "
+                 f"{args.request_rates!r}")
+    if any(not r > 0 for r in rates):  # NaN, 0 and negatives: no Poisson process
+        ap.error(f"--request-rates: every rate must be > 0 (or inf), got {args.request_rates!r}")
     args.peers = [p for p in args.peers.split(",") if p]
 
     work = _texts(args.model, args.num_prompts, args.seed, args)

@@ -299,3 +299,14 @@ def test_serve_ttft_rates_and_plot(tmp_path, monkeypatch):
     assert rec["written"] == [str(tmp_path / "serve.png")]
     assert (tmp_path / "serve.png").stat().st_size < 100_000
     assert _color_pixels(tmp_path / "serve.png", "C1") > 300
+
+
+@pytest.mark.parametrize("rates, why", [("abc", "comma-separated numbers"), ("1,-2", "> 0"),
+                                        ("0", "> 0"), ("nan", "> 0")])
+def test_bench_serve_refuses_bad_request_rates(rates, why):
+    """A bad --request-rates is a usage error (exit 2, naming the flag), not a traceback."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
+    r = subprocess.run([sys.executable, str(script), "--request-rates", rates],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--request-rates" in r.stderr and why in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
