@@ -8,7 +8,8 @@ parser, so the two never drift) plus ``--host``, ``--port``, ``--served-model-na
 port in use fails at once, exit status 2, before the model loads), then the model is loaded and
 optionally warmed up, and only then does the socket listen: no client connects to a server
 without a model. SIGTERM (or Ctrl-C) drains: the socket stops accepting, running requests finish
-(up to ``--drain-timeout`` seconds, then they are aborted), the exit status is 0.
+(up to ``--drain-timeout`` seconds, then they are aborted), the exit status is 0; one that
+arrives while the model loads or warms up stops the start-up, also with exit status 0.
 
 This module imports no server library until ``cmd_serve`` runs, so ``jaxinfer --help`` works
 without the ``serve`` extra.
@@ -192,10 +193,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from jaxinfer.server.app import create_app
 
         say = (lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True))
-        llm = _load_llm(args)
-        if args.warmup:
-            say(f"warming up ({args.warmup}): compiling step shapes before the port opens")
-            warmup(llm, args.warmup, say)
+        try:
+            with _stop_on_signal():
+                llm = _load_llm(args)
+                if args.warmup:
+                    say(f"warming up ({args.warmup}): compiling step shapes before the port "
+                        "opens")
+                    warmup(llm, args.warmup, say)
+        except _StartupStopped as e:
+            say(f"{e}: stopped during start-up, before serving (no request was accepted)")
+            return 0
         app = create_app(llm, model_name=args.served_model_name or args.model,
                          max_queue=args.max_queue)
         config = uvicorn.Config(app, log_level=args.log_level, lifespan="on",
@@ -209,6 +216,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         sock.close()
+
+
+class _StartupStopped(Exception):
+    """SIGTERM or SIGINT arrived while the model loaded or warmed up (the message names it)."""
+
+
+class _stop_on_signal:
+    """Within the block, SIGTERM and SIGINT raise ``_StartupStopped`` (at the next Python
+    bytecode: a compile running in XLA finishes first), so a server stopped while it starts exits
+    0 with a message, as a drain does, not by the signal (143) or a KeyboardInterrupt traceback."""
+
+    def __enter__(self):
+        def stop(signum, frame):
+            raise _StartupStopped(signal.Signals(signum).name)
+
+        self._old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
 
 
 def _run_until_signal(server, sock: socket.socket) -> None:
