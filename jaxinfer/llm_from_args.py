@@ -33,6 +33,7 @@ def load_llm(args: argparse.Namespace):
             async_scheduling=args.async_scheduling,
             batch_invariant=args.batch_invariant,
             enable_prefix_caching=args.enable_prefix_caching,
+            reuse_compiled_buckets=args.reuse_compiled_buckets,
             tokenizer=args.tokenizer,
             skip_tokenizer_init=args.skip_tokenizer_init,
             seed=args.seed,
