@@ -16,6 +16,7 @@ with the batch's shape, as it does between any two batch compositions.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -72,23 +73,22 @@ class BackgroundCompiler:
         self.failed: dict[tuple, str] = {}  # key -> why its compile failed (compiles inline then)
         self.compiled: list[tuple] = []  # keys compiled here, in order (observability, tests)
         self.pending: set = set()  # compile keys counted by the engine, compiling here still
+        # Keys submitted ahead of use (``submit_ahead``), not counted by the engine until a step
+        # dispatches them: bucket tuple -> its compile's future.
+        self._ahead: dict[tuple, Future] = {}
+        self._lock = threading.Lock()  # submit_ahead may run on another thread (job_plan)
+        self.waited_s = 0.0  # seconds steps spent waiting for a compile here (``wait_for``)
 
-    def submit(self, need: Buckets, sample_flags: tuple[bool, int], compiled: set) -> list:
-        """Starts compiling ``need`` and its sampling variant (idempotent). Returns their compile
-        keys not in ``compiled`` yet: the engine counts them now (so its compile count depends on
-        its steps only, not on when the thread finishes) and ``pending`` holds them until done.
-        """
+    def _compile_fn(self, key: tuple, sample_flags: list[tuple[bool, int]]):
+        """A function compiling forward bucket tuple ``key`` and its sampling variants of each
+        (controls, num_logprobs) in ``sample_flags``, with the engine's static arguments."""
         from jaxinfer.precompile import dummy_step_batch, sample_rows
 
-        if need.key in self._futures or need.key in self.failed:
-            return []
         e = self._engine
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-compile")
         kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), e.kv)
-        batch = dummy_step_batch(need.key, e.ecfg.page_size)
+        batch = dummy_step_batch(key, e.ecfg.page_size)
         static = dict(cfg=e.cfg, attn_impl=e.ecfg.attn_impl, batch_invariant=e.ecfg.batch_invariant)
-        b = sample_rows(need.decode_rows, need.prefill_rows)
+        b = sample_rows(key[0], key[2])
 
         def compile_both():
             from jaxinfer.sampling import SamplingParams, SamplingTensors
@@ -100,27 +100,83 @@ class BackgroundCompiler:
             st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b,
                                              [0] * b, pad_to=b)
             v = e.cfg.vocab_size
-            controls = None if not sample_flags[0] else LogitsControls(
-                np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool))
-            e._sample.lower(logits, st, controls, num_logprobs=sample_flags[1],
-                            num_slots=e._num_slots,
-                            batch_invariant=e.ecfg.batch_invariant).compile()
+            for controls_on, num_lp in sample_flags:
+                controls = None if not controls_on else LogitsControls(
+                    np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool))
+                e._sample.lower(logits, st, controls, num_logprobs=num_lp,
+                                num_slots=e._num_slots,
+                                batch_invariant=e.ecfg.batch_invariant).compile()
 
-        keys = [k for k in (("forward", need.key), ("sample", b, *sample_flags))
-                if k not in compiled]
-        self._futures[need.key] = (keys, self._pool.submit(compile_both))
-        self.pending.update(keys)
-        return keys
+        return compile_both
+
+    def _submit(self, fn) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-compile")
+        return self._pool.submit(fn)
+
+    def submit(self, need: Buckets, sample_flags: tuple[bool, int], compiled: set) -> list:
+        """Starts compiling ``need`` and its sampling variant (idempotent). Returns their compile
+        keys not in ``compiled`` yet: the engine counts them now (so its compile count depends on
+        its steps only, not on when the thread finishes) and ``pending`` holds them until done.
+        A key already submitted ahead (``submit_ahead``) is not compiled again: its compile's
+        future stands for this one.
+        """
+        from jaxinfer.precompile import sample_rows
+
+        with self._lock:
+            if need.key in self._futures or need.key in self.failed:
+                return []
+            b = sample_rows(need.decode_rows, need.prefill_rows)
+            fut = self._ahead.get(need.key)
+            if fut is None:
+                fut = self._submit(self._compile_fn(need.key, [sample_flags]))
+            keys = [k for k in (("forward", need.key), ("sample", b, *sample_flags))
+                    if k not in compiled]
+            self._futures[need.key] = (keys, fut)
+            self.pending.update(keys)
+            return keys
+
+    def submit_ahead(self, keys: list[tuple], sample_flags: dict[int, list[tuple[bool, int]]]
+                     ) -> None:
+        """Queues forward bucket tuples ``keys`` (in this order) for compiling, each with the
+        sampling variants ``sample_flags[B']`` of its sampled rows B' (default: the plain one).
+        Nothing is counted in the engine's ``compile_keys``: a step counts its key when it
+        dispatches it, as without this (so the steps chosen are the same), and waits for a key
+        still compiling here (``wait_for``) instead of compiling it a second time."""
+        from jaxinfer.precompile import sample_rows
+
+        for key in keys:
+            key = tuple(key)
+            b = sample_rows(key[0], key[2])
+            flags = list(dict.fromkeys(sample_flags.get(b) or [(False, 0)]))
+            with self._lock:
+                if key in self._ahead or key in self._futures or key in self.failed:
+                    continue
+                self._ahead[key] = self._submit(self._compile_fn(key, flags))
+
+    def wait_for(self, key: tuple) -> None:
+        """Blocks until a compile of forward bucket tuple ``key`` submitted here (either way)
+        has finished (a failed one: the dispatch then compiles it inline and meets the error);
+        returns at once when none is in progress."""
+        with self._lock:
+            fut = self._futures[key][1] if key in self._futures else self._ahead.get(key)
+        if fut is not None and not fut.done():
+            import time
+
+            t0 = time.perf_counter()
+            fut.exception()
+            self.waited_s += time.perf_counter() - t0
 
     def poll(self) -> list[tuple]:
         """Retires the compiles finished since the last poll (their keys leave ``pending``;
         a finished forward key goes to ``compiled``). Returns the keys of failed ones (they go
         to ``failed``; the engine forgets them and compiles them inline)."""
         failed = []
-        for key, (keys, fut) in list(self._futures.items()):
-            if not fut.done():
-                continue
-            del self._futures[key]
+        with self._lock:
+            done = [(key, keys, fut) for key, (keys, fut) in self._futures.items() if fut.done()]
+            for key, _, _ in done:
+                del self._futures[key]
+        for key, keys, fut in done:
             self.pending.difference_update(keys)
             exc = fut.exception()
             if exc is not None:
@@ -135,6 +191,8 @@ class BackgroundCompiler:
         return bool(self._futures)
 
     def wait(self) -> None:
-        """Blocks until every submitted compile has finished (or failed)."""
-        for _, fut in list(self._futures.values()):
+        """Blocks until every submitted compile has finished (or failed), ahead ones included."""
+        with self._lock:
+            futs = [f for _, f in self._futures.values()] + list(self._ahead.values())
+        for fut in futs:
             fut.exception()

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.job_plan import start_job  # imported early: it copies Engine's methods (job_plan)
 from jaxinfer.jobs import DUPLICATE_PREFIX, PROMPT_KEYS, Job, UsageError, plan, read_jobs
 from jaxinfer.llm_from_args import load_llm as _load_llm
 from jaxinfer.outfile import Done, OutputFile, OutputWriteError
@@ -387,6 +388,7 @@ def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dic
     prompts = [{"prompt_token_ids": ids} for _, ids in run]
     params = [SamplingParams.from_dict(j.sampling) for j, _ in run]
     resume = ckpt.plan(llm, [(j.id, ids, p) for (j, ids), p in zip(run, params, strict=True)])
+    start_job(llm, [ids for _, ids in run], params, resume, bar, background=True)  # k/n, ahead
     stats["resumed"] = ckpt.resumed
     t0 = time.perf_counter()
     for res in llm.generate_stream(prompts, params, request_ids=[j.id for j, _ in run],

@@ -1,4 +1,4 @@
-"""``jaxinfer generate``'s progress bar, with "compiling (k)" shown while a step compiles.
+"""``jaxinfer generate``'s progress bar, with "compiling (k/n)" shown while a step compiles.
 
 A cold run spends its first seconds compiling one step function per new bucket shape (the
 forward step per ``Buckets.key``, the sampling step per row count and option set); without a word
@@ -8,10 +8,16 @@ a step when its tokens are read back, which (async scheduling or not) comes afte
 that grew the keys has returned. So "keys grew, and no step was counted since" means "compiling".
 
 k is the number of distinct step functions (keys, over all engines) dispatched so far, the one
-being compiled included. No n is shown: the buckets bound the keys only loosely (decode rows x
-prefill tokens x prefill rows x pages per sequence: hundreds, where a job meets 5-20), so a k/n
-would mislead. A key whose executable comes from JAX's in-memory or persistent cache shows
-"compiling" only for the moment it takes to fetch it.
+being compiled included. n is the number of keys the job is predicted to meet
+(``jaxinfer.job_plan``: the whole workload run through the engine's host step loop, each output
+to its ``max_tokens``), given by ``CompileProgressBar.expect``; without a prediction (several
+engines, speculative decoding...) only "compiling (k)" is shown, since the buckets bound the keys
+only loosely (hundreds, where a job meets 5-20). The prediction is exact when no output stops
+early; outputs that stop early (EOS, stop strings) skip some tail shapes, so a run may end with
+k < n. When a run meets more keys than predicted (the job changed under it, an engine setting the
+plan does not model), n grows with k ("k/k": the count is honest, the total is not known). A key
+whose executable comes from JAX's in-memory or persistent cache, or was compiled ahead on the
+background thread, shows "compiling" only for the moment it takes to fetch it.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import threading
 
 class CompileWatch:
     """The compile state from (number of compile keys, number of steps counted) observations:
-    ``observe`` returns the text to show, "compiling (k)", or None when not compiling."""
+    ``observe`` returns the text to show, "compiling (k/n)" (n = ``expected``, at least k) or
+    "compiling (k)" when ``expected`` is None, or None when not compiling."""
 
     def __init__(self) -> None:
         self._keys = 0
         self._steps_at_growth: int | None = None  # num_steps when the keys last grew
+        self.expected: int | None = None  # n: the keys predicted for the job (None: unknown)
 
     def observe(self, num_keys: int, num_steps: int) -> str | None:
         """``num_keys``: int, compile keys now; ``num_steps``: int, steps counted now."""
@@ -34,14 +42,19 @@ class CompileWatch:
             self._steps_at_growth = num_steps
         elif self._steps_at_growth is not None and num_steps > self._steps_at_growth:
             self._steps_at_growth = None  # a step was counted after the growth: compiled
-        return None if self._steps_at_growth is None else f"compiling ({self._keys})"
+        if self._steps_at_growth is None:
+            return None
+        if self.expected is None:
+            return f"compiling ({self._keys})"
+        return f"compiling ({self._keys}/{max(self.expected, self._keys)})"
 
 
 class CompileProgressBar:
     """Wraps a tqdm bar (``update``, ``set_postfix_str``, ``close``) for the engines of ``llm``
     (``llm.engines``): a daemon thread polls their ``compile_keys`` and ``num_steps`` every
-    ``interval`` seconds and puts "compiling (k)" before the caller's postfix while a step
-    compiles. Engines without ``compile_keys`` or ``num_steps`` are not watched."""
+    ``interval`` seconds and puts "compiling (k/n)" (n: ``expect``) or "compiling (k)" before the
+    caller's postfix while a step compiles. Engines without ``compile_keys`` or ``num_steps`` are
+    not watched."""
 
     def __init__(self, bar, llm, interval: float = 0.1) -> None:
         self.bar = bar
@@ -79,6 +92,12 @@ class CompileProgressBar:
     def _refresh(self) -> None:
         parts = [p for p in (self._shown, self._postfix) if p]
         self.bar.set_postfix_str(", ".join(parts))
+
+    def expect(self, n: int) -> None:
+        """Shows "compiling (k/n)" from now on: ``n``, int, the keys predicted for the job."""
+        with self._lock:
+            self._watch.expected = int(n)
+            self._tick()
 
     def update(self, n: int = 1) -> None:
         with self._lock:

@@ -439,6 +439,8 @@ class Engine:
         """Builds and dispatches one step; advances ``num_computed`` and marks each sampled
         token pending. Returns without waiting for the device."""
         bk = self._buckets(sched)
+        if self._compiler is not None:  # compiling in the background: wait, not compile twice
+            self._compiler.wait_for(bk.key)
         need = exact_buckets(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
         if bk != need:  # padded past an uncompiled key: count it towards compiling it
             self._wanted[need.key] = self._wanted.get(need.key, 0) + 1

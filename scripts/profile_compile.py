@@ -148,6 +148,8 @@ def main() -> None:
                 calls[lab] = (fn, shapes(a), kw)
             return fn(*a, **kw)
         call.__name__ = getattr(fn, "__name__", name)
+        if hasattr(fn, "lower"):  # the background compiler (bucket_reuse) lowers through it
+            call.lower = fn.lower
         return call
 
     def dispatch(self, *a, **kw):

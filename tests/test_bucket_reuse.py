@@ -7,6 +7,7 @@ from test_engine import reference_requests
 
 from jaxinfer.batch import Buckets
 from jaxinfer.bucket_reuse import choose_buckets
+from jaxinfer.job_plan import plan_job
 from jaxinfer.sampling import SamplingParams
 
 GREEDY = (False, 0)  # sampling flags: no logits controls, no logprobs
@@ -88,19 +89,29 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
     params = [sp for _, sp, _ in refs] + [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30, 66)]
     runs, forward = {}, eng._forward
-    for reuse in (False, True):
+    # (reuse, async): the third run, synchronous, meets the second's shapes (compiles nothing)
+    for reuse, asynchronous in ((False, None), (True, None), (True, False)):
         if hasattr(eng.allocator, "clear_cache"):
             eng.allocator.clear_cache()  # the same steps both times: no prefix cache hits
-        monkeypatch.setattr(eng, "ecfg", dataclasses.replace(eng.ecfg,
-                                                             reuse_compiled_buckets=reuse))
+        monkeypatch.setattr(eng, "ecfg", dataclasses.replace(
+            eng.ecfg, reuse_compiled_buckets=reuse, async_scheduling=asynchronous))
+        monkeypatch.setattr(eng, "_async", asynchronous is not False)
         monkeypatch.setattr(eng, "compile_keys", set())  # as a fresh engine
         monkeypatch.setattr(eng, "_wanted", {})
         shapes = _dispatched_shapes(eng, forward, monkeypatch)
         outs = stories_llm.generate(prompts, params)
         for (ids, _, expected), out in zip(refs, outs, strict=False):
             assert tok.decode(ids + out.token_ids) == expected
-        runs[reuse] = (shapes, [o.token_ids for o in outs])
-    (plain, toks_plain), (reused, toks_reused) = runs[False], runs[True]
+        # Every output ran to max_tokens, so the job's plan (jaxinfer.job_plan: pure host)
+        # predicts exactly the keys the engine counted.
+        assert all(o.finish_reason == "length" for o in outs), [o.finish_reason for o in outs]
+        plan = plan_job(eng.ecfg, [len(p) for p in prompts], [p.max_tokens for p in params],
+                        vocab_size=eng.cfg.vocab_size, params=params, prompt_ids=prompts)
+        assert set(plan.keys) == eng.compile_keys, (plan.keys, eng.compile_keys)
+        assert plan.steps == len(shapes)
+        runs[reuse, asynchronous] = (shapes, [o.token_ids for o in outs])
+    (plain, toks_plain), (reused, toks_reused) = runs[False, None], runs[True, None]
+    assert runs[True, False][1] == toks_reused
     assert len(set(reused)) < len(set(plain)), (sorted(set(plain)), sorted(set(reused)))
     assert len(reused) == len(plain)  # the same steps, some of them padded
     assert toks_reused == toks_plain
@@ -152,5 +163,83 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     assert [key for key, _ in lone[first_exact - 3:first_exact]] == [(4, 0, 0, 4)] * 3
     assert all(ready for key, ready in lone[first_exact:]), lone
     assert compiler.compiled == [(1, 0, 0, 4)] and not compiler.pending
+    # The plan (jaxinfer.job_plan) predicts the keys, the background one included (every
+    # output ran to max_tokens: the reference too).
+    assert [o.finish_reason for o in outs] == ["length"] * 4
+    prompts = [ids] + [tok.encode("Tom had a red ball")] * 3
+    plan = plan_job(eng.ecfg, [len(p) for p in prompts], [sp.max_tokens] + [4] * 3,
+                    vocab_size=eng.cfg.vocab_size, params=[sp] + [short] * 3, prompt_ids=prompts)
+    assert set(plan.keys) == eng.compile_keys
     assert ("forward", (1, 0, 0, 4)) in eng.compile_keys  # counted once submitted
     assert not compiler.failed
+
+
+class _FakeJit:
+    """A jitted function's ``lower(...).compile()`` that counts compiles, each held until
+    ``gate`` is set."""
+
+    def __init__(self, gate):
+        import threading
+
+        self.gate, self.compiles, self._lock = gate, [], threading.Lock()
+
+    def lower(self, *args, **kw):
+        import jax
+        import numpy as np
+
+        jit = self
+
+        class Lowered:
+            out_info = (None, jax.ShapeDtypeStruct((4, 8), np.float32))
+
+            def compile(self):
+                jit.gate.wait(10)
+                with jit._lock:
+                    jit.compiles.append(kw.get("num_logprobs", "forward"))
+
+        return Lowered()
+
+
+def _fake_engine():
+    import threading
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    gate = threading.Event()
+    eng = SimpleNamespace(
+        kv=np.zeros(3), params=None, _no_prev=None, _num_slots=8,
+        ecfg=SimpleNamespace(page_size=8, attn_impl="xla", batch_invariant=False),
+        cfg=SimpleNamespace(vocab_size=8), _forward=_FakeJit(gate), _sample=_FakeJit(gate))
+    return eng, gate
+
+
+def test_a_key_compiled_ahead_is_waited_for_and_never_compiled_twice():
+    """submit_ahead queues keys without counting them; a step that needs one waits for it
+    (wait_for) instead of compiling it again, and bucket reuse's own submit of the same key
+    shares the compile; a key nobody submitted is not waited for."""
+    import threading
+
+    from jaxinfer.bucket_reuse import BackgroundCompiler
+
+    eng, gate = _fake_engine()
+    c = BackgroundCompiler(eng)
+    c.submit_ahead([(4, 0, 0, 8), (1, 0, 0, 8)], {4: [(False, 0), (False, 20)]})
+    c.submit_ahead([(4, 0, 0, 8)], {})  # again: ignored
+    assert not c.pending  # not counted: the engine counts a key when a step dispatches it
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (c.wait_for((4, 0, 0, 8)), done.set()))
+    waiter.start()
+    assert not done.wait(0.3)  # held: still compiling
+    c.wait_for((8, 0, 0, 8))  # nothing submitted for it: returns at once
+    keys = c.submit(Buckets(4, 0, 0, 8), (False, 0), set())  # bucket reuse wants it too
+    assert keys == [("forward", (4, 0, 0, 8)), ("sample", 4, False, 0)] and c.pending == set(keys)
+    gate.set()
+    assert done.wait(10)
+    waiter.join()
+    c.wait()
+    assert c.poll() == [] and not c.pending
+    # One forward compile per key; (4, 0, 0, 8)'s two sampling variants, (1, 0, 0, 8)'s plain one.
+    assert sorted(eng._forward.compiles) == ["forward", "forward"]
+    assert sorted(eng._sample.compiles) == [0, 0, 20]
+    assert c.waited_s > 0.2

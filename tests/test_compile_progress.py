@@ -1,4 +1,4 @@
-"""`jaxinfer generate`'s progress line says "compiling (k)" while a step compiles
+"""`jaxinfer generate`'s progress line says "compiling (k/n)" while a step compiles
 (jaxinfer/compile_progress.py)."""
 
 from __future__ import annotations
@@ -31,6 +31,28 @@ def test_watch_shows_compiling_from_key_growth_until_a_step_is_counted():
     assert w.observe(3, 5) == "compiling (3)"  # a new decode bucket
     assert w.observe(4, 5) == "compiling (4)"  # and its sampling variant, same dispatch
     assert w.observe(4, 6) is None
+
+
+def test_watch_shows_k_of_the_predicted_n_and_n_grows_past_a_short_prediction():
+    w = CompileWatch()
+    w.expected = 5
+    assert w.observe(2, 0) == "compiling (2/5)"
+    assert w.observe(2, 1) is None
+    assert w.observe(5, 1) == "compiling (5/5)"
+    assert w.observe(6, 2) == "compiling (6/6)"  # more keys than predicted: n is k
+    assert w.observe(6, 3) is None
+
+
+def test_bar_expect_turns_k_into_k_of_n_on_the_line():
+    engine = SimpleNamespace(compile_keys={("forward", 1), ("sample", 1)}, num_steps=0)
+    bar = _Bar()
+    pbar = CompileProgressBar(bar, SimpleNamespace(engines=[engine]), interval=60.0)
+    pbar.expect(7)
+    assert bar.postfixes[-1] == "compiling (2/7)"
+    engine.num_steps = 1
+    pbar.set_postfix_str("1.0 tok/s")
+    assert bar.postfixes[-1] == "1.0 tok/s"
+    pbar.close()
 
 
 class _Bar:
@@ -88,8 +110,10 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
                    "--max-num-seqs", "8", "--temperature", "0", "--max-tokens", "4"])
     assert rc == 0
     cap = capsys.readouterr()
-    # k counts the keys dispatched so far (2 after the first step: forward + sampling).
-    assert re.search(r"compiling \((2|3|4)\)", cap.err), cap.err
+    # k counts the keys dispatched so far (2 after the first step: forward + sampling); n the
+    # job's predicted keys (jaxinfer.job_plan): one prompt of under 32 tokens and 4 outputs is
+    # a prefill step (Tp 32, 1 row, M 4), decode steps of 1 row (M 4) and 1-row sampling: 3.
+    assert re.search(r"compiling \((2|3)/3\)", cap.err), cap.err
     bar_lines = [ln for ln in cap.err.replace("\r", "\n").splitlines() if ln.startswith("prompts")]
     assert "compiling" not in bar_lines[-1], bar_lines  # the finished bar says nothing compiles
     assert json.loads(cap.out.strip().splitlines()[-1])["completed"] == 1
