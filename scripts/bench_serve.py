@@ -14,10 +14,14 @@ the prompts are random token ids decoded to text (every server gets the same tex
 request asking for its own ``max_tokens`` (``ignore_eos`` where the server has vLLM's field).
 Arrivals: a Poisson process at each ``--request-rates`` value (requests/s; ``inf`` = all at once),
 at most ``--max-concurrency`` requests in flight. Every request streams (``/v1/completions``,
-``stream_options.include_usage``): TTFT = first text chunk - send, ITL = gaps between text
-chunks, TPOT = (end - first chunk) / (output tokens - 1), output tokens from the usage chunk
-(else the chunks counted). A request that errors, or whose stream ends with neither ``[DONE]``
-nor a ``finish_reason`` (``transformers serve`` sends no ``[DONE]``), is a failure.
+``stream_options.include_usage``) and is timed by tokens, not text (``request_timings``): to the
+servers that honour it (jaxinfer, vLLM) it also sends vLLM's ``continuous_usage_stats``, so each
+chunk's usage says how many tokens it carries, text or not; ``transformers serve`` ignores it and
+sends a chunk only for a token that adds text, so its tokens are seen by text chunks (each
+server's ``token_signal`` says which). TTFT = first chunk with a token - send, ITL = gaps
+between chunks with tokens, TPOT = (last such chunk - first) / (output tokens - 1), output
+tokens from the usage. A request that errors, or whose stream ends with neither ``[DONE]`` nor
+a ``finish_reason`` (``transformers serve`` sends no ``[DONE]``), is a failure.
 
 Servers, each started as a subprocess on a free loopback port (SIGTERM after):
 
@@ -36,7 +40,11 @@ Servers, each started as a subprocess on a free loopback port (SIGTERM after):
 
 Models (``--model``): ``stories260K`` (default), ``llama110m`` (benchlib's random ~110M Llama,
 float32, the same directory for both servers) or a path; the peers load the same weights as a
-Hugging Face directory with stories260K's SentencePiece tokenizer (both models use it).
+Hugging Face directory with stories260K's SentencePiece tokenizer (both models use it). A random
+Llama samples ids across its 32,000-id vocabulary, past the tokenizer's 512 pieces, and those
+decode to no text: by default both servers get the tokenizer extended to the vocabulary (each
+added id one piece of text, prompts tokenized as before; ``bench_serve_models``), so that
+``transformers serve`` streams every token too; ``--tok512`` keeps the 512 pieces.
 
 Before the measured rates, one pass of the workload at rate inf compiles jaxinfer's step
 shapes (reported as ``cold_pass``; ``--no-warm-pass`` skips it). Reported per server and rate:
@@ -74,6 +82,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_generate import RANDOM_LLAMAS
+from bench_serve_models import full_vocab_dir, hf_serve_dir
 from benchlib import (
     STORIES,
     add_common_args,
@@ -146,9 +156,11 @@ class Server:
     """A server subprocess (or an external URL) and what to send it."""
 
     def __init__(self, name: str, cmd: list[str] | None, url: str, model: str, vllm_extras: bool,
-                 start_timeout: float = 600.0, env: dict | None = None):
+                 start_timeout: float = 600.0, env: dict | None = None,
+                 continuous_usage: bool = True):
         self.name, self.cmd, self.url, self.model = name, cmd, url, model
         self.vllm_extras, self.start_timeout, self.env = vllm_extras, start_timeout, env
+        self.continuous_usage = continuous_usage
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None  # of a server started elsewhere (--base-url --server-pid)
         self.log_path: Path | None = None
@@ -187,13 +199,58 @@ class Server:
             return self.proc.wait(30)
 
 
+def request_timings(t0: float, end: float, events: list[tuple[float, dict]],
+                    continuous: bool) -> dict:
+    """TTFT, ITL and TPOT of one streamed completion from its chunks ``(arrival time, chunk)``,
+    timed by tokens, not text.
+
+    A chunk with choices carries ``k`` >= 0 generated tokens. From a server that honours vLLM's
+    ``continuous_usage_stats`` (``continuous``), ``k`` is the growth of the chunk's
+    ``usage.completion_tokens`` (signal ``"usage"``); otherwise, and for a chunk without usage,
+    1 if a choice has text, else 0 (signal ``"text"``: a token that decodes to no text is
+    invisible; the usage that ``transformers serve`` puts in its last chunk is the final
+    count, not a step). TTFT = first chunk with
+    ``k`` >= 1 - ``t0``; ITL = the gaps between chunks with ``k`` >= 1 (a chunk of several
+    tokens is one gap, as vLLM's ``benchmark_serving``); TPOT = (last such chunk - first) /
+    (output tokens - 1); output tokens from the final usage (a chunk without choices; else the
+    last running count, else the tokens counted). ``ttft`` None: no chunk carried a token."""
+    times, count, n_seen, usage, signal = [], 0, 0, None, "text"
+    for t, chunk in events:
+        u = chunk.get("usage")
+        if not chunk.get("choices"):
+            usage = u or usage
+            continue
+        if continuous and u and u.get("completion_tokens") is not None:
+            signal = "usage"
+            k = u["completion_tokens"] - count
+            count = u["completion_tokens"]
+        else:
+            usage = u or usage
+            k = int(any(c.get("text") or (c.get("delta") or {}).get("content")
+                        for c in chunk["choices"]))
+        if k > 0:
+            times.append(t)
+            n_seen += k
+    n_out = usage["completion_tokens"] if usage else (count or n_seen)
+    if not times:
+        return {"ttft": None, "e2e": end - t0, "out": n_out, "tpot": None, "itl": [],
+                "signal": signal, "token_chunks": 0}
+    return {"ttft": times[0] - t0, "e2e": end - t0, "out": n_out,
+            "tpot": (times[-1] - times[0]) / (n_out - 1) if n_out > 1 else None,
+            "itl": list(np.diff(times)), "signal": signal, "token_chunks": len(times)}
+
+
 async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
+    # continuous_usage_stats (vLLM's, and jaxinfer's): every chunk says how many tokens so far,
+    # so a token that decodes to no text is still timed; asked of the servers that honour it.
+    opts = {"include_usage": True, **({"continuous_usage_stats": True}
+                                      if server.continuous_usage else {})}
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "stream": True, "stream_options": opts}
     if server.vllm_extras:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
-    times, usage, done, finished, err = [], None, False, False, None
+    events, usage, done, finished, err = [], None, False, False, None
     try:
         async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -209,27 +266,22 @@ async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
                 if "error" in chunk:
                     err = str(chunk["error"])[:200]
                     continue
+                events.append((time.perf_counter(), chunk))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    times.append(time.perf_counter())
                 if any(c.get("finish_reason") for c in chunk.get("choices") or []):
                     finished = True
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
     end = time.perf_counter()
-    # A request whose tokens decode to no text (llama110m's random weights sample ids past its
-    # 512-piece tokenizer) completed if the usage says so; it has no TTFT, TPOT or ITL.
-    if err or not (done or finished) or not (times or (usage and usage["completion_tokens"])):
-        return {"ok": False, "error": err or ("no text" if (done or finished) else
+    res = request_timings(t0, end, events, server.continuous_usage)
+    # A request none of whose chunks showed a token (with the text signal: tokens that decode
+    # to no text) completed if the usage counts tokens; it has no TTFT, TPOT or ITL.
+    if err or not (done or finished) or not (res["ttft"] is not None or (
+            usage and usage["completion_tokens"])):
+        return {"ok": False, "error": err or ("no tokens" if (done or finished) else
                                               "neither [DONE] nor a finish_reason")}
-    n_out = usage["completion_tokens"] if usage else len(times)
-    if not times:
-        return {"ok": True, "ttft": None, "e2e": end - t0, "out": n_out, "tpot": None,
-                "itl": []}
-    return {"ok": True, "ttft": times[0] - t0, "e2e": end - t0, "out": n_out,
-            "tpot": (times[-1] - times[0]) / (n_out - 1) if n_out > 1 else None,
-            "itl": list(np.diff(times))}
+    return {"ok": True, **res}
 
 
 async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
@@ -300,41 +352,28 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
         "ttft_s": stats([r["ttft"] for r in ok]), "tpot_s": stats([r["tpot"] for r in ok]),
         "itl_s": stats([x for r in ok for x in r["itl"]]),
         "e2e_s": stats([r["e2e"] for r in ok]),
-        "no_text": sum(r["ttft"] is None for r in ok),  # completed without a text chunk
+        "no_token_chunk": sum(r["ttft"] is None for r in ok),  # completed, no token seen
+        # how the tokens were seen ("usage": continuous usage counts; "text": text chunks)
+        "token_signal": {s: sum(r["signal"] == s for r in ok) for s in ("usage", "text")},
+        # token-bearing chunks per output token (< 1: chunks of several tokens)
+        "chunks_per_token": round(sum(r["token_chunks"] for r in ok) / out_tokens, 4)
+        if out_tokens else None,
     }
-
-
-def _hf_serve_dir(model: str) -> Path:
-    """The Hugging Face directory of ``model`` with stories260K's SentencePiece tokenizer and a
-    LlamaTokenizer config (as tests/test_lm_eval.py), for `transformers serve`: the weight
-    files are links to the converted (stories260K) or random (llama110m) checkpoint."""
-    _, _, src = resolve_model(model, hf=True)
-    if src is None:
-        raise FileNotFoundError(f"{model} is not a Hugging Face directory (no config.json)")
-    path = src.with_name(src.name + "-hf-serve3")
-    if not (path / "tokenizer_config.json").exists():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True)
-        for f in src.iterdir():
-            if f.is_file() and f.name not in ("tokenizer.model", "tokenizer_config.json"):
-                (tmp / f.name).symlink_to(f.resolve())
-        shutil.copy(STORIES / "tok512.model", tmp / "tokenizer.model")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-             "unk_token": "<unk>", "add_bos_token": True}))
-        tmp.rename(path)
-    return path
 
 
 def _servers(args) -> tuple[list[Server], dict]:
     skipped: dict[str, str] = {}
     if args.base_url:
-        srv = Server("jaxinfer", None, args.base_url.rstrip("/"), args.served_model, True)
+        srv = Server("jaxinfer", None, args.base_url.rstrip("/"), args.served_model, True,
+                     continuous_usage=not args.no_continuous_usage)
         srv.pid = args.server_pid
         return [srv], {}
     servers = []
     port = _free_port()
     engine_path, _, _ = resolve_model(args.model)
+    full_vocab = args.model in RANDOM_LLAMAS and not args.tok512
+    if full_vocab:  # the same directory, tokenizer included, for every server
+        engine_path = full_vocab_dir(args.model)
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(engine_path), "--port",
            str(port), "--warmup", "--max-num-seqs", str(args.max_num_seqs), "--log-level",
            "warning", "--served-model-name", "bench", "--max-model-len",
@@ -346,7 +385,7 @@ def _servers(args) -> tuple[list[Server], dict]:
             skipped["transformers"] = "the transformers CLI is not installed"
         else:
             try:
-                hf = _hf_serve_dir(args.model)
+                hf = engine_path if full_vocab else hf_serve_dir(args.model)
                 port = _free_port()
                 env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
                 servers.append(Server(
@@ -358,7 +397,8 @@ def _servers(args) -> tuple[list[Server], dict]:
                                          ["--cb-block-size", "32", "--cb-num-blocks",
                                           str(-(-args.max_num_seqs * args.max_model_len
                                                 // 32))]),
-                    f"http://127.0.0.1:{port}", str(hf), False, env=env))
+                    f"http://127.0.0.1:{port}", str(hf), False, env=env,
+                    continuous_usage=False))
             except Exception as e:  # noqa: BLE001 - the peer is optional
                 skipped["transformers"] = f"cannot prepare the HF directory: {e}"[:300]
     if "llamacpp" in args.peers:
@@ -371,7 +411,7 @@ def _servers(args) -> tuple[list[Server], dict]:
             servers.append(Server(
                 "llamacpp", [sys.executable, "-m", "llama_cpp.server", "--model", args.gguf,
                              "--port", str(port), "--host", "127.0.0.1"],
-                f"http://127.0.0.1:{port}", args.gguf, False))
+                f"http://127.0.0.1:{port}", args.gguf, False, continuous_usage=False))
     return servers, skipped
 
 
@@ -436,6 +476,9 @@ def main() -> None:
                     help="stories260K, llama110m (random ~110M Llama) or a checkpoint path")
     ap.add_argument("--base-url", default=None, help="benchmark a server already running")
     ap.add_argument("--served-model", default=None, help="its model name (with --base-url)")
+    ap.add_argument("--no-continuous-usage", action="store_true",
+                    help="with --base-url: the server lacks vLLM's stream_options."
+                    "continuous_usage_stats (tokens then timed by text chunks)")
     ap.add_argument("--server-pid", type=int, default=None,
                     help="its process id (with --base-url): CPU time and RSS from /proc")
     ap.add_argument("--peers", default="transformers,llamacpp",
@@ -448,6 +491,10 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=512,
                     help="jaxinfer's --max-model-len; lengths are drawn up to half of it")
+    ap.add_argument("--tok512", action="store_true",
+                    help="random Llamas (llama110m): serve them with the 512-piece tokenizer "
+                    "alone (their sampled ids then decode to almost no text) instead of one "
+                    "extended to their vocabulary")
     ap.add_argument("--jaxinfer-args", default="",
                     help="more flags for jaxinfer serve (one string, split on spaces)")
     ap.add_argument("--transformers-args", default=None,

@@ -310,3 +310,54 @@ def test_bench_serve_refuses_bad_request_rates(rates, why):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--request-rates" in r.stderr and why in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bench_serve_times_tokens_not_text(monkeypatch):
+    """bench_serve's per-request timings from hand-made chunk arrivals: with continuous usage
+    a chunk whose tokens add no text is a step; without it (transformers serve) only text
+    chunks are, and the usage in its last chunk is the final count, not a step."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench_serve
+
+    def ch(text, usage=None, finish=None):
+        return {"choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": usage}
+
+    def u(n):
+        return {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+
+    ev = [(1.0, ch("", u(1))), (1.5, ch("ab", u(3))), (2.0, ch("", u(3), "length")),
+          (2.1, {"choices": [], "usage": u(3)})]
+    got = bench_serve.request_timings(0.5, 2.5, ev, continuous=True)
+    assert got == {"ttft": 0.5, "e2e": 2.0, "out": 3, "tpot": 0.25, "itl": [0.5],
+                   "signal": "usage", "token_chunks": 2}
+    got = bench_serve.request_timings(0.5, 2.5, ev, continuous=False)  # text chunks only
+    assert got == {"ttft": 1.0, "e2e": 2.0, "out": 3, "tpot": 0.0, "itl": [],
+                   "signal": "text", "token_chunks": 1}
+    ev = [(1.0, ch("x")), (1.25, ch("")), (1.5, ch("y")), (3.0, ch("", u(5), "length"))]
+    got = bench_serve.request_timings(0.0, 3.0, ev, continuous=False)
+    assert got == {"ttft": 1.0, "e2e": 3.0, "out": 5, "tpot": 0.125, "itl": [0.5],
+                   "signal": "text", "token_chunks": 2}
+    got = bench_serve.request_timings(0.0, 3.0, ev[-1:], continuous=False)
+    assert got["ttft"] is None and got["out"] == 5 and got["token_chunks"] == 0
+
+
+def test_bench_serve_full_vocab_tokenizer(tmp_path, monkeypatch):
+    """The 512-piece tokenizer extended to a random Llama's vocabulary: every added id decodes
+    to its own non-empty text, the original ids and prompt tokenizations are unchanged (judged
+    by SentencePiece on the original model), and a vocabulary below the model is refused."""
+    import sentencepiece
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench_serve_models
+
+    src = bench_serve_models.STORIES / "tok512.model"
+    bench_serve_models.full_vocab_tokenizer(src, 1000, tmp_path / "t.model")
+    a = sentencepiece.SentencePieceProcessor(model_file=str(src))
+    f = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "t.model"))
+    assert f.get_piece_size() == 1000
+    assert [f.decode([i]) for i in (512, 999)] == ["\u27e8512\u27e9", "\u27e8999\u27e9"]
+    assert [f.id_to_piece(i) for i in range(512)] == [a.id_to_piece(i) for i in range(512)]
+    text = a.decode(list(range(3, 512)))
+    assert f.encode(text) == a.encode(text)
+    with pytest.raises(ValueError, match="512 pieces"):
+        bench_serve_models.full_vocab_tokenizer(src, 300, tmp_path / "u.model")

@@ -119,6 +119,29 @@ def test_sse_wire_format_done_and_usage(server):
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_tokens_without_text_still_stream_with_continuous_usage(server):
+    """vLLM's streams: an output with new tokens is a chunk even when they add no text (here
+    held back as a possible start of a stop string that never completes), and
+    ``continuous_usage_stats`` puts the usage so far in every chunk (what bench_serve times
+    tokens by)."""
+    n = 12
+    ref = _alone(server.llm, "Once upon a time", temperature=0, max_tokens=n)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": n, "temperature": 0,
+            "stop": [ref.text + "#"], "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    *steps, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == n
+    counts = [c["usage"]["completion_tokens"] for c in steps]
+    assert counts == sorted(set(counts)) and counts[0] >= 1 and counts[-1] == n, counts
+    assert all(c["usage"]["prompt_tokens"] == 5 for c in steps)
+    texts = [c["choices"][0]["text"] for c in steps]
+    assert "".join(texts) == ref.text and texts[-1] == ref.text  # held back to the end
+    assert len(steps) >= 2 and not any(texts[:-1])  # ... yet every step before it streamed
+
+
 # ------------------------------------------------------------------ as LLM.generate
 
 

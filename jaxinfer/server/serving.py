@@ -40,6 +40,7 @@ class _Choice:
     first_of_prompt: bool  # counts the prompt in usage (one choice per prompt does)
     echo: str = ""
     lp_sent: int = 0  # logprobs entries already sent (streaming)
+    tok_sent: int = 0  # generated tokens already streamed
     text_offset: int = 0
     final: RequestOutput | None = None
     echo_sent: bool = False
@@ -254,8 +255,18 @@ class _Run:
             obj["usage"] = usage
         return fmt.sse(obj)
 
+    def _running_usage(self, c: _Choice) -> dict | None:
+        """The usage so far of choice ``c`` (vLLM's ``continuous_usage_stats``), else None."""
+        if not self.req.continuous_usage:
+            return None
+        n_prompt = len(c.prompt_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": c.tok_sent,
+                "total_tokens": n_prompt + c.tok_sent}
+
     def _delta(self, c: _Choice, out: RequestOutput) -> dict | None:
-        """The stream choice of one output, or None when it adds nothing."""
+        """The stream choice of one output, or None when it adds nothing. An output with new
+        tokens is sent even when they add no text (text held back, or ids the tokenizer
+        decodes to nothing), as vLLM: a client counting chunks sees every step."""
         lps = None
         if out.logprobs is not None:
             new = out.logprobs[c.lp_sent:]
@@ -267,12 +278,14 @@ class _Run:
                     lps, c.text_offset = fmt.completion_logprobs(self.tok, ctx, new,
                                                                  c.text_offset)
                 c.lp_sent = len(out.logprobs)
+        new_tokens = len(out.token_ids) > c.tok_sent
+        c.tok_sent = max(c.tok_sent, len(out.token_ids))
         text = out.delta_text or ""
-        if not text and lps is None and not out.finished:
+        if not text and lps is None and not new_tokens and not out.finished:
             return None
         reason = out.finish_reason if out.finished else None
         if self.kind == "chat":
-            return {"index": c.index, "delta": {"content": text} if text else {},
+            return {"index": c.index, "delta": {"content": text} if text or new_tokens else {},
                     "logprobs": lps, "finish_reason": reason,
                     "stop_reason": out.stop_reason if out.finished else None}
         return {"index": c.index, "text": text, "logprobs": lps, "finish_reason": reason,
@@ -284,10 +297,11 @@ class _Run:
                 if self.kind == "chat":
                     yield self._chunk([{"index": c.index, "delta": {"role": "assistant",
                                                                     "content": ""},
-                                        "logprobs": None, "finish_reason": None}])
+                                        "logprobs": None, "finish_reason": None}],
+                                      self._running_usage(c))
                 elif c.echo and not self.echo_lp:
                     yield self._chunk([{"index": c.index, "text": c.echo, "logprobs": None,
-                                        "finish_reason": None}])
+                                        "finish_reason": None}], self._running_usage(c))
                     c.echo_sent = True
             async for outs in self._outputs():
                 if outs is None:
@@ -304,10 +318,11 @@ class _Run:
                         c.echo_sent = True  # the prompt logprobs come with the first output
                         parts.append(self._chunk([{"index": c.index, "text": c.echo,
                                                    "logprobs": self._echo_lps(c, out),
-                                                   "finish_reason": None}]))
+                                                   "finish_reason": None}],
+                                                 self._running_usage(c)))
                     d = self._delta(c, out)
                     if d is not None:
-                        parts.append(self._chunk([d]))
+                        parts.append(self._chunk([d], self._running_usage(c)))
                 if parts:
                     yield "".join(parts)
             if self.req.include_usage:
