@@ -151,6 +151,9 @@ class Engine:
         # Rows of the widest step's sampling (``build_step_batch``): the prev_tokens length.
         self._num_slots = next_pow2(decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs))
         self._no_prev = jax.numpy.zeros(self._num_slots, jax.numpy.int32)
+        if mesh is not None:  # placed as the sampling step's output: one compile per forward shape
+            self._no_prev = jax.device_put(self._no_prev, jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec()))
         self._async = ecfg.async_scheduling is not False
         self._inflight: _InFlight | None = None
         # Step-failure recovery (``step``): sequences the current attempt's device work covers,

@@ -158,9 +158,9 @@ def precompile(engine, keys: Iterable[Key] | None = None,
 
     The jit caches also key on whether each input is committed to a device: the first forward
     runs with the engine's ``_no_prev`` (as a step dispatched with none in flight), the others
-    with the previous sampling output (as a pipelined step). On one device both are uncommitted
-    and share one compilation; where they differ (a mesh's committed outputs) a key met with the
-    other kind still compiles on first use. Prompt-logprobs forwards are not covered.
+    with the previous sampling output (as a pipelined step). Both are placed alike (uncommitted on
+    one device; on a mesh ``_no_prev`` is replicated and committed as the sampling output is), so
+    they share one compilation. Prompt-logprobs forwards are not covered.
 
     With ``workers`` > 1 the forward keys are first compiled ahead of time
     (``jax.jit(...).lower(...).compile()``) by that many threads at once (XLA compiles outside

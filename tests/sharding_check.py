@@ -64,10 +64,14 @@ def build(path, tp: int, dp: int):
 
 
 def run(engines, prompts, max_tokens):
-    """Greedy token ids per prompt (prompt i on replica i % dp) and the logits of every step."""
+    """Greedy token ids per prompt (prompt i on replica i % dp), the logits of every step, and
+    the forward compilations beyond one per step shape (jit cache entries - compile keys)."""
     logits = []
+    jitted = {}
     for eng in engines:
         fwd = eng._forward
+        jitted[id(fwd)] = fwd
+        fwd.clear_cache()  # jit objects of equal options share one cache: count this run's only
 
         def recording(*a, _fwd=fwd, **k):
             kv, lg = _fwd(*a, **k)
@@ -85,7 +89,9 @@ def run(engines, prompts, max_tokens):
                 for out in e.step():
                     if out.finished:
                         done[out.request_id] = out.token_ids
-    return [done[str(i)] for i in range(len(prompts))], logits
+    keys = sum(len([k for k in e.compile_keys if k[0] == "forward"]) for e in engines)
+    extra = sum(f._cache_size() for f in jitted.values()) - keys
+    return [done[str(i)] for i in range(len(prompts))], logits, extra
 
 
 def shard_problems(engines, placer) -> list[str]:
@@ -125,14 +131,15 @@ def _wq(eng):
 def check_model(name, path, prompts, meshes, max_tokens):
     t0 = time.perf_counter()
     engines, _ = build(path, 1, 1)
-    ref_tokens, ref_logits = run(engines, prompts, max_tokens)
+    ref_tokens, ref_logits, _ = run(engines, prompts, max_tokens)
     rows = [{"model": name, "tp": 1, "dp": 1, "tokens": ref_tokens,
              "seconds": round(time.perf_counter() - t0, 1)}]
     for tp, dp in meshes:
         t0 = time.perf_counter()
         engines, placer = build(path, tp, dp)
-        tokens, logits = run(engines, prompts, max_tokens)
+        tokens, logits, extra = run(engines, prompts, max_tokens)
         row = {"model": name, "tp": tp, "dp": dp, "same_tokens": tokens == ref_tokens,
+               "extra_forward_compiles": extra,
                "kv_heads": placer.plan.cfg.num_kv_heads, "ffn": placer.plan.ffn_size,
                "kv_shard": list(engines[0].kv.k_pages.addressable_shards[0].data.shape),
                "wq_heads_per_device": _wq(engines[0]).addressable_shards[0].data.shape[-2],
