@@ -17,6 +17,16 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"{STORIES} not found: the tests need the shared models (set JAXINFER_SHARED to the "
             "shared/ folder)")
+    # With $JAXINFER_CACHE_DIR set (CI sets a fresh one for the run), every test process uses
+    # JAX's persistent compilation cache from its first compilation, not only after its first
+    # LLM(compilation_cache=True): step shapes one xdist worker compiled are read back by the
+    # other and by the subprocess tests (which already use it) instead of compiled again.
+    # (Tests that count compilations count lowerings or jit cache entries, which a persistent
+    # cache hit does not skip.)
+    if os.environ.get("JAXINFER_CACHE_DIR"):
+        from jaxinfer.llm import enable_compilation_cache
+
+        enable_compilation_cache()
 
 
 def peak_alloc_bytes(fn) -> int:
