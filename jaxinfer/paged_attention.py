@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import cpu_decode_kernel
 from jaxinfer.attention import MASK_VALUE, masked_softmax_av, window_mask
 from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.quant.kv import dequantize_kv
@@ -317,6 +318,9 @@ def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale
 # are computed, so a step's cost follows its live pages rather than rows x the widest row.
 DECODE_PAGES_PER_CHUNK = 4
 DECODE_ITEMS_PER_GROUP = 32
+# The native CPU kernel (``cpu_decode_kernel``) for decode regions over a page-major f32 pool on the
+# CPU backend, opt-in: JAXINFER_CPU_DECODE_KERNEL=1 (read at import).
+DECODE_CPU_KERNEL = cpu_decode_kernel.enabled_by_env()
 
 
 def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale, softcap, layer,
@@ -331,8 +335,15 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
     partials of a row are merged by segment max / sum, the split-KV reduction of flash-decoding.
     Cost follows the live pages (rounded up to C per row), not Td x M.
 
+    With ``DECODE_CPU_KERNEL`` on, a page-major f32 pool on the CPU backend goes to the native
+    kernel instead (``cpu_decode_kernel``: the same attention, reading the pages in place).
+
     Sources: flash-decoding (Dao et al. 2023), online softmax (Milakov & Gimelshein 2018).
     """
+    if (DECODE_CPU_KERNEL and page_major and k_scales is None and jax.default_backend() == "cpu"
+            and jnp.result_type(k_pages) == jnp.float32 == jnp.result_type(v_pages)):
+        return cpu_decode_kernel.decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window,
+                                                  scale=scale, softcap=softcap, layer=layer)
     chunk = pages_per_chunk or DECODE_PAGES_PER_CHUNK
     k_pages, v_pages, bt, kv_lens, q_pos = map(jnp.asarray, (k_pages, v_pages, bt, kv_lens, q_pos))
     td, m = bt.shape

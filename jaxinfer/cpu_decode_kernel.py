@@ -1,0 +1,120 @@
+"""A native decode-attention kernel for XLA CPU (``cpu_decode_kernel.cc``, an XLA FFI custom call).
+
+The XLA decode attention (``paged_attention._decode_attention``) gathers each work item's pages into
+a copy before two small batched dots; this kernel reads the live pages of a page-major pool in
+place (one pass, online softmax per head), which on a 2-core CPU takes ~1/3 of the CPU time at
+the 110M model's shapes (``scripts/bench_decode_attention.py``; docs/performance_cold_start.md).
+
+Opt-in: ``JAXINFER_CPU_DECODE_KERNEL=1`` in the environment (read when ``paged_attention`` is
+imported) makes the XLA attention use it for every decode region it can serve: a page-major f32
+pool on the CPU backend. The first use compiles the source with the system C++ compiler (``$CXX``,
+else ``c++``) into ``$JAXINFER_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxinfer``), keyed by the
+source, the flags, jaxlib's version and the CPU; a missing compiler or a failed build raises
+``RuntimeError`` with the compiler's message (no silent fallback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("cpu_decode_kernel.cc")
+TARGET = "jaxinfer_cpu_decode_attention"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_loaded: list[Path] = []
+
+
+def enabled_by_env() -> bool:
+    """``JAXINFER_CPU_DECODE_KERNEL`` is "1" (anything but "", "0" or "1" raises ValueError)."""
+    val = os.environ.get("JAXINFER_CPU_DECODE_KERNEL", "")
+    if val not in ("", "0", "1"):
+        raise ValueError(f"JAXINFER_CPU_DECODE_KERNEL={val!r}: use 1 (on) or 0 (off)")
+    return val == "1"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Compiles the kernel (once per source, flags, jaxlib and CPU) and returns the library path.
+    Raises RuntimeError when no C++ compiler is found or the build fails."""
+    import jaxlib
+
+    base = Path(cache_dir or os.environ.get("JAXINFER_CACHE_DIR")
+                or Path.home() / ".cache" / "jaxinfer") / "cpu_kernels"
+    cxx = os.environ.get("CXX") or "c++"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, jaxlib.__version__,
+                                    _cpu_name()]).encode()).hexdigest()[:16]
+    lib = base / f"cpu_decode_kernel-{key}.so"
+    if lib.exists():
+        return lib
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"JAXINFER_CPU_DECODE_KERNEL=1 needs a C++ compiler: {cxx!r} not found "
+                           "(set CXX, or unset JAXINFER_CPU_DECODE_KERNEL)")
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(
+            f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+    os.replace(tmp, lib)  # atomic: concurrent builders leave one complete library
+    return lib
+
+
+def load() -> None:
+    """Builds (if needed) and registers the kernel with XLA CPU, once per process."""
+    with _lock:
+        if _loaded:
+            return
+        import ctypes
+
+        lib = build()
+        handle = ctypes.cdll.LoadLibrary(str(lib))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.JaxinferCpuDecodeAttention),
+                                    platform="cpu")
+        _loaded.append(lib)
+
+
+def decode_attention(qd, k_pages, v_pages, block_tables, kv_lens, q_pos, window, *, scale: float,
+                     softcap: float | None, layer, threads: int | None = None) -> jax.Array:
+    """Decode attention over a page-major f32 pool: qd [Td, K, G, H] (cast to f32), pages
+    f32[L, P, K, Z, H] (or [P, K, Z, H] with ``layer`` None), i32 block_tables [Td, M], kv_lens
+    [Td], q_pos [Td], window i32[] -> f32[Td, K, G, H]; rows with no visible key give 0.
+    ``threads``: worker threads (default: the CPUs this process may use, at most 8).
+
+    Raises ValueError for a pool that is not f32 or not 4/5-D; at run time the call fails
+    (XlaRuntimeError) on a layer or page id outside the pool."""
+    load()
+    if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
+        raise ValueError(f"cpu decode kernel: k/v pages must be float32, got {k_pages.dtype}")
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    if k_pages.ndim != 5:
+        raise ValueError(f"cpu decode kernel: pages must be [L, P, K, Z, H], got {k_pages.shape}")
+    if threads is None:
+        threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1)
+    lw = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(qd.shape, jnp.float32))
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
+    return call(jnp.asarray(qd).astype(jnp.float32), k_pages, v_pages, i32(block_tables),
+                i32(kv_lens), i32(q_pos), lw, scale=np.float32(scale),
+                softcap=np.float32(softcap or 0.0), threads=np.int64(threads))

@@ -1,0 +1,106 @@
+"""The native CPU decode-attention kernel (jaxinfer/cpu_decode_kernel.py, opt-in with
+JAXINFER_CPU_DECODE_KERNEL=1) == numpy float64 attention, and the engine with it on reproduces
+llama2.c's greedy stories260K outputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import stories_reference
+from test_paged_attention import TOL, dense_reference, make_batch
+
+from jaxinfer import cpu_decode_kernel, paged_attention
+from jaxinfer.paged_attention import ragged_paged_attention_xla
+
+
+@pytest.fixture(scope="module")
+def kernel_on():
+    """The kernel switched on for this module. The switch is read while tracing and the engine's
+    jitted step is one per process, so the in-memory jit caches are cleared on the way in (no
+    step traced without the kernel is reused) and out (none traced with it leaks to other tests)."""
+    cpu_decode_kernel.load()  # builds once per cache dir (a few seconds)
+    before = paged_attention.DECODE_CPU_KERNEL
+    jax.clear_caches()
+    paged_attention.DECODE_CPU_KERNEL = True
+    yield
+    paged_attention.DECODE_CPU_KERNEL = before
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("gqa,window,softcap,layered", [
+    (1, 0, None, False), (2, 0, None, True), (2, 9, None, True), (4, 0, 30.0, False)])
+def test_kernel_equals_dense_reference(kernel_on, gqa, window, softcap, layered):
+    """Decode rows of lengths 1, a page, a page + 1, many pages (a table wider than a work-item
+    chunk) and a padding row, over a shuffled page-major pool, optionally at layer 1 of a 2-layer
+    pool; the prefill rows of the same batch go through the XLA path."""
+    rng = np.random.default_rng(gqa * 10 + window)
+    z, kh, h = 4, 2, 16
+    seqs = [(1, 1), (z, 1), (z + 1, 1), (z * 13 + 3, 1), (2 * z + 1, 1), (z + 3, 5)]
+    k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=48)
+    assert md.num_decode == 8  # 5 decode rows padded to 8
+    q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    kp, vp = (jnp.asarray(x.swapaxes(0, 1)) for x in (k_pages, v_pages))  # [P, K, Z, H]
+    layer = None
+    if layered:
+        kp, vp = (jnp.stack([jnp.full_like(x, 7.0), x]) for x in (kp, vp))
+        layer = jnp.int32(1)
+    fn = jax.jit(lambda q, kp, vp, md: ragged_paged_attention_xla(
+        q, kp, vp, md, jnp.int32(window), scale=h**-0.5, softcap=softcap, layer=layer,
+        page_major=True))
+    assert "jaxinfer_cpu_decode_attention" in fn.lower(q, kp, vp, md).as_text()
+    out = np.asarray(fn(q, kp, vp, md), np.float64)
+    assert np.isfinite(out).all() and not out[5:8].any()  # padding rows: 0
+    for tok, ql, pos, fk, fv in rows:
+        ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
+                              fv.astype(np.float64), pos, h**-0.5, window, softcap)
+        np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
+
+
+def test_page_id_outside_the_pool_is_an_error(kernel_on):
+    qd = jnp.ones((2, 2, 1, 8), jnp.float32)
+    pages = jnp.ones((1, 4, 2, 4, 8), jnp.float32)
+    bt = jnp.asarray([[1, 2], [3, 4]], jnp.int32)  # page 4 of a 4-page pool
+    with pytest.raises(Exception, match="row 1 holds a page id outside the pool"):
+        jax.block_until_ready(cpu_decode_kernel.decode_attention(
+            qd, pages, pages, bt, jnp.asarray([8, 8]), jnp.asarray([7, 7]), jnp.int32(0),
+            scale=1.0, softcap=None, layer=0))
+    with pytest.raises(Exception, match="layer 1 outside the pool's 1 layers"):
+        jax.block_until_ready(cpu_decode_kernel.decode_attention(
+            qd, pages, pages, bt[:, :1], jnp.asarray([4, 4]), jnp.asarray([3, 3]),
+            jnp.int32(0), scale=1.0, softcap=None, layer=1))
+
+
+def test_switch_and_build_errors(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXINFER_CPU_DECODE_KERNEL", "yes")
+    with pytest.raises(ValueError, match="JAXINFER_CPU_DECODE_KERNEL='yes'"):
+        cpu_decode_kernel.enabled_by_env()
+    monkeypatch.setenv("JAXINFER_CPU_DECODE_KERNEL", "1")
+    assert cpu_decode_kernel.enabled_by_env()
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
+        cpu_decode_kernel.build(tmp_path)
+    with pytest.raises(ValueError, match="must be float32"):
+        cpu_decode_kernel.decode_attention(
+            jnp.ones((1, 1, 1, 8)), jnp.ones((1, 2, 1, 4, 8), jnp.bfloat16),
+            jnp.ones((1, 2, 1, 4, 8), jnp.bfloat16), jnp.ones((1, 1), jnp.int32),
+            jnp.ones(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.int32(0), scale=1.0,
+            softcap=None, layer=0)
+
+
+def test_engine_with_kernel_reproduces_llama2c(kernel_on, stories_dir):
+    """Every greedy_reference.json case in one batch through the paged engine (page-major f32
+    pool, the CPU default) with the kernel serving the decode steps."""
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling import SamplingParams
+
+    llm = LLM(stories_dir, max_num_seqs=8, compilation_cache=False)
+    assert llm.engine.kv_page_major
+    cases = stories_reference()
+    ids = [llm.tokenizer.encode(c["prompt"]) for c in cases]
+    params = [SamplingParams(temperature=0.0, max_tokens=c["max_steps"] - (len(i) - 1),
+                             stop_token_ids=(1,)) for c, i in zip(cases, ids, strict=True)]
+    outs = llm.generate(ids, params)
+    for c, i, o in zip(cases, ids, outs, strict=True):
+        assert llm.tokenizer.decode(i + o.token_ids) == c["expected"]
