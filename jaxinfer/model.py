@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.params import LayerParams, OutInWeight, Params
-from jaxinfer.quant.matmul import qlinear
+from jaxinfer.quant.matmul import qlinear, qlinear_flat
 from jaxinfer.quant.tensor import QTensor
 
 Cache = TypeVar("Cache")
@@ -89,10 +89,13 @@ def linear_out_in(x: jax.Array, w: jax.Array, num_in: int) -> jax.Array:
     return y.reshape(rows + out_shape).astype(x.dtype)
 
 
-def linear_parts(x: jax.Array, w: OutInWeight) -> tuple[jax.Array, ...]:
-    """``x [*rows, D]`` times a fused output-first weight (``OutInWeight`` with ``parts``): one
-    product, split into each part's ``[*rows, *part]`` in x's dtype."""
-    y = linear_out_in(x, w.values, w.num_in)  # [*rows, S]
+def linear_parts(x: jax.Array, w: OutInWeight | QTensor) -> tuple[jax.Array, ...]:
+    """``x [*rows, D]`` times a fused output-first weight (``OutInWeight`` or int8 ``QTensor``
+    with ``parts``): one product, split into each part's ``[*rows, *part]`` in x's dtype."""
+    if isinstance(w, QTensor):
+        y = qlinear_flat(x, w)  # [*rows, S]
+    else:
+        y = linear_out_in(x, w.values, w.num_in)  # [*rows, S]
     rows = x.shape[: x.ndim - w.num_in]
     sizes = [math.prod(p) for p in w.parts]
     cuts = np.cumsum(sizes)[:-1].tolist()

@@ -209,9 +209,12 @@ def out_in_projections(params: Params) -> Params:
     decode step is such a product. Each dot also has a fixed cost (~35 us per GEMV on 2 cores), so
     fusing the projections of one input (7 -> 4 dots per layer) brings a batch-1 decode step
     closer to the weight-streaming bound (110M: the layer dots 21.5 -> 20 ms). Quantized
-    (``QTensor``) and already converted weights are left as they are; the original arrays are
-    released once converted. Stacked layers keep their L axis.
+    (``QTensor``) weights keep their int8 layout (already output-first), but are fused alike
+    (``quant.tensor.fuse_qtensors``); already converted weights are left as they are; the original
+    arrays are released once converted. Stacked layers keep their L axis.
     """
+
+    from jaxinfer.quant.tensor import QTensor, fuse_qtensors  # quant.tensor imports params
 
     def convert(w, num_lead: int, num_in: int):
         if not isinstance(w, jax.Array):  # QTensor or OutInWeight
@@ -230,6 +233,9 @@ def out_in_projections(params: Params) -> Params:
             ws = [new[n] for n in names]
             if all(isinstance(w, OutInWeight) and w.parts is None and w.num_in == 1 for w in ws):
                 new[fused] = fuse(ws, num_lead)
+                new.update({n: None for n in names})
+            elif all(isinstance(w, QTensor) and w.parts is None and w.num_in == 1 for w in ws):
+                new[fused] = fuse_qtensors(ws, num_lead)  # int8: one integer dot, issue 21
                 new.update({n: None for n in names})
         return dataclasses.replace(lp, **new)
 

@@ -116,6 +116,59 @@ def test_quantized_linear_specs_match_einsum():
         assert np.all(err <= _half_step(_np_step(w, axes)))
 
 
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_fused_int8_projections_within_bounds(mode):
+    # The engine's CPU layout fuses wq/wk/wv and w_gate/w_up int8 weights into one QTensor each
+    # (params.out_in_projections -> fuse_qtensors); model.linear_parts splits the one product.
+    # Reference: x @ w per projection in float64 numpy, w the projection's own dequantized weight
+    # (values * scales of the unfused QTensor, transposed back to the params' [D, *out] layout);
+    # bounds as in the tests above: w8a16 two-digit, w8a8 one digit (and really one digit).
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.model import linear_parts
+    from jaxinfer.params import out_in_projections, param_shapes, params_from_flat, unstack_layers
+
+    cfg = ModelConfig("llama", 64, 32, 48, 2, 4, 2, 8)
+    rng = np.random.default_rng(3)
+    params = params_from_flat({n: jnp.asarray(0.05 * rng.standard_normal(shape), jnp.float32)
+                               for n, shape in param_shapes(cfg).items()})
+    x = rng.standard_normal((3, 32))
+    s1 = _np_step(x, -1)  # [R, 1], max|x_r| / 127 computed here
+    groups = [("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up"))]
+
+    @jax.jit  # one compilation for all of it (eager dispatch compiles op by op: ~10 s CPU)
+    def products(params, x):
+        qp = quantize(params, mode)
+        out = []
+        for stacked in (False, True):
+            fp = out_in_projections(qp if stacked else unstack_layers(qp))
+            for layer in range(2):
+                lp = (jax.tree.map(lambda a, i=layer: a[i], fp.layers) if stacked
+                      else fp.layers[layer])
+                assert lp.wq is None and lp.w_gate is None and lp.wqkv.act == qp.layers.wq.act
+                out.append([linear_parts(x, getattr(lp, f)) for f, _ in groups])
+        return qp, out
+
+    qp, got = products(params, jnp.asarray(x, jnp.float32))
+    for i, per_layer in enumerate(got):
+        orig = jax.tree.map(lambda a, i=i % 2: a[i], qp.layers)  # unfused, one layer
+        for ys, (_, names) in zip(per_layer, groups, strict=True):
+            assert len(ys) == len(names)
+            for y, name in zip(ys, names, strict=True):
+                q = getattr(orig, name)  # values [*out, D], scales [*out]
+                wd = np.asarray(q.values, np.float64) * np.asarray(q.scales, np.float64)[..., None]
+                wd = wd.reshape(-1, wd.shape[-1])  # [O, D]
+                assert y.shape == (3, *q.values.shape[:-1])
+                y = np.asarray(y, np.float64).reshape(3, -1)
+                err = np.abs(y - x @ wd.T)
+                rounding = 2 * 32 * EPS * (np.abs(x) @ np.abs(wd).T)
+                two_digit = s1 / 254 / 2 * np.abs(wd).sum(axis=1)[None] + rounding
+                if mode == "int8":
+                    assert np.all(err <= two_digit)
+                else:
+                    assert np.all(err <= s1 / 2 * np.abs(wd).sum(axis=1)[None] + rounding)
+                    assert np.any(err > two_digit)  # the activations really are int8
+
+
 def test_kv_quantization_bound():
     x = jax.random.normal(jax.random.PRNGKey(2), (7, 2, 16)) * 3
     q, s = quantize_kv(x)

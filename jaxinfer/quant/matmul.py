@@ -26,6 +26,17 @@ engine's unstacked layers (``python scripts/bench_quant.py --formulations``; ms 
 
 w8a8 activations are quantized per row (token): ``s_x = max|x_r| / 127``, ``x_q = round(x / s_x)``.
 
+Batch sizes (issue 21; ``python scripts/bench_quant_batch.py``, whole 110M forward steps with the
+engine's CPU layout, where wq/wk/wv and w_gate/w_up int8 weights are fused into one ``QTensor``
+each, ``qlinear_flat``): neither mode writes a float copy of the weight on CPU. w8a8's integer
+dot runs as an XLA CPU "ynn" (YNNPACK) fusion and is the fastest mode at every row count; a
+single-row int8 dot there is ~40x slower than a two-row one, hence the duplicated row. w8a16's
+``int_dot2`` costs two int8 products per product, and XLA CPU's int8 GEMM is only ~1.4x its f32
+GEMM once compute-bound, so from ~64 rows up w8a16 takes 1.05-1.2x float32's time. The
+dequantize-then-f32-GEMM alternative (``"dot"``) is no way out: its convert writes the whole
+float weight every step (~2.6x float32 at 64 rows, a tie at 512), and bfloat16 copies would
+too; keeping w8a16's ~16-bit activations on CPU needs the two digits.
+
 Error bounds (tests/test_quant.py checks them), ``w = q * s`` the dequantized weight:
 - w8a16 ``"dot"`` and the reductions: ``y == x @ w`` up to float32 rounding of the sum (the weight
   error ``|W - w| <= s/2`` is the quantization's, not the matmul's); ``"int_dot2"``:
@@ -57,7 +68,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def choose_formulation(act: str, rows: int, backend: str | None = None) -> str:
     """The formulation for ``rows`` rows (static) on ``backend`` (default: jax's); see the table
     in the module docstring. ``rows`` is kept in the signature for per-regime choices."""
-    del rows  # measured: the same choice wins at 4 and 32 rows on CPU
+    del rows  # measured: the same choice wins at 1-512 rows on CPU (module docstring)
     backend = backend or jax.default_backend()
     if act == "int8":
         return "int_dot"
@@ -166,3 +177,21 @@ def qlinear(x: jax.Array, w: QTensor, spec: str, formulation: str | None = None)
         formulation,
     )
     return y.reshape(row_shape + out_shape).astype(x.dtype)
+
+
+def qlinear_flat(x: jax.Array, w: QTensor) -> jax.Array:
+    """``x [*rows, I]`` times an int8 weight with one input axis (``values i8[S, I]``, e.g. a
+    fused ``QTensor``), as ``[*rows, S]`` in x's dtype.
+
+    Raises:
+        ValueError: ``w`` has more than one input axis or x's last axis is not I.
+    """
+    n_in = w.values.shape[-1]
+    if w.num_in != 1 or x.shape[-1] != n_in:
+        raise ValueError(
+            f"qlinear_flat needs a one-input-axis weight matching x: x {x.shape}, "
+            f"values {w.values.shape}, num_in {w.num_in}"
+        )
+    rows = x.shape[:-1]
+    y = qmatmul_2d(x.reshape(-1, n_in), w.values.reshape(-1, n_in), w.scales.reshape(-1), w.act)
+    return y.reshape(rows + (y.shape[-1],)).astype(x.dtype)

@@ -40,6 +40,8 @@ class QTensor:
         num_in: static, number of trailing contracted (input) axes of ``values``.
         act: static, ``"float"`` (w8a16: activations stay float) or ``"int8"`` (w8a8).
         dtype: static, the float dtype the weight stands for (activations and outputs).
+        parts: static, for a fused weight (``fuse_qtensors``): the output shape of each fused
+            projection, concatenated on one flat output axis of ``values``; None otherwise.
     """
 
     values: jax.Array
@@ -47,6 +49,8 @@ class QTensor:
     num_in: int = dataclasses.field(metadata=dict(static=True), default=1)
     act: str = dataclasses.field(metadata=dict(static=True), default="float")
     dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True), default=jnp.dtype(jnp.float32))
+    parts: tuple[tuple[int, ...], ...] | None = dataclasses.field(
+        metadata=dict(static=True), default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -80,6 +84,32 @@ def quantize_tensor(w: jax.Array, num_lead: int, num_in: int, act: str = "float"
     return QTensor(
         values.astype(jnp.int8), scales.astype(jnp.float32), num_in, act, jnp.dtype(w.dtype)
     )
+
+
+def fuse_qtensors(qs: list[QTensor], num_lead: int) -> QTensor:
+    """Projections of the same input (wq, wk, wv; w_gate, w_up), each ``values i8[*lead, *out,
+    I]``, as one ``QTensor`` ``values i8[*lead, S, I]``, ``scales f32[*lead, S]`` (S: the summed
+    flat output sizes) with ``parts`` their output shapes: one integer dot (and one quantization
+    of the activations) instead of one per projection; ``model.linear_parts`` splits the product.
+    Exact: per-output-channel scales and per-row activation scales do not mix across outputs.
+
+    Raises:
+        ValueError: not all single-input-axis, unfused ``QTensor`` of one mode and dtype.
+    """
+    q0 = qs[0]
+    if any(
+        not isinstance(q, QTensor) or q.num_in != 1 or q.parts is not None
+        or (q.act, q.dtype) != (q0.act, q0.dtype)
+        for q in qs
+    ):
+        raise ValueError("fuse_qtensors needs unfused QTensor weights with one input axis, "
+                         "all of one mode and dtype")
+    lead = q0.values.shape[:num_lead]
+    parts = tuple(q.values.shape[num_lead:-1] for q in qs)
+    values = jnp.concatenate(
+        [q.values.reshape(*lead, -1, q.values.shape[-1]) for q in qs], axis=num_lead)
+    scales = jnp.concatenate([q.scales.reshape(*lead, -1) for q in qs], axis=num_lead)
+    return QTensor(values, scales, 1, q0.act, q0.dtype, parts)
 
 
 def dequantize(q: QTensor) -> jax.Array:
@@ -179,6 +209,7 @@ __all__ = [
     "apply_quantization",
     "QTensor",
     "dequantize",
+    "fuse_qtensors",
     "quantize",
     "quantize_tensor",
     "quant_mode",
