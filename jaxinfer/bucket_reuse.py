@@ -17,6 +17,7 @@ with the batch's shape, as it does between any two batch compositions.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -79,9 +80,12 @@ class BackgroundCompiler:
         self._lock = threading.Lock()  # submit_ahead may run on another thread (job_plan)
         self.waited_s = 0.0  # seconds steps spent waiting for a compile here (``wait_for``)
 
-    def _compile_fn(self, key: tuple, sample_flags: list[tuple[bool, int]]):
+    def _compile_fn(self, key: tuple, sample_flags: list[tuple[bool, int]],
+                    after_first_step: bool = False):
         """A function compiling forward bucket tuple ``key`` and its sampling variants of each
-        (controls, num_logprobs) in ``sample_flags``, with the engine's static arguments."""
+        (controls, num_logprobs) in ``sample_flags``, with the engine's static arguments; with
+        ``after_first_step`` it first waits until the engine has read a step's tokens back (its
+        ``num_steps``), so it does not compete with the first step's own compile."""
         from jaxinfer.precompile import dummy_step_batch, sample_rows
 
         e = self._engine
@@ -94,6 +98,8 @@ class BackgroundCompiler:
             from jaxinfer.sampling import SamplingParams, SamplingTensors
             from jaxinfer.step import LogitsControls
 
+            while after_first_step and getattr(e, "num_steps", 1) == 0:
+                time.sleep(0.02)
             lowered = e._forward.lower(e.params, kv, batch, e._no_prev, **static)
             logits = jax.ShapeDtypeStruct(lowered.out_info[1].shape, lowered.out_info[1].dtype)
             lowered.compile()
@@ -142,7 +148,9 @@ class BackgroundCompiler:
         sampling variants ``sample_flags[B']`` of its sampled rows B' (default: the plain one).
         Nothing is counted in the engine's ``compile_keys``: a step counts its key when it
         dispatches it, as without this (so the steps chosen are the same), and waits for a key
-        still compiling here (``wait_for``) instead of compiling it a second time."""
+        still compiling here (``wait_for``) instead of compiling it a second time. The compiles
+        start once the engine's first step has been read back (the first token is not delayed
+        by them)."""
         from jaxinfer.precompile import sample_rows
 
         for key in keys:
@@ -152,7 +160,7 @@ class BackgroundCompiler:
             with self._lock:
                 if key in self._ahead or key in self._futures or key in self.failed:
                     continue
-                self._ahead[key] = self._submit(self._compile_fn(key, flags))
+                self._ahead[key] = self._submit(self._compile_fn(key, flags, True))
 
     def wait_for(self, key: tuple) -> None:
         """Blocks until a compile of forward bucket tuple ``key`` submitted here (either way)
@@ -161,8 +169,6 @@ class BackgroundCompiler:
         with self._lock:
             fut = self._futures[key][1] if key in self._futures else self._ahead.get(key)
         if fut is not None and not fut.done():
-            import time
-
             t0 = time.perf_counter()
             fut.exception()
             self.waited_s += time.perf_counter() - t0

@@ -138,6 +138,8 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
         return keys
 
     monkeypatch.setattr(compiler, "submit", submit_and_wait)
+    waited, wait_for = [], compiler.wait_for
+    monkeypatch.setattr(compiler, "wait_for", lambda key: (waited.append(key), wait_for(key)))
     monkeypatch.setattr(eng, "_compiler", compiler)
     if hasattr(eng.allocator, "clear_cache"):
         eng.allocator.clear_cache()
@@ -163,6 +165,8 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     assert [key for key, _ in lone[first_exact - 3:first_exact]] == [(4, 0, 0, 4)] * 3
     assert all(ready for key, ready in lone[first_exact:]), lone
     assert compiler.compiled == [(1, 0, 0, 4)] and not compiler.pending
+    # Each dispatch first waits for a background compile of the key it runs (none pending here).
+    assert waited == [key for key, _ in seen]
     # The plan (jaxinfer.job_plan) predicts the keys, the background one included (every
     # output ran to max_tokens: the reference too).
     assert [o.finish_reason for o in outs] == ["length"] * 4
