@@ -30,7 +30,7 @@ Batch sizes (issue 21; ``python scripts/bench_quant_batch.py``, whole 110M forwa
 engine's CPU layout, where wq/wk/wv and w_gate/w_up int8 weights are fused into one ``QTensor``
 each, ``qlinear_flat``): neither mode writes a float copy of the weight on CPU. w8a8's integer
 dot runs as an XLA CPU "ynn" (YNNPACK) fusion and is the fastest mode at every row count; a
-single-row int8 dot there is ~40x slower than a two-row one, hence the duplicated row. w8a16's
+single-row int8 dot there is ~30x slower than a two-row one, hence the duplicated row. w8a16's
 ``int_dot2`` costs two int8 products per product, and XLA CPU's int8 GEMM is only ~1.4x its f32
 GEMM once compute-bound, so from ~64 rows up w8a16 takes 1.05-1.2x float32's time. The
 dequantize-then-f32-GEMM alternative (``"dot"``) is no way out: its convert writes the whole
@@ -131,7 +131,8 @@ def qmatmul_2d(
         if act != "int8":
             raise ValueError("formulation 'int_dot' is for w8a8 (int8 activations)")
         # XLA CPU's int8 dot of a single row is ~4x slower than of two (1.42 vs 0.35 ms at
-        # 768 x 3072, measured here): a batch-1 decode step dots its row twice.
+        # 768 x 3072, measured here; ~30x in a chain of 24 products on jaxlib 0.10.2's YNNPACK
+        # fusions): a batch-1 decode step dots its row twice.
         x2 = jnp.concatenate([xq, xq]) if rows == 1 and jax.default_backend() == "cpu" else xq
         acc = jax.lax.dot_general(
             x2, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32
