@@ -85,6 +85,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--results", default=str(REPO / "results" / "bench_quant_batch.jsonl"))
     args = ap.parse_args()
+    for m in args.modes.split(","):
+        name, _, variant = m.split(":")[0].partition("+")
+        if name not in ("float32", "int8", "w8a8") or variant not in ("", "unfused", "embed"):
+            ap.error(f"--modes: {m!r} is not float32 | int8 | w8a8 [+unfused | +embed]"
+                     "[:formulation]")
 
     sys.path.insert(0, str(REPO))
     from jaxinfer.config import ModelConfig
