@@ -38,7 +38,7 @@ from jaxinfer.partial import Checkpointer, partial_path, run_settings
 from jaxinfer.sampling_params import SamplingParams
 
 ATTN_IMPL_CHOICES = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
-                     "pallas_gpu_interpret")
+                     "pallas_gpu_interpret", "cpu_kernel")
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attn-impl", default="auto", choices=ATTN_IMPL_CHOICES,
                    help="attention implementation: auto (XLA on CPU, the Pallas kernel where "
                    "verified), xla, pallas (this backend's kernel), pallas_tpu, pallas_gpu, "
-                   "pallas_{tpu,gpu}_interpret (kernels run on CPU, for tests)")
+                   "pallas_{tpu,gpu}_interpret (kernels run on CPU, for tests), cpu_kernel "
+                   "(XLA with a native CPU decode kernel built by the C++ compiler; opt-in)")
     sd = g.add_argument_group("speculative decoding")
     sd.add_argument("--speculative", default=None, choices=["draft-model", "ngram", "heads"],
                     help="drafter: a smaller draft model, n-gram prompt lookup or Medusa heads")

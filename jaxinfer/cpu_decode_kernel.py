@@ -5,12 +5,13 @@ a copy before two small batched dots; this kernel reads the live pages of a page
 place (one pass, online softmax per head), which on a 2-core CPU takes ~1/3 of the CPU time at
 the 110M model's shapes (``scripts/bench_decode_attention.py``; docs/performance_cold_start.md).
 
-Opt-in: ``JAXINFER_CPU_DECODE_KERNEL=1`` in the environment (read when ``paged_attention`` is
-imported) makes the XLA attention use it for every decode region it can serve: a page-major f32
-pool on the CPU backend. The first use compiles the source with the system C++ compiler (``$CXX``,
-else ``c++``) into ``$JAXINFER_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxinfer``), keyed by the
-source, the flags, jaxlib's version and the CPU; a missing compiler or a failed build raises
-``RuntimeError`` with the compiler's message (no silent fallback).
+Opt-in: ``attn_impl="cpu_kernel"`` (``--attn-impl cpu_kernel``) runs the XLA attention with its
+decode rows in this kernel; it needs the CPU backend and a page-major float32 pool on one device
+(the CPU default for float32 weights), else the engine refuses it. The first engine compiles
+the source with the system C++ compiler (``$CXX``, else ``c++``) into
+``$JAXINFER_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxinfer``), keyed by the source, the
+flags, jaxlib's version and the CPU; a missing compiler or a failed build raises ``RuntimeError``
+with the compiler's message (no silent fallback).
 """
 
 from __future__ import annotations
@@ -34,12 +35,19 @@ _lock = threading.Lock()
 _loaded: list[Path] = []
 
 
-def enabled_by_env() -> bool:
-    """``JAXINFER_CPU_DECODE_KERNEL`` is "1" (anything but "", "0" or "1" raises ValueError)."""
-    val = os.environ.get("JAXINFER_CPU_DECODE_KERNEL", "")
-    if val not in ("", "0", "1"):
-        raise ValueError(f"JAXINFER_CPU_DECODE_KERNEL={val!r}: use 1 (on) or 0 (off)")
-    return val == "1"
+def check_engine(impl: str, page_major: bool, kv_dtype, mesh) -> None:
+    """At engine construction with ``attn_impl="cpu_kernel"``: the pool must be page-major float32
+    on one device, and the kernel is built and loaded now (not at the first step). Raises
+    ValueError naming what is unsupported and what runs instead, RuntimeError for a missing
+    compiler or a failed build."""
+    if impl != "cpu_kernel":
+        return
+    if mesh is not None or not page_major or np.dtype(kv_dtype) != np.float32:
+        why = ("a sharded engine" if mesh is not None else
+               "kv_page_major=False" if not page_major else f"a KV pool of {np.dtype(kv_dtype)}")
+        raise ValueError("attn_impl='cpu_kernel' reads a page-major float32 KV pool on one "
+                         f"device, not {why}; use attn_impl='xla' (or 'auto')")
+    load()
 
 
 def _cpu_name() -> str:
@@ -66,8 +74,8 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     if lib.exists():
         return lib
     if shutil.which(cxx) is None:
-        raise RuntimeError(f"JAXINFER_CPU_DECODE_KERNEL=1 needs a C++ compiler: {cxx!r} not found "
-                           "(set CXX, or unset JAXINFER_CPU_DECODE_KERNEL)")
+        raise RuntimeError(f"attn_impl='cpu_kernel' needs a C++ compiler: {cxx!r} not found "
+                           "(set CXX, or use attn_impl='xla')")
     base.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]

@@ -15,6 +15,7 @@ import numpy as np
 import jaxinfer.prompt_logprobs as plp
 from jaxinfer.batch import build_step_batch, decode_bucket, exact_buckets, next_pow2, row_index
 import jaxinfer.bucket_reuse as bucket_reuse
+import jaxinfer.cpu_decode_kernel as cpu_decode_kernel
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engine's public names
     KV_CACHE_DTYPES,
@@ -27,7 +28,7 @@ from jaxinfer.errors import RequestError
 from jaxinfer.host_memory import keep_freed_host_memory
 from jaxinfer.kv_cache import PageAllocator, init_kv_cache
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from jaxinfer.paged_attention import check_attn_impl
+from jaxinfer.paged_attention import XLA_IMPLS, check_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.prefix_cache import PrefixCachingAllocator
 from jaxinfer.resume import ResumeState, check_resume
@@ -89,8 +90,8 @@ class Engine:
                                ecfg.max_pages_per_seq)
         page_major = ecfg.kv_page_major
         if page_major is None:
-            page_major = jax.default_backend() == "cpu" and impl == "xla" and mesh is None
-        elif page_major and impl != "xla":
+            page_major = jax.default_backend() == "cpu" and impl in XLA_IMPLS and mesh is None
+        elif page_major and impl not in XLA_IMPLS:
             raise ValueError(f"kv_page_major=True needs attn_impl resolving to 'xla' (got {impl!r}): "
                              "the Pallas kernels read the head-major pool")
         elif page_major and mesh is not None:
@@ -104,6 +105,7 @@ class Engine:
                    "use 'xla' or 'auto'" if impl != "xla" else
                    "tensor/data parallel engines are not supported with it yet"))
         kv_dtype = kv_cache_dtype(ecfg, params)
+        cpu_decode_kernel.check_engine(impl, page_major, kv_dtype, mesh)
         if kv_dtype == np.int8 and mesh is not None:
             raise ValueError("kv_cache_dtype='int8' with a sharded engine is not supported yet")
         need = ecfg.max_pages_per_seq + 1

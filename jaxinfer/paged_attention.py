@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import cpu_decode_kernel
+import jaxinfer.cpu_decode_kernel as cpu_decode_kernel
 from jaxinfer.attention import MASK_VALUE, masked_softmax_av, window_mask
 from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.quant.kv import dequantize_kv
@@ -99,11 +99,15 @@ def ragged_paged_attention_xla(
     v_scales: jax.Array | None = None,
     prefill: PrefillLayout | None = None,
     page_major: bool = False,
+    decode_kernel: bool = False,
 ) -> jax.Array:
     """Causal attention of a ragged batch over the paged KV cache. Output f32[T, N, H].
 
     ``page_major``: the pages (and scales) are in the ``[(L,) P, K, Z, H]`` layout
     (``KVCache.page_major``).
+
+    ``decode_kernel``: the decode rows go to the native CPU kernel (``cpu_decode_kernel``;
+    ``attn_impl="cpu_kernel"``), which needs a page-major float32 pool (ValueError otherwise).
 
     ``prefill``: the prefill region's query blocks, ``prefill_layout(md, T - num_decode)``; pass it
     to compute it once per step rather than once per layer (None: computed here).
@@ -123,6 +127,7 @@ def ragged_paged_attention_xla(
             q[:td].reshape(td, kh, g, h), k_pages, v_pages, md.block_tables[:td], md.kv_lens[:td],
             md.positions[:td], window, scale=scale, softcap=softcap, layer=layer,
             k_scales=k_scales, v_scales=v_scales, page_major=page_major,
+            decode_kernel=decode_kernel,
         )
         outs.append(out.reshape(td, n, h))
     tp = t - td
@@ -136,7 +141,10 @@ def ragged_paged_attention_xla(
 
 
 ATTN_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
-              "pallas_gpu_interpret")
+              "pallas_gpu_interpret", "cpu_kernel")
+# Implementations that run ``ragged_paged_attention_xla`` (page-major pools allowed); "cpu_kernel"
+# sends its decode rows to the native XLA CPU kernel (``cpu_decode_kernel``).
+XLA_IMPLS = ("xla", "cpu_kernel")
 # Backends whose Pallas kernel has passed scripts/device_check_kernels.py un-interpreted; "auto"
 # picks the kernel only there (XLA elsewhere). Add a backend after its device check passes.
 KERNEL_VERIFIED_BACKENDS: tuple[str, ...] = ()
@@ -146,16 +154,21 @@ def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
     """The concrete implementation of ``attn_impl`` on ``backend`` (default: jax's).
 
     "auto": the backend's kernel where verified (``KERNEL_VERIFIED_BACKENDS``), else "xla";
-    "pallas": the kernel of the current backend ("pallas_tpu" / "pallas_gpu").
+    "pallas": the kernel of the current backend ("pallas_tpu" / "pallas_gpu");
+    "cpu_kernel": the XLA attention with its decode rows in the native CPU kernel (CPU only).
 
     Raises:
-        ValueError: unknown ``attn_impl``, "pallas" on CPU, or a kernel for another backend.
+        ValueError: unknown ``attn_impl``, "pallas" on CPU, "cpu_kernel" off CPU, or a kernel
+            for another backend.
     """
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl={attn_impl!r} is not available; supported: {ATTN_IMPLS}")
     backend = backend or jax.default_backend()
     if attn_impl == "auto":
         return f"pallas_{backend}" if backend in KERNEL_VERIFIED_BACKENDS else "xla"
+    if attn_impl == "cpu_kernel" and backend != "cpu":
+        raise ValueError(f"attn_impl='cpu_kernel' is a native kernel for XLA's CPU backend (jax "
+                         f"backend is {backend!r}); use 'auto', 'xla' or 'pallas'")
     if attn_impl == "pallas":
         if backend not in ("tpu", "gpu"):
             raise ValueError(
@@ -175,7 +188,7 @@ def check_attn_impl(cfg, attn_impl: str, page_size: int, num_pages: int, max_pag
     construction, not mid-step). Returns the resolved name. Raises ValueError naming the
     unsupported combination and what is supported."""
     impl = resolve_attn_impl(attn_impl)
-    if impl != "xla":
+    if impl not in XLA_IMPLS:
         from kernels_pallas.ragged_paged_attention import check_supported
 
         backend = "tpu" if impl.startswith("pallas_tpu") else "gpu"
@@ -193,16 +206,16 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
     ``attn_impl`` (see ``resolve_attn_impl``)."""
     impl = resolve_attn_impl(attn_impl)
     tp = md.positions.shape[0] - md.num_decode
-    prefill = prefill_layout(md, tp) if impl == "xla" and tp else None
+    prefill = prefill_layout(md, tp) if impl in XLA_IMPLS and tp else None
 
     def attn(q, k, v, cache: KVCache, layer, window):
         cache = write_kv(cache, layer, k, v, md.slot_mapping)
-        if impl == "xla":
+        if impl in XLA_IMPLS:
             out = ragged_paged_attention_xla(
                 q, cache.k_pages, cache.v_pages, md, window,
                 scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, layer=layer,
                 k_scales=cache.k_scales, v_scales=cache.v_scales, prefill=prefill,
-                page_major=cache.page_major,
+                page_major=cache.page_major, decode_kernel=impl == "cpu_kernel",
             )
         else:
             if cache.page_major:
@@ -321,14 +334,11 @@ def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale
 # group's gathered K and V (3 MB at 16) stay in cache for its dots.
 DECODE_PAGES_PER_CHUNK = 4
 DECODE_ITEMS_PER_GROUP = 16
-# The native CPU kernel (``cpu_decode_kernel``) for decode regions over a page-major f32 pool on the
-# CPU backend, opt-in: JAXINFER_CPU_DECODE_KERNEL=1 (read at import).
-DECODE_CPU_KERNEL = cpu_decode_kernel.enabled_by_env()
 
 
 def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale, softcap, layer,
                       k_scales, v_scales, pages_per_chunk: int | None = None,
-                      page_major: bool = False) -> jax.Array:
+                      page_major: bool = False, decode_kernel: bool = False) -> jax.Array:
     """The decode region of ``ragged_paged_attention_xla``: qd [Td, K, G, H] -> f32[Td, K, G, H].
 
     Tables of at most ``pages_per_chunk`` pages are attended in one pass. Wider ones are split:
@@ -338,13 +348,17 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
     partials of a row are merged by segment max / sum, the split-KV reduction of flash-decoding.
     Cost follows the live pages (rounded up to C per row), not Td x M.
 
-    With ``DECODE_CPU_KERNEL`` on, a page-major f32 pool on the CPU backend goes to the native
-    kernel instead (``cpu_decode_kernel``: the same attention, reading the pages in place).
+    With ``decode_kernel``, the native CPU kernel computes it instead (``cpu_decode_kernel``: the
+    same attention, reading a page-major float32 pool's pages in place; ValueError for another
+    pool).
 
     Sources: flash-decoding (Dao et al. 2023), online softmax (Milakov & Gimelshein 2018).
     """
-    if (DECODE_CPU_KERNEL and page_major and k_scales is None and jax.default_backend() == "cpu"
-            and jnp.result_type(k_pages) == jnp.float32 == jnp.result_type(v_pages)):
+    if decode_kernel:
+        if not page_major or k_scales is not None:
+            raise ValueError("attn_impl='cpu_kernel' reads a page-major float32 KV pool; this one "
+                             "is " + ("int8" if k_scales is not None else "head-major")
+                             + ": use attn_impl='xla'")
         return cpu_decode_kernel.decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window,
                                                   scale=scale, softcap=softcap, layer=layer)
     chunk = pages_per_chunk or DECODE_PAGES_PER_CHUNK

@@ -17,8 +17,8 @@ Variants (``--variants``, comma list, timed alternately in one process, medians 
 ``--repeats``): ``tree`` the working tree's ``jaxinfer.paged_attention``; ``rev:REV`` that module
 as of git revision REV (``git show``); ``file:PATH`` a module file. Each may end in
 ``:gs=N`` / ``:ch=N`` to set its ``DECODE_ITEMS_PER_GROUP`` / ``DECODE_PAGES_PER_CHUNK``, and
-``:kernel=1`` / ``:kernel=0`` to turn its ``DECODE_CPU_KERNEL`` on / off (the native CPU kernel,
-``jaxinfer/cpu_decode_kernel.py``; without it the environment decides). Every
+``:kernel=1`` to send the decode rows to the native CPU kernel (``decode_kernel=True``, what
+``attn_impl="cpu_kernel"`` runs; ``jaxinfer/cpu_decode_kernel.py``). Every
 variant's output is checked against the first one's (max abs difference reported).
 
 Per variant and scenario: wall ms per call (median and best), the process's CPU ms per call
@@ -93,7 +93,7 @@ def load_variant(spec: str, tmp: Path):
     while rest and "=" in rest[-1]:
         k, v = rest.pop().split("=")
         knobs[{"gs": "DECODE_ITEMS_PER_GROUP", "ch": "DECODE_PAGES_PER_CHUNK",
-               "kernel": "DECODE_CPU_KERNEL"}[k]] = int(v)
+               "kernel": "BENCH_DECODE_KERNEL"}[k]] = int(v)
     if kind == "tree":
         path = ROOT / "jaxinfer" / "paged_attention.py"
     elif kind == "rev":
@@ -122,12 +122,14 @@ def chain(mod):
     import jax
     import jax.numpy as jnp
 
+    kernel = {"decode_kernel": True} if getattr(mod, "BENCH_DECODE_KERNEL", 0) else {}
+
     def run(q, kp, vp, bt, lens, pos):
         outs = []
         for layer in range(L):
             o = mod._decode_attention(q, kp, vp, bt, lens, pos, jnp.int32(0), scale=0.125,
                                       softcap=None, layer=layer, k_scales=None, v_scales=None,
-                                      page_major=True)
+                                      page_major=True, **kernel)
             outs.append(o)
             q = q + 1e-3 * o
         return jnp.stack(outs)
@@ -144,7 +146,6 @@ def forward_mode(args) -> dict:
     from benchlib import resolve_model
 
     import jaxinfer
-    from jaxinfer import paged_attention as pa
     from jaxinfer.model import compute_logits, forward
     from jaxinfer.step import forward_step, resolve_tokens
 
@@ -159,9 +160,9 @@ def forward_mode(args) -> dict:
     out = {}
     for kind, (batch, prev, *_) in sorted(captured.items()):
         fns = {}
-        for label, kern in (("xla", False), ("kernel", True)):
-            pa.DECODE_CPU_KERNEL = kern  # read while tracing: each jit keeps its own choice
-            f = jax.jit(lambda p, kv, b, pv: forward_step(p, kv, b, pv, cfg=cfg, attn_impl="xla"),
+        for label, impl in (("xla", "xla"), ("kernel", "cpu_kernel")):
+            f = jax.jit(lambda p, kv, b, pv, impl=impl: forward_step(p, kv, b, pv, cfg=cfg,
+                                                                    attn_impl=impl),
                         donate_argnums=1)
             box[0], lg = f(params, box[0], batch, prev)
             fns[label] = f

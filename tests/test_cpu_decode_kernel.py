@@ -1,6 +1,6 @@
 """The native CPU decode-attention kernel (jaxinfer/cpu_decode_kernel.py, opt-in with
-JAXINFER_CPU_DECODE_KERNEL=1) == numpy float64 attention, and the engine with it on reproduces
-llama2.c's greedy stories260K outputs."""
+attn_impl="cpu_kernel") == numpy float64 attention, the engine with it reproduces llama2.c's
+greedy stories260K outputs, and engines it cannot serve refuse it."""
 
 from __future__ import annotations
 
@@ -17,16 +17,7 @@ from jaxinfer.paged_attention import ragged_paged_attention_xla
 
 @pytest.fixture(scope="module")
 def kernel_on():
-    """The kernel switched on for this module. The switch is read while tracing and the engine's
-    jitted step is one per process, so the in-memory jit caches are cleared on the way in (no
-    step traced without the kernel is reused) and out (none traced with it leaks to other tests)."""
     cpu_decode_kernel.load()  # builds once per cache dir (a few seconds)
-    before = paged_attention.DECODE_CPU_KERNEL
-    jax.clear_caches()
-    paged_attention.DECODE_CPU_KERNEL = True
-    yield
-    paged_attention.DECODE_CPU_KERNEL = before
-    jax.clear_caches()
 
 
 @pytest.mark.parametrize("gqa,window,softcap,layered", [
@@ -48,7 +39,7 @@ def test_kernel_equals_dense_reference(kernel_on, gqa, window, softcap, layered)
         layer = jnp.int32(1)
     fn = jax.jit(lambda q, kp, vp, md: ragged_paged_attention_xla(
         q, kp, vp, md, jnp.int32(window), scale=h**-0.5, softcap=softcap, layer=layer,
-        page_major=True))
+        page_major=True, decode_kernel=True))
     assert "jaxinfer_cpu_decode_attention" in fn.lower(q, kp, vp, md).as_text()
     out = np.asarray(fn(q, kp, vp, md), np.float64)
     assert np.isfinite(out).all() and not out[5:8].any()  # padding rows: 0
@@ -72,12 +63,7 @@ def test_page_id_outside_the_pool_is_an_error(kernel_on):
             jnp.int32(0), scale=1.0, softcap=None, layer=1))
 
 
-def test_switch_and_build_errors(monkeypatch, tmp_path):
-    monkeypatch.setenv("JAXINFER_CPU_DECODE_KERNEL", "yes")
-    with pytest.raises(ValueError, match="JAXINFER_CPU_DECODE_KERNEL='yes'"):
-        cpu_decode_kernel.enabled_by_env()
-    monkeypatch.setenv("JAXINFER_CPU_DECODE_KERNEL", "1")
-    assert cpu_decode_kernel.enabled_by_env()
+def test_build_and_input_errors(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
         cpu_decode_kernel.build(tmp_path)
@@ -89,13 +75,17 @@ def test_switch_and_build_errors(monkeypatch, tmp_path):
             softcap=None, layer=0)
 
 
-def test_engine_with_kernel_reproduces_llama2c(kernel_on, stories_dir):
+def test_engine_with_kernel_reproduces_llama2c(kernel_on, stories_dir, monkeypatch):
     """Every greedy_reference.json case in one batch through the paged engine (page-major f32
     pool, the CPU default) with the kernel serving the decode steps."""
     from jaxinfer.llm import LLM
     from jaxinfer.sampling import SamplingParams
 
-    llm = LLM(stories_dir, max_num_seqs=8, compilation_cache=False)
+    traced = []  # the decode regions the step functions traced with the kernel
+    real = cpu_decode_kernel.decode_attention
+    monkeypatch.setattr(cpu_decode_kernel, "decode_attention",
+                        lambda *a, **k: traced.append(1) or real(*a, **k))
+    llm = LLM(stories_dir, max_num_seqs=8, attn_impl="cpu_kernel")
     assert llm.engine.kv_page_major
     cases = stories_reference()
     ids = [llm.tokenizer.encode(c["prompt"]) for c in cases]
@@ -104,3 +94,22 @@ def test_engine_with_kernel_reproduces_llama2c(kernel_on, stories_dir):
     outs = llm.generate(ids, params)
     for c, i, o in zip(cases, ids, outs, strict=True):
         assert llm.tokenizer.decode(i + o.token_ids) == c["expected"]
+    assert traced
+
+
+def test_engines_the_kernel_cannot_serve_refuse_it(stories_dir):
+    """No silent fallback: an int8, bfloat16 or head-major pool is refused, naming what runs."""
+    from jaxinfer.llm import LLM
+
+    for kw, why in ((dict(kv_cache_dtype="int8"), "not a KV pool of int8"),
+                    (dict(dtype="bfloat16"), "not a KV pool of bfloat16")):
+        with pytest.raises(ValueError, match=f"page-major float32 KV pool on one device, {why}; "
+                           "use attn_impl='xla'"):
+            LLM(stories_dir, attn_impl="cpu_kernel", compilation_cache=False, **kw)
+    rng = np.random.default_rng(0)
+    k_pages, v_pages, md, _, t = make_batch(rng, 4, 2, 8, [(5, 1), (3, 2)], num_pages=8)
+    with pytest.raises(ValueError, match="this one is head-major: use attn_impl='xla'"):
+        ragged_paged_attention_xla(jnp.ones((t, 2, 8)), k_pages, v_pages, md, jnp.int32(0),
+                                   scale=1.0, decode_kernel=True)
+    with pytest.raises(ValueError, match="'cpu_kernel' is a native kernel for XLA's CPU backend"):
+        paged_attention.resolve_attn_impl("cpu_kernel", "tpu")
