@@ -8,6 +8,7 @@ does not have them; None is an empty pytree node, so ``jax.tree.map`` skips it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,9 @@ def output_first(w: jax.Array, num_lead: int, num_in: int) -> jax.Array:
 
 # Float projections of the same input that ``out_in_projections`` fuses into one weight.
 FUSED_PROJECTIONS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+# Other weight types ``out_in_projections`` fuses, with their fuse function ``(ws, num_lead)``:
+# ``quant.tensor`` registers ``QTensor`` (int8), so this module need not import it.
+WEIGHT_FUSERS: dict[type, Callable] = {}
 
 
 def out_in_projections(params: Params) -> Params:
@@ -213,8 +217,6 @@ def out_in_projections(params: Params) -> Params:
     (``quant.tensor.fuse_qtensors``); already converted weights are left as they are; the original
     arrays are released once converted. Stacked layers keep their L axis.
     """
-
-    from jaxinfer.quant.tensor import QTensor, fuse_qtensors  # quant.tensor imports params
 
     def convert(w, num_lead: int, num_in: int):
         if not isinstance(w, jax.Array):  # QTensor or OutInWeight
@@ -234,8 +236,9 @@ def out_in_projections(params: Params) -> Params:
             if all(isinstance(w, OutInWeight) and w.parts is None and w.num_in == 1 for w in ws):
                 new[fused] = fuse(ws, num_lead)
                 new.update({n: None for n in names})
-            elif all(isinstance(w, QTensor) and w.parts is None and w.num_in == 1 for w in ws):
-                new[fused] = fuse_qtensors(ws, num_lead)  # int8: one integer dot, issue 21
+            elif (type(ws[0]) in WEIGHT_FUSERS and all(type(w) is type(ws[0]) for w in ws)
+                  and all(w.parts is None and w.num_in == 1 for w in ws)):
+                new[fused] = WEIGHT_FUSERS[type(ws[0])](ws, num_lead)  # int8: one integer dot
                 new.update({n: None for n in names})
         return dataclasses.replace(lp, **new)
 

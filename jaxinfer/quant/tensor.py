@@ -19,7 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.params import LAYER_PROJECTIONS, LayerParams, OutInWeight, Params, output_first
+from jaxinfer.params import (
+    LAYER_PROJECTIONS,
+    WEIGHT_FUSERS,
+    LayerParams,
+    OutInWeight,
+    Params,
+    output_first,
+)
 
 MODES = ("int8", "w8a8")
 """``"int8"``: weight-only (w8a16), activations stay float. ``"w8a8"``: activations quantized
@@ -110,6 +117,9 @@ def fuse_qtensors(qs: list[QTensor], num_lead: int) -> QTensor:
         [q.values.reshape(*lead, -1, q.values.shape[-1]) for q in qs], axis=num_lead)
     scales = jnp.concatenate([q.scales.reshape(*lead, -1) for q in qs], axis=num_lead)
     return QTensor(values, scales, 1, q0.act, q0.dtype, parts)
+
+
+WEIGHT_FUSERS[QTensor] = fuse_qtensors  # params.out_in_projections fuses int8 weights too
 
 
 def dequantize(q: QTensor) -> jax.Array:
