@@ -39,3 +39,21 @@ def test_sigterm_during_warmup_exits_0_with_a_message():
             proc.wait(30)
     assert "SIGTERM: stopped during start-up, before serving" in rest
     assert "Traceback" not in rest and "on http://" not in rest
+
+
+def test_a_signal_during_code_that_swallows_exceptions_is_not_lost():
+    """The handler only records the signal: a SIGTERM that arrives inside library code catching
+    every exception (as jax's GC callback and persistent-cache read do) still stops the start-up
+    at the next check (raising from the handler lost it there: found by a new-user check)."""
+    from jaxinfer.server.command import _StartupStopped, _stop_on_signal
+
+    with _stop_on_signal() as stop:
+        stop.check()  # nothing recorded yet
+        try:  # library code that swallows whatever is raised inside it
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs at the next bytecode
+        except BaseException:  # noqa: BLE001 - the point of the test
+            pass
+        with pytest.raises(_StartupStopped, match="SIGTERM"):
+            stop.check()
+    assert signal.getsignal(signal.SIGTERM) is not None  # the old handler is back

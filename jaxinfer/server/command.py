@@ -96,23 +96,25 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def warmup(llm, mode: str = "cover", say=None) -> None:
+def warmup(llm, mode: str = "cover", say=None, check=None) -> None:
     """Compiles step shapes before serving. ``mode`` "cover", "serving" or "all": every
     engine's ``precompile.cover_keys(all_keys)``, ``precompile.serving_keys`` or
     ``precompile.all_keys`` (``precompile_engines``);
     "requests": one short request and a batch of eight, greedy and sampled (``warmup_requests``).
-    ``say(msg)`` logs progress. Raises UsageError for "serving" or "all" on a speculative
-    engine (its rounds compile other functions; use "requests")."""
+    ``say(msg)`` logs progress; ``check()`` is called after each step shape (or warm-up request)
+    and may raise to stop. Raises UsageError for "serving" or "all" on a speculative engine (its
+    rounds compile other functions; use "requests")."""
+    check = check or (lambda: None)
     if mode == "requests":
-        warmup_requests(llm)
+        warmup_requests(llm, check)
     else:
-        precompile_engines(llm, mode, say or (lambda msg: None))
+        precompile_engines(llm, mode, say or (lambda msg: None), check=check)
 
 
-def precompile_engines(llm, mode: str, say, interval: float = 2.0) -> None:
+def precompile_engines(llm, mode: str, say, interval: float = 2.0, check=None) -> None:
     """``precompile.precompile`` on every engine of ``llm`` with the keys of ``mode``
     ("cover", "serving" or "all"); ``say`` gets "compiling k/n" at most every ``interval``
-    seconds and the total time at the end."""
+    seconds and the total time at the end; ``check()`` runs after each compiled shape."""
     import time
 
     from jaxinfer.jobs import UsageError
@@ -140,6 +142,8 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0) -> None:
 
     def progress(k, n, key):
         nonlocal last
+        if check is not None:
+            check()
         now = time.perf_counter()
         if now - last >= interval or done + k in (1, total):
             last = now
@@ -152,13 +156,14 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0) -> None:
     say(f"compiled {total} step shapes ({mode}) in {time.perf_counter() - t0:.1f} s")
 
 
-def warmup_requests(llm) -> None:
+def warmup_requests(llm, check=lambda: None) -> None:
     """Compiles the step shapes most requests use: one short request, a batch of eight, greedy
     and sampled (a bucket seen later still compiles on first use)."""
     from jaxinfer.sampling_params import SamplingParams
 
     ids = [[llm.engine.tokenizer.bos_id or 0, 1 % llm.config.vocab_size]] * 8
     llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    check()
     llm.generate(ids, [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=3,
                                       ignore_eos=True) for i in range(8)])
 
@@ -194,12 +199,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         say = (lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True))
         try:
-            with _stop_on_signal():
+            with _stop_on_signal() as stop:
                 llm = _load_llm(args)
+                stop.check()
                 if args.warmup:
                     say(f"warming up ({args.warmup}): compiling step shapes before the port "
                         "opens")
-                    warmup(llm, args.warmup, say)
+                    warmup(llm, args.warmup, say, check=stop.check)
+                stop.check()
         except _StartupStopped as e:
             say(f"{e}: stopped during start-up, before serving (no request was accepted)")
             return 0
@@ -223,16 +230,27 @@ class _StartupStopped(Exception):
 
 
 class _stop_on_signal:
-    """Within the block, SIGTERM and SIGINT raise ``_StartupStopped`` (at the next Python
-    bytecode: a compile running in XLA finishes first), so a server stopped while it starts exits
-    0 with a message, as a drain does, not by the signal (143) or a KeyboardInterrupt traceback."""
+    """Within the block, SIGTERM and SIGINT are recorded, and ``check()`` (called after loading
+    and after each warm-up step shape) raises ``_StartupStopped`` naming the first one, so a server
+    stopped while it starts exits 0 with a message, as a drain does, not by the signal (143) or a
+    KeyboardInterrupt traceback. The handler itself only records: an exception raised from a
+    signal handler lands wherever Python happens to be, and jax swallows it there (a GC callback,
+    a persistent-cache read), which lost the signal (found by a new-user check)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
 
     def __enter__(self):
-        def stop(signum, frame):
-            raise _StartupStopped(signal.Signals(signum).name)
+        def record(signum, frame):
+            self.signal = self.signal or signal.Signals(signum).name
 
-        self._old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._old = {sig: signal.signal(sig, record) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
+
+    def check(self) -> None:
+        """Raises ``_StartupStopped`` once a signal was recorded."""
+        if self.signal is not None:
+            raise _StartupStopped(self.signal)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._old.items():
