@@ -191,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not reuse the KV pages of prompt prefixes that earlier requests "
                    "computed (prefix caching is on by default; outputs are the same)")
     e.add_argument("--no-reuse-compiled-buckets", dest="reuse_compiled_buckets",
-                   action="store_false", help="compile every new step shape before running it "
-                   "(default: pad it to a compiled shape one bucket up; outputs are the same)")
+                   action="store_false", help="compile every new step shape before running it, "
+                   "instead of padding it to a compiled shape one bucket up (same outputs)")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, "
                    "per-head scales)")
