@@ -130,12 +130,15 @@ def test_data_parallel_default_sizes_refusals_and_compilation_cache(tmp_path, st
                                "engines yet"), first[name]
 
     # The persistent cache: the first run wrote it; a second identical run hits it, adds no
-    # file, and gives the same records.
+    # forward-step file, and gives the same records. (The cache keeps compiles over 0.5 s: a
+    # forward step takes seconds, but the sampling step ~0.5 s, so whether the second run writes
+    # a sampling entry the first did not depends on the machine's load.)
     written = _cache_files(cache / "xla")
-    assert written, "the first run wrote no compilation cache entry"
+    assert any("forward" in f for f in written), written
     second = _run("second", tmp_path, stories_dir, cache)
     assert second["cache_hits"] >= 2, second["cache_hits"]
-    assert _cache_files(cache / "xla") == written
+    after = _cache_files(cache / "xla")
+    assert written <= after and not {f for f in after - written if "forward" in f}, after - written
     tokens = {r["id"]: r["token_ids"] for r in first["dp_records"]}
     assert {r["id"]: r["token_ids"] for r in second["dp_records"]} == tokens
 
