@@ -19,14 +19,20 @@ def hf_serve_dir(model: str) -> Path:
     _, _, src = resolve_model(model, hf=True)
     if src is None:
         raise FileNotFoundError(f"{model} is not a Hugging Face directory (no config.json)")
-    path = src.with_name(src.name + "-hf-serve3")
+    return _linked_dir(src, src.with_name(src.name + "-hf-serve3"),
+                       lambda dst: shutil.copy(STORIES / "tok512.model", dst))
+
+
+def _linked_dir(src: Path, path: Path, write_tokenizer) -> Path:
+    """``path`` (made once, atomically): ``src``'s files linked, ``write_tokenizer(dst)`` writing
+    its tokenizer.model and a LlamaTokenizer config beside them."""
     if not (path / "tokenizer_config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True)
         for f in src.iterdir():
             if f.is_file() and f.name not in ("tokenizer.model", "tokenizer_config.json"):
                 (tmp / f.name).symlink_to(f.resolve())
-        shutil.copy(STORIES / "tok512.model", tmp / "tokenizer.model")
+        write_tokenizer(tmp / "tokenizer.model")
         (tmp / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
              "unk_token": "<unk>", "add_bos_token": True}))
@@ -60,16 +66,5 @@ def full_vocab_dir(model: str) -> Path:
     (``full_vocab_tokenizer``) with a LlamaTokenizer config, so every id it samples decodes to
     text (with the 512 pieces alone, almost none does)."""
     src, vocab, _ = resolve_model(model)
-    path = src.with_name(src.name + "-serve-fullvocab")
-    if not (path / "tokenizer_config.json").exists():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True)
-        for f in src.iterdir():
-            if f.is_file() and f.name not in ("tokenizer.model", "tokenizer_config.json"):
-                (tmp / f.name).symlink_to(f.resolve())
-        full_vocab_tokenizer(STORIES / "tok512.model", vocab, tmp / "tokenizer.model")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-             "unk_token": "<unk>", "add_bos_token": True}))
-        tmp.rename(path)
-    return path
+    return _linked_dir(src, src.with_name(src.name + "-serve-fullvocab"),
+                       lambda dst: full_vocab_tokenizer(STORIES / "tok512.model", vocab, dst))
