@@ -26,7 +26,6 @@ line and appends it to results/bench_quant_batch.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -92,6 +91,8 @@ def main() -> None:
                      "[:formulation]")
 
     sys.path.insert(0, str(REPO))
+    from benchlib import emit  # scripts/ is on sys.path when run as a script
+
     from jaxinfer.config import ModelConfig
     from jaxinfer.llm import enable_compilation_cache
     from jaxinfer.params import init_random
@@ -170,10 +171,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "steps": table,
     }
-    print(json.dumps(res), flush=True)
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.results, "a") as f:
-        f.write(json.dumps(res) + "\n")
+    emit(res, Path(args.results).stem, Path(args.results).parent)
 
 
 if __name__ == "__main__":
