@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import kv_bytes_per_token
-from jaxinfer.paged_attention import resolve_attn_impl
+from jaxinfer.paged_attention import XLA_IMPLS, resolve_attn_impl
 from jaxinfer.params import Params
 
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -118,7 +118,7 @@ def default_page_size(attn_impl: str = "auto", backend: str | None = None) -> in
     110M serving run took 69.2 / 65.9 s with 8 vs 71.2 / 70.2 s with 16, same tokens.
     Raises ValueError for an unknown ``attn_impl`` (``paged_attention.resolve_attn_impl``)."""
     backend = backend or jax.default_backend()
-    return 8 if backend == "cpu" and resolve_attn_impl(attn_impl, backend) in ("xla", "cpu_kernel") else 16
+    return 8 if backend == "cpu" and resolve_attn_impl(attn_impl, backend) in XLA_IMPLS else 16
 
 
 def default_num_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, kv_cache_bytes: int) -> int:
