@@ -159,21 +159,15 @@ class LLM:
                 "(the model's context length, max_position_embeddings)")
         self.mesh, self.sharding_plan = placer.mesh, placer.plan
         run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
-        max_model_len = max_model_len or self.config.max_position_embeddings
-        if page_size is None:
-            page_size = default_page_size(attn_impl)
-        ecfg = EngineConfig(
-            max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
-            attn_impl=attn_impl, seed=seed, kv_cache_dtype=kv_cache_dtype,
-            unroll_layers=unroll_layers, async_scheduling=async_scheduling,
-            batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching,
-            reuse_compiled_buckets=reuse_compiled_buckets,
-        )
-        if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
-            kv_pages = default_num_pages(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params),
-                                         int(kv_cache_memory_gb * 2**30) * placer.plan.tp)
-        ecfg = EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages})
+        ecfg = engine_config(
+            run_cfg, self.params, placer.plan.tp, max_model_len=max_model_len,
+            page_size=page_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, attn_impl=attn_impl, seed=seed,
+            kv_cache_dtype=kv_cache_dtype, unroll_layers=unroll_layers,
+            async_scheduling=async_scheduling, batch_invariant=batch_invariant,
+            enable_prefix_caching=enable_prefix_caching,
+            reuse_compiled_buckets=reuse_compiled_buckets, kv_pages=kv_pages,
+            kv_cache_memory_gb=kv_cache_memory_gb)
         check_kv_pool(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params), placer.plan.tp,
                       None if self.mesh is None else list(self.mesh.devices.flat))
         if self.mesh is None:
@@ -214,26 +208,7 @@ class LLM:
         """Token ids (and text) of a prompt: a string, a list of token ids, or a dict with
         ``"prompt"``, ``"prompt_token_ids"`` or ``"messages"`` (chat). Raises RequestError (also
         for a text prompt when the model runs without a tokenizer)."""
-        tok = self._engine_tokenizer  # without a tokenizer, its encode raises RequestError
-        if isinstance(prompt, str):
-            return tok.encode(prompt), prompt
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise RequestError("prompt_token_ids must be a list of integers")
-                return list(ids), None
-            if "messages" in prompt:
-                text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
-                return tok.encode(text, add_special_tokens=False), text
-            if "prompt" in prompt:
-                if not isinstance(prompt["prompt"], str):
-                    raise RequestError("prompt must be a string")
-                return tok.encode(prompt["prompt"]), prompt["prompt"]
-            raise RequestError("a request needs one of 'prompt', 'prompt_token_ids', 'messages'")
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return list(prompt), None
-        raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
+        return encode_prompt(self._engine_tokenizer, prompt)  # without a tokenizer: RequestError
 
     # ---------------------------------------------------------------- generation
 
@@ -375,6 +350,63 @@ class LLM:
                 "plain prompts")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)
+
+
+def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
+    """``LLM.encode_prompt`` with tokenizer ``tok`` (an ``IdsOnlyTokenizer`` raises RequestError
+    for text). Raises RequestError."""
+    if isinstance(prompt, str):
+        return tok.encode(prompt), prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RequestError("prompt_token_ids must be a list of integers")
+            return list(ids), None
+        if "messages" in prompt:
+            text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False), text
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise RequestError("prompt must be a string")
+            return tok.encode(prompt["prompt"]), prompt["prompt"]
+        raise RequestError("a request needs one of 'prompt', 'prompt_token_ids', 'messages'")
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        return list(prompt), None
+    raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def engine_config(run_cfg, params, tp: int = 1, *, max_model_len: int | None,
+                  page_size: int | None, max_num_seqs: int, max_num_batched_tokens: int | None,
+                  attn_impl: str, seed: int, kv_cache_dtype: str, unroll_layers: bool | None,
+                  async_scheduling: bool | None, batch_invariant: bool,
+                  enable_prefix_caching: bool, reuse_compiled_buckets: bool,
+                  kv_pages: int | None, kv_cache_memory_gb: float) -> EngineConfig:
+    """The ``EngineConfig`` ``LLM`` gives its engines for these arguments (``LLM``'s of the same
+    names, defaults resolved): ``run_cfg`` the model config the engines run (after sharding's
+    changes), ``params`` the weights (real or ``jax.ShapeDtypeStruct`` leaves: only
+    ``params.embed.dtype`` is read, for the KV dtype), ``tp`` the devices of one model copy (the
+    default pool's memory budget is per device). ``jaxinfer.compile_while_loading`` derives
+    the first step's shapes from it before the weights exist.
+
+    Raises:
+        ValueError: ``kv_cache_dtype`` or ``attn_impl`` unknown, a size out of range
+            (``EngineConfig``'s checks)."""
+    max_model_len = max_model_len or run_cfg.max_position_embeddings
+    if page_size is None:
+        page_size = default_page_size(attn_impl)
+    ecfg = EngineConfig(
+        max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
+        attn_impl=attn_impl, seed=seed, kv_cache_dtype=kv_cache_dtype,
+        unroll_layers=unroll_layers, async_scheduling=async_scheduling,
+        batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching,
+        reuse_compiled_buckets=reuse_compiled_buckets,
+    )
+    if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
+        kv_pages = default_num_pages(run_cfg, ecfg, resolve_kv_dtype(ecfg, params),
+                                     int(kv_cache_memory_gb * 2**30) * tp)
+    return EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages})
 
 
 def _warn_no_tokenizer(model, eos_ids: tuple[int, ...], asked: bool) -> None:
