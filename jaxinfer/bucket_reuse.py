@@ -31,7 +31,7 @@ padded step costs up to ~2x (batch-1 decode of a ~110M model on 2 cores: ~25 ms 
 ~1-5 s: 64 padded steps cost less than the compile they may save."""
 
 
-def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple[bool, int]) -> Buckets:
+def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple) -> Buckets:
     """The buckets to run a step whose exact buckets are ``need``: ``need`` itself when it is
     compiled, else the cheapest (fewest tokens) compiled forward key with every dimension in
     [need, one bucket up], preferring those whose sampling variant is compiled too (else that
@@ -39,9 +39,9 @@ def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple[bool, int])
 
     Args:
         need: the step's exact buckets.
-        compiled: ``Engine.compile_keys`` (``("forward", key)``, ``("sample", rows, controls,
-            num_logprobs)``...).
-        sample_flags: (the step has logits controls, its number of logprobs): the sampling key.
+        compiled: ``Engine.compile_keys`` (``("forward", key)``, ``("sample", rows, *flags)``...).
+        sample_flags: the step's ``sampling.sample_flags``, (logits controls, number of logprobs)
+            or ``sampling.GREEDY_FLAGS``: the tail of the sampling key.
     """
     if ("forward", need.key) in compiled:
         return need
@@ -80,10 +80,10 @@ class BackgroundCompiler:
         self._lock = threading.Lock()  # submit_ahead may run on another thread (job_plan)
         self.waited_s = 0.0  # seconds steps spent waiting for a compile here (``wait_for``)
 
-    def _compile_fn(self, key: tuple, sample_flags: list[tuple[bool, int]],
-                    after_first_step: bool = False):
+    def _compile_fn(self, key: tuple, sample_flags: list[tuple], after_first_step: bool = False):
         """A function compiling forward bucket tuple ``key`` and its sampling variants of each
-        (controls, num_logprobs) in ``sample_flags``, with the engine's static arguments; with
+        flags in ``sample_flags`` (``sampling.sample_flags``: (controls, num_logprobs) or
+        ``sampling.GREEDY_FLAGS``), with the engine's static arguments; with
         ``after_first_step`` it first waits until the engine has read a step's tokens back (its
         ``num_steps``), so it does not compete with the first step's own compile."""
         from jaxinfer.precompile import dummy_step_batch, sample_rows
@@ -95,7 +95,7 @@ class BackgroundCompiler:
         b = sample_rows(key[0], key[2])
 
         def compile_both():
-            from jaxinfer.sampling import SamplingParams, SamplingTensors
+            from jaxinfer.sampling import GREEDY_FLAGS, SamplingParams, SamplingTensors
             from jaxinfer.step import LogitsControls
 
             while after_first_step and getattr(e, "num_steps", 1) == 0:
@@ -106,12 +106,13 @@ class BackgroundCompiler:
             st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b,
                                              [0] * b, pad_to=b)
             v = e.cfg.vocab_size
-            for controls_on, num_lp in sample_flags:
+            for flags in sample_flags:
+                controls_on, num_lp = flags[:2]
                 controls = None if not controls_on else LogitsControls(
                     np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool))
                 e._sample.lower(logits, st, controls, num_logprobs=num_lp,
-                                num_slots=e._num_slots,
-                                batch_invariant=e.ecfg.batch_invariant).compile()
+                                num_slots=e._num_slots, batch_invariant=e.ecfg.batch_invariant,
+                                greedy=tuple(flags) == GREEDY_FLAGS).compile()
 
         return compile_both
 
@@ -120,7 +121,7 @@ class BackgroundCompiler:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-compile")
         return self._pool.submit(fn)
 
-    def submit(self, need: Buckets, sample_flags: tuple[bool, int], compiled: set) -> list:
+    def submit(self, need: Buckets, sample_flags: tuple, compiled: set) -> list:
         """Starts compiling ``need`` and its sampling variant (idempotent). Returns their compile
         keys not in ``compiled`` yet: the engine counts them now (so its compile count depends on
         its steps only, not on when the thread finishes) and ``pending`` holds them until done.
@@ -142,10 +143,10 @@ class BackgroundCompiler:
             self.pending.update(keys)
             return keys
 
-    def submit_ahead(self, keys: list[tuple], sample_flags: dict[int, list[tuple[bool, int]]]
-                     ) -> None:
+    def submit_ahead(self, keys: list[tuple], sample_flags: dict[int, list[tuple]]) -> None:
         """Queues forward bucket tuples ``keys`` (in this order) for compiling, each with the
-        sampling variants ``sample_flags[B']`` of its sampled rows B' (default: the plain one).
+        sampling variants ``sample_flags[B']`` of its sampled rows B' (default: the plain one,
+        (False, 0)).
         Nothing is counted in the engine's ``compile_keys``: a step counts its key when it
         dispatches it, as without this (so the steps chosen are the same), and waits for a key
         still compiling here (``wait_for``) instead of compiling it a second time. The compiles

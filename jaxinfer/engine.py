@@ -33,11 +33,13 @@ from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.prefix_cache import PrefixCachingAllocator
 from jaxinfer.resume import ResumeState, check_resume
 from jaxinfer.sampling import (
+    GREEDY_FLAGS,
     MAX_LOGPROBS,
     SamplingParams,
     SamplingTensors,
     draw_seed,
     find_stop_string,
+    sample_flags,
 )
 from jaxinfer.scheduler import Scheduler, SeqStatus, Sequence
 from jaxinfer.sharding import to_host
@@ -358,8 +360,9 @@ class Engine:
                 or any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)):
             return need
         want_lp = any(r.seq.params.logprobs is not None for r in sched.rows)
-        flags = (any(needs_controls(r.seq) for r in sched.rows),
-                 min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0)
+        flags = sample_flags((r.seq.params for r in sched.rows),
+                             any(needs_controls(r.seq) for r in sched.rows),
+                             min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0)
         chosen = bucket_reuse.choose_buckets(need, usable, flags)
         if chosen != need and self._wanted.get(need.key, 0) >= bucket_reuse.REUSE_STEPS:
             if self._compiler is None or need.key in self._compiler.failed:
@@ -464,7 +467,8 @@ class Engine:
         want_lp = any(row.seq.params.logprobs is not None for row, _ in rows)
         num_lp = min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0
         self.compile_keys.add(("forward", bk.key))
-        self.compile_keys.add(("sample", b, controls is not None, num_lp))
+        flags = sample_flags((row.seq.params for row, _ in rows), controls is not None, num_lp)
+        self.compile_keys.add(("sample", b, *flags))
         prev_tokens = prev.next_tokens if prev is not None else self._no_prev
         plan = plp.plan_step(rows, batch.logits_indices, len(batch.tokens))
         if plan is None:
@@ -479,6 +483,7 @@ class Engine:
             self.kv, logits, plan_out = fwd(self.params, self.kv, batch, prev_tokens, plan.targets,
                                             cfg=self.cfg, attn_impl=self.ecfg.attn_impl, num_top=k)
         out, next_tokens = self._sample(logits, st, controls, num_logprobs=num_lp,
+                                        greedy=flags == GREEDY_FLAGS,
                                         num_slots=self._num_slots,
                                         batch_invariant=self.ecfg.batch_invariant)
         sampled = []

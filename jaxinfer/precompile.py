@@ -2,7 +2,9 @@
 
 Every step's shapes are padded to buckets (``jaxinfer.batch``): the forward step compiles once per
 bucket tuple ``("forward", (Td, Tp, Bp, M))`` and the sampling step once per
-``("sample", B', controls, num_logprobs)`` (``Engine.compile_keys``). A key met for the first
+``("sample", B', controls, num_logprobs)``, or ``("sample", B', False, 0, "greedy")`` for an
+all-greedy step without controls or logprobs (``sampling.sample_flags``; ``Engine.compile_keys``).
+A key met for the first
 time mid-serving compiles while every running request waits (2-4 CPU-seconds a key for
 stories260K on CPU, docs/server.md). ``precompile`` dispatches a dummy all-padding step of each
 key through the engine's own jitted functions, with the static arguments ``Engine._dispatch``
@@ -34,12 +36,16 @@ from jaxinfer.batch import holds_within_one_bucket, next_pow2, step_buckets
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.paged_attention import AttentionMetadata
-from jaxinfer.sampling import SamplingParams, SamplingTensors
+from jaxinfer.sampling import GREEDY_FLAGS, SamplingParams, SamplingTensors
 from jaxinfer.step import LogitsControls, StepBatch
 
 Key = tuple
-"""A compile key as in ``Engine.compile_keys``: ``("forward", (Td, Tp, Bp, M))`` or
-``("sample", B', controls, num_logprobs)``."""
+"""A compile key as in ``Engine.compile_keys``: ``("forward", (Td, Tp, Bp, M))``,
+``("sample", B', controls, num_logprobs)`` or ``("sample", B', False, 0, "greedy")``."""
+
+PLAIN_SAMPLE_FLAGS = ((False, 0), GREEDY_FLAGS)
+"""The sampling variants every B' gets (``with_sample_keys``, ``precompile``): the general one
+without controls or logprobs (any row sampling at a temperature) and the all-greedy one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +54,7 @@ class PrecompileReport:
 
     Attributes:
         keys: the keys dispatched, in order (forward keys each followed by their plain
-            sampling key, as the engine pairs them).
+            sampling keys, ``PLAIN_SAMPLE_FLAGS``, as the engine pairs them).
         new_keys: how many of them were not in ``engine.compile_keys`` before.
         seconds: wall time of the whole call, seconds.
     """
@@ -68,7 +74,7 @@ def _first_live(bucket_of: Callable[[int], int], top: int) -> dict[int, int]:
 
 def all_keys(ecfg: EngineConfig) -> list[Key]:
     """Every forward key ``build_step_batch`` can give under ``ecfg``'s limits, each followed by
-    its plain sampling key (the first time its B' occurs).
+    its plain sampling keys (the first time its B' occurs).
 
     Each dimension's buckets are ``batch.step_buckets`` of the live counts up to the limits; a
     bucket tuple is kept when its smallest live counts fit the limits (decode rows plus
@@ -105,8 +111,9 @@ def all_keys(ecfg: EngineConfig) -> list[Key]:
 
 
 def with_sample_keys(forward: Iterable[tuple[int, int, int, int]]) -> list[Key]:
-    """("forward", key) for each bucket tuple, each followed by ("sample", B', False, 0) the
-    first time its B' occurs: the engine runs that sampling step after it."""
+    """("forward", key) for each bucket tuple, each followed by its plain sampling keys
+    ("sample", B', False, 0) and ("sample", B', False, 0, "greedy") (``PLAIN_SAMPLE_FLAGS``) the
+    first time its B' occurs: the engine runs one of them after it."""
     out: list[Key] = []
     seen: set[int] = set()
     for bk in forward:
@@ -114,7 +121,7 @@ def with_sample_keys(forward: Iterable[tuple[int, int, int, int]]) -> list[Key]:
         b = sample_rows(bk[0], bk[2])
         if b not in seen:
             seen.add(b)
-            out.append(("sample", b, False, 0))
+            out += [("sample", b, *flags) for flags in PLAIN_SAMPLE_FLAGS]
     return out
 
 
@@ -150,7 +157,8 @@ def precompile(engine, keys: Iterable[Key] | None = None,
 
     Each forward key runs one dummy all-padding step (``dummy_step_batch``) through
     ``engine._forward``, then its B' sampled rows through ``engine._sample`` with the plain
-    options (no controls, no logprobs: greedy and sampled rows share that compilation), and with
+    options (no controls, no logprobs: ``PLAIN_SAMPLE_FLAGS``, the general variant and the
+    all-greedy one), and with
     the options of every sampling key in ``keys`` of the same B', each with the static arguments
     ``Engine._dispatch`` passes. Every key run goes into ``engine.compile_keys``. The KV pool is
     donated and replaced as in a real step; only the null page is written. Call it while no
@@ -210,14 +218,16 @@ def precompile(engine, keys: Iterable[Key] | None = None,
         done.append(("forward", bk))
         st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b,
                                          pad_to=b)
-        for sk in [("sample", b, False, 0)] + [s for s in smp if s[1] == b]:
+        plain = [("sample", b, *flags) for flags in PLAIN_SAMPLE_FLAGS]
+        for sk in plain + [s for s in smp if s[1] == b]:
             if sk in done:
                 continue
             controls = None if not sk[2] else LogitsControls(
                 np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool))
             out, prev = engine._sample(logits, st, controls, num_logprobs=sk[3],
                                        num_slots=engine._num_slots,
-                                       batch_invariant=ecfg.batch_invariant)
+                                       batch_invariant=ecfg.batch_invariant,
+                                       greedy=sk[2:] == GREEDY_FLAGS)
             engine.compile_keys.add(sk)
             done.append(sk)
         prev.block_until_ready()  # the compile happened at dispatch; this bounds the device work
@@ -262,10 +272,14 @@ def _split_keys(keys: list) -> tuple[list[tuple[int, int, int, int]], list[Key]]
         elif (isinstance(k, tuple) and len(k) == 4 and k[0] == "sample" and ints(k[1:2] + k[3:])
               and k[1] > 0 and isinstance(k[2], bool)):
             smp.append(k)
+        elif (isinstance(k, tuple) and len(k) == 5 and k[0] == "sample" and ints(k[1:2])
+              and k[1] > 0 and k[2:] == GREEDY_FLAGS and isinstance(k[2], bool)):
+            smp.append(k)
         else:
             raise ValueError(f"precompile: cannot compile key {k!r}: expected ('forward', (Td, "
                              "Tp, Bp, M)) with Td + Tp > 0, M > 0 and Tp == 0 exactly when "
-                             "Bp == 0, or ('sample', B', controls: bool, num_logprobs)")
+                             "Bp == 0, ('sample', B', controls: bool, num_logprobs) or "
+                             "('sample', B', False, 0, 'greedy')")
     return list(dict.fromkeys(fwd)), list(dict.fromkeys(smp))
 
 
@@ -273,7 +287,7 @@ def serving_keys(ecfg: EngineConfig, *, max_prefill_rows: int = 1,
                  max_prefill_tokens: int | None = None) -> list[Key]:
     """The keys ``precompile`` compiles by default: those of ``all_keys`` with at most
     ``max_prefill_rows`` prefill rows (Bp) and ``max_prefill_tokens`` prefill tokens (Tp bucket;
-    None: no limit), with their plain sampling keys."""
+    None: no limit), with their plain sampling keys (``with_sample_keys``)."""
     fwd = [k[1] for k in all_keys(ecfg) if k[0] == "forward" and k[1][2] <= max_prefill_rows
            and (max_prefill_tokens is None or k[1][1] <= max_prefill_tokens)]
     return with_sample_keys(fwd)

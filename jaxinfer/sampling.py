@@ -10,7 +10,7 @@ logits processor in ``vllm/v1/sample/logits_processor/builtin.py`` and ``apply_p
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from jaxinfer.sampling_params import (
 )
 
 __all__ = [
+    "GREEDY_FLAGS",
     "MAX_LOGPROBS",
     "SAMPLING_EPS",
     "SampleOutput",
@@ -36,7 +37,13 @@ __all__ = [
     "processed_logits",
     "row_keys",
     "sample",
+    "sample_flags",
+    "sample_greedy",
 ]
+
+GREEDY_FLAGS = (False, 0, "greedy")
+"""The greedy-only sampling variant's flags, the tail of its compile key
+``("sample", B', False, 0, "greedy")`` (`sample_flags`, `sample_greedy`)."""
 
 
 @jax.tree_util.register_dataclass
@@ -342,4 +349,47 @@ def sample(
         logprobs=token_lp,
         top_ids=top_ids.astype(jnp.int32),
         top_logprobs=top_lp,
+    )
+
+
+def sample_flags(params: Iterable[SamplingParams], controls: bool, num_logprobs: int) -> tuple:
+    """The flags of a step's sampling variant: the tail of its key ``("sample", B', *flags)``.
+
+    `GREEDY_FLAGS` when every row is greedy (`SamplingParams.greedy`: temperature <
+    `SAMPLING_EPS`, normalised to 0, which `sample` also takes as greedy), no row has logits
+    controls and none asks for logprobs: the step then runs `sample_greedy`, whose tokens equal
+    `sample`'s for such rows. Otherwise ``(controls, num_logprobs)``: `sample` (through
+    ``step.sample_step``).
+
+    Args:
+        params: the sampling parameters of the step's live rows (padding rows are greedy).
+        controls: whether the step passes logits controls (penalties, banned tokens).
+        num_logprobs: the step's static number of top logprobs (0: no row asked for logprobs).
+    """
+    if not controls and num_logprobs == 0 and all(p.greedy for p in params):
+        return GREEDY_FLAGS
+    return (bool(controls), int(num_logprobs))
+
+
+def sample_greedy(logits: jax.Array) -> SampleOutput:
+    """`sample` for a batch whose rows are all greedy, with no logprobs asked: argmax only.
+
+    The tokens are `sample`'s for greedy rows (``argmax`` of `logits`, lowest id on ties). The
+    sampled tokens' logprobs are not computed (no log-softmax over [B, V]): nothing reads them
+    when no row asked for logprobs (`jaxinfer.engine` reads ``logprobs`` only for rows with
+    ``SamplingParams.logprobs`` set), so they are NaN, and the top-n arrays are empty.
+
+    Args:
+        logits: f32[B, V] (bf16 is upcast), no penalties or banned tokens to apply.
+
+    Returns:
+        `SampleOutput` with tokens i32[B], logprobs f32[B] all NaN, top_ids i32[B, 0],
+        top_logprobs f32[B, 0].
+    """
+    B = logits.shape[0]
+    return SampleOutput(
+        tokens=jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32),
+        logprobs=jnp.full((B,), jnp.nan, jnp.float32),
+        top_ids=jnp.zeros((B, 0), jnp.int32),
+        top_logprobs=jnp.zeros((B, 0), jnp.float32),
     )

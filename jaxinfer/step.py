@@ -20,7 +20,13 @@ from jaxinfer.kv_cache import KVCache
 from jaxinfer.model import compute_logits, forward
 from jaxinfer.paged_attention import AttentionMetadata, paged_attn_fn, resolve_attn_impl
 from jaxinfer.params import Params
-from jaxinfer.sampling import SampleOutput, SamplingTensors, apply_penalties, sample
+from jaxinfer.sampling import (
+    SampleOutput,
+    SamplingTensors,
+    apply_penalties,
+    sample,
+    sample_greedy,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -144,13 +150,24 @@ def sample_step_padded(
     num_logprobs: int = 0,
     num_slots: int,
     batch_invariant: bool = False,
+    greedy: bool = False,
 ) -> tuple[SampleOutput, jax.Array]:
     """``sample_step``, plus the sampled tokens zero-padded to i32[num_slots] (static), the
     ``prev_tokens`` of the next ``forward_step`` (one shape for every B, so the forward compiles
     once per bucket tuple). ``batch_invariant`` (static): run it over fixed tiles of rows
-    (``batch_invariant.map_token_tiles``), so a row's results do not depend on B. Raises
-    ValueError when B > num_slots."""
-    if batch_invariant:
+    (``batch_invariant.map_token_tiles``), so a row's results do not depend on B. ``greedy``
+    (static): the host found every row greedy with no controls and no logprobs
+    (``sampling.sample_flags``): run ``sampling.sample_greedy`` (an argmax, the same tokens; no
+    log-softmax, logprobs NaN; an argmax of one row never depends on B, so no tiles either).
+    Raises ValueError when B > num_slots, or ``greedy`` with controls or num_logprobs > 0."""
+    if greedy:
+        if controls is not None or num_logprobs:
+            raise ValueError(
+                "sample_step_padded: greedy=True takes no controls and num_logprobs=0, got "
+                f"controls={'set' if controls is not None else None}, "
+                f"num_logprobs={num_logprobs}")
+        out = sample_greedy(logits)
+    elif batch_invariant:
         out = map_token_tiles(
             lambda lg, st, ctl: sample_step(lg, st, ctl, num_logprobs=num_logprobs),
             logits, sampling, controls)
@@ -178,4 +195,4 @@ def jitted_forward_step(out_shardings=None):
 def jitted_sample_step():
     """The jitted ``sample_step_padded``."""
     return jax.jit(sample_step_padded,
-                   static_argnames=("num_logprobs", "num_slots", "batch_invariant"))
+                   static_argnames=("num_logprobs", "num_slots", "batch_invariant", "greedy"))

@@ -8,9 +8,9 @@ from test_engine import reference_requests
 from jaxinfer.batch import Buckets
 from jaxinfer.bucket_reuse import choose_buckets
 from jaxinfer.job_plan import plan_job
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import GREEDY_FLAGS, SamplingParams
 
-GREEDY = (False, 0)  # sampling flags: no logits controls, no logprobs
+PLAIN = (False, 0)  # sampling flags of the general variant: no logits controls, no logprobs
 
 
 def keys(*forward, samples=()):
@@ -48,16 +48,18 @@ def keys(*forward, samples=()):
     ((4, 32, 1, 8), keys((8, 64, 1, 8), (8, 32, 1, 16), samples=(16,)), (8, 32, 1, 16)),
 ])
 def test_choice_against_hand_worked_cases(need, compiled, expected):
-    assert choose_buckets(Buckets(*need), compiled, GREEDY).key == expected
+    assert choose_buckets(Buckets(*need), compiled, PLAIN).key == expected
 
 
 def test_sampling_flags_select_the_variant():
-    # two holders; only (8, 0, 0, 16)'s rows (8) have the controls variant, only
-    # (4, 0, 0, 16)'s rows (4) the plain one and the logprobs one
+    # two holders; only (8, 0, 0, 16)'s rows (8) have the controls variant and the all-greedy
+    # one, only (4, 0, 0, 16)'s rows (4) the plain one and the logprobs one
     compiled = keys((8, 0, 0, 16), (4, 0, 0, 16)) | {
-        ("sample", 8, True, 0), ("sample", 4, False, 0), ("sample", 4, False, 20)}
+        ("sample", 8, True, 0), ("sample", 8, *GREEDY_FLAGS), ("sample", 4, False, 0),
+        ("sample", 4, False, 20)}
     need = Buckets(4, 0, 0, 8)
-    assert choose_buckets(need, compiled, GREEDY).key == (4, 0, 0, 16)
+    assert choose_buckets(need, compiled, PLAIN).key == (4, 0, 0, 16)
+    assert choose_buckets(need, compiled, GREEDY_FLAGS).key == (8, 0, 0, 16)
     assert choose_buckets(need, compiled, (True, 0)).key == (8, 0, 0, 16)
     assert choose_buckets(need, compiled, (False, 20)).key == (4, 0, 0, 16)
     assert choose_buckets(need, compiled, (True, 20)).key == (4, 0, 0, 16)  # none: cheapest
@@ -88,7 +90,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
     prompts = [ids for ids, _, _ in refs] + [tok.encode("Tom had a red ball")] * 4
     params = [sp for _, sp, _ in refs] + [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30, 66)]
-    runs, forward = {}, eng._forward
+    runs, forward, sample = {}, eng._forward, eng._sample
     # (reuse, async): the third run, synchronous, meets the second's shapes (compiles nothing)
     for reuse, asynchronous in ((False, None), (True, None), (True, False)):
         if hasattr(eng.allocator, "clear_cache"):
@@ -99,9 +101,20 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
         monkeypatch.setattr(eng, "compile_keys", set())  # as a fresh engine
         monkeypatch.setattr(eng, "_wanted", {})
         shapes = _dispatched_shapes(eng, forward, monkeypatch)
+        greedy_calls = []
+
+        def sample_spy(*a, calls=greedy_calls, **kw):
+            calls.append(kw.get("greedy"))
+            return sample(*a, **kw)
+
+        sample_spy.lower = sample.lower
+        monkeypatch.setattr(eng, "_sample", sample_spy)
         outs = stories_llm.generate(prompts, params)
         for (ids, _, expected), out in zip(refs, outs, strict=False):
             assert tok.decode(ids + out.token_ids) == expected
+        # All rows greedy without logprobs or controls: every step ran the all-greedy variant.
+        assert greedy_calls == [True] * len(shapes)
+        assert {k[2:] for k in eng.compile_keys if k[0] == "sample"} == {GREEDY_FLAGS}
         # Every output ran to max_tokens, so the job's plan (jaxinfer.job_plan: pure host)
         # predicts exactly the keys the engine counted.
         assert all(o.finish_reason == "length" for o in outs), [o.finish_reason for o in outs]
@@ -199,7 +212,8 @@ class _FakeJit:
             def compile(self):
                 jit.gate.wait(10)
                 with jit._lock:
-                    jit.compiles.append(kw.get("num_logprobs", "forward"))
+                    jit.compiles.append("greedy" if kw.get("greedy")
+                                        else kw.get("num_logprobs", "forward"))
 
         return Lowered()
 
@@ -228,7 +242,7 @@ def test_a_key_compiled_ahead_is_waited_for_and_never_compiled_twice():
 
     eng, gate = _fake_engine()
     c = BackgroundCompiler(eng)
-    c.submit_ahead([(4, 0, 0, 8), (1, 0, 0, 8)], {4: [(False, 0), (False, 20)]})
+    c.submit_ahead([(4, 0, 0, 8), (1, 0, 0, 8)], {4: [(False, 0), (False, 20), GREEDY_FLAGS]})
     c.submit_ahead([(4, 0, 0, 8)], {})  # again: ignored
     assert not c.pending  # not counted: the engine counts a key when a step dispatches it
     done = threading.Event()
@@ -243,7 +257,8 @@ def test_a_key_compiled_ahead_is_waited_for_and_never_compiled_twice():
     waiter.join()
     c.wait()
     assert c.poll() == [] and not c.pending
-    # One forward compile per key; (4, 0, 0, 8)'s two sampling variants, (1, 0, 0, 8)'s plain one.
+    # One forward compile per key; (4, 0, 0, 8)'s three sampling variants, (1, 0, 0, 8)'s plain
+    # one.
     assert sorted(eng._forward.compiles) == ["forward", "forward"]
-    assert sorted(eng._sample.compiles) == [0, 0, 20]
+    assert sorted(map(str, eng._sample.compiles)) == ["0", "0", "20", "greedy"]
     assert c.waited_s > 0.2

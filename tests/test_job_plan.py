@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jaxinfer.engine_config import EngineConfig
 from jaxinfer.job_plan import plan_job, plan_keys, start_job
 from jaxinfer.precompile import all_keys
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import GREEDY_FLAGS, SamplingParams
 
 
 def ecfg(**kw):
@@ -21,7 +21,7 @@ def ecfg(**kw):
 
 
 F = lambda *k: ("forward", k)  # noqa: E731
-S = lambda b: ("sample", b, False, 0)  # noqa: E731
+S = lambda b: ("sample", b, *GREEDY_FLAGS)  # noqa: E731  (greedy rows: the all-greedy variant)
 
 
 @pytest.mark.parametrize("asynchronous", [None, False])
@@ -69,6 +69,19 @@ def test_sampling_options_choose_the_sampling_keys():
     keys = plan_keys(ecfg(), [10], 4, vocab_size=512, params=p)
     assert keys == [F(0, 32, 1, 4), ("sample", 1, True, 20), F(1, 0, 0, 4),
                     ("sample", 1, False, 20)]
+
+
+def test_the_greedy_variant_only_when_every_row_is_greedy_without_controls_or_logprobs():
+    # Two prompts prefilled together (B' = 2), then decoded together (Td 4, B' = 4). One row
+    # sampling at a temperature, with a penalty or asking for logprobs: the general variant.
+    greedy = SamplingParams(temperature=0.0)
+    for other, flags in ((greedy, GREEDY_FLAGS), (SamplingParams(temperature=0.7), (False, 0)),
+                         (SamplingParams(temperature=1e-6), GREEDY_FLAGS),  # < SAMPLING_EPS
+                         (SamplingParams(temperature=0.0, presence_penalty=0.5), (True, 0)),
+                         (SamplingParams(temperature=0.0, logprobs=0), (False, 20))):
+        keys = plan_keys(ecfg(), [10, 10], 3, vocab_size=512, params=[greedy, other])
+        assert keys == [F(0, 32, 2, 4), ("sample", 2, *flags), F(4, 0, 0, 4),
+                        ("sample", 4, *flags)], other
 
 
 @settings(max_examples=40, deadline=None)

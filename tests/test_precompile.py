@@ -19,7 +19,7 @@ from jaxinfer.engine_config import EngineConfig
 from jaxinfer.kv_cache import NULL_PAGE, PageAllocator
 from jaxinfer.precompile import all_keys, precompile, serving_keys, with_sample_keys
 from jaxinfer.prefix_cache import PrefixCachingAllocator
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import GREEDY_FLAGS, SamplingParams
 from jaxinfer.scheduler import Scheduler, Sequence
 
 
@@ -108,11 +108,13 @@ def test_enumerated_keys_cover_the_limits_edges(budget, page_size, max_model_len
 
 
 def test_sample_keys_follow_each_new_row_count():
+    # each new B' gets the general variant without controls or logprobs and the all-greedy one
     keys = with_sample_keys([(4, 0, 0, 8), (0, 32, 1, 4), (8, 0, 0, 4), (1, 32, 1, 4)])
-    assert keys == [("forward", (4, 0, 0, 8)), ("sample", 4, False, 0),
-                    ("forward", (0, 32, 1, 4)), ("sample", 1, False, 0),
-                    ("forward", (8, 0, 0, 4)), ("sample", 8, False, 0),
-                    ("forward", (1, 32, 1, 4)), ("sample", 2, False, 0)]
+    G = "greedy"
+    assert keys == [("forward", (4, 0, 0, 8)), ("sample", 4, False, 0), ("sample", 4, False, 0, G),
+                    ("forward", (0, 32, 1, 4)), ("sample", 1, False, 0), ("sample", 1, False, 0, G),
+                    ("forward", (8, 0, 0, 4)), ("sample", 8, False, 0), ("sample", 8, False, 0, G),
+                    ("forward", (1, 32, 1, 4)), ("sample", 2, False, 0), ("sample", 2, False, 0, G)]
 
 
 # ---------------------------------------------------------------- on a real engine
@@ -124,10 +126,12 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, page
               kv_pages=11, compilation_cache=False, unroll_layers=False)
 # The steps of ``run_staggered`` (async scheduling): A's prefill, A's decode, A's last decode
 # beside B's prefill, B's decode alone; each forward followed by its sampling step of
-# B' = next_pow2(Td + Bp) rows.
-WORKLOAD_KEYS = [("forward", (0, 32, 1, 4)), ("sample", 1, False, 0),
+# B' = next_pow2(Td + Bp) rows; every row greedy, so the all-greedy sampling variant.
+WORKLOAD_KEYS = [("forward", (0, 32, 1, 4)), ("sample", 1, *GREEDY_FLAGS),
                  ("forward", (1, 0, 0, 4)),
-                 ("forward", (1, 32, 1, 4)), ("sample", 2, False, 0)]
+                 ("forward", (1, 32, 1, 4)), ("sample", 2, *GREEDY_FLAGS)]
+# What precompile(WORKLOAD_KEYS) compiles: each B' also gets its general sampling variant.
+PRECOMPILED = WORKLOAD_KEYS + [("sample", 1, False, 0), ("sample", 2, False, 0)]
 A_TOKENS = 4  # A's output: the first tokens of its reference, still decoding when B arrives
 
 
@@ -191,12 +195,12 @@ def test_precompiled_workload_compiles_nothing_and_keeps_the_pool(llm):
         first = precompile(engine, WORKLOAD_KEYS[:3], lambda k, n, key: seen.append((k, n)), 2)
         # Lowerings, not backend compiles: those a persistent compilation cache would skip.
         lowered = [f for e, f in events if e.endswith("jaxpr_to_mlir_module_duration")]
-        assert sorted(seen) == [(1, 2), (2, 2)] and first.new_keys == 3
+        assert sorted(seen) == [(1, 2), (2, 2)] and first.new_keys == 4
         assert sum("forward_step" in f for f in lowered) == 2  # the dispatches reused them
         seen = []
         report = precompile(engine, WORKLOAD_KEYS, progress=lambda k, n, key: seen.append((k, n)))
         assert seen == [(1, 3), (2, 3), (3, 3)]
-        assert set(report.keys) == set(WORKLOAD_KEYS) and report.new_keys == 2
+        assert set(report.keys) == set(PRECOMPILED) and report.new_keys == 3
         sizes = engine._forward._cache_size(), engine._sample._cache_size()
         events.clear()
         check_texts(run_staggered(engine, cases), cases)
@@ -204,7 +208,7 @@ def test_precompiled_workload_compiles_nothing_and_keeps_the_pool(llm):
         monitoring.unregister_event_duration_listener(listener)
     assert (engine._forward._cache_size(), engine._sample._cache_size()) == sizes
     assert [e for e in events if "compile" in e[0] or "jaxpr" in e[0]] == []
-    assert engine.compile_keys == set(WORKLOAD_KEYS)  # the workload stayed inside them
+    assert engine.compile_keys == set(PRECOMPILED)  # the workload stayed inside them
 
     # Again, with precompile run mid-way: by step 10 B's pages (and A's, freed) hold K/V.
     checked = []
@@ -235,6 +239,8 @@ def test_bad_keys_are_errors_naming_them(llm):
         precompile(llm.engine, [("prompt_logprobs", (1, 0, 0, 4))])
     with pytest.raises(ValueError, match=r"\('sample', 16, False, 0\)"):
         precompile(llm.engine, [("forward", (4, 0, 0, 4)), ("sample", 16, False, 0)])
+    with pytest.raises(ValueError, match=r"\('sample', 4, True, 0, 'greedy'\)"):
+        precompile(llm.engine, [("forward", (4, 0, 0, 4)), ("sample", 4, True, 0, "greedy")])
     with pytest.raises(ValueError, match="workers must be an integer >= 1, got 0"):
         precompile(llm.engine, [("forward", (4, 0, 0, 4))], workers=0)
     assert llm.engine.compile_keys == keys  # nothing ran
@@ -277,7 +283,9 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
         e.cfg = types.SimpleNamespace(vocab_size=512)
     precompile_engines(llm, "cover", said.append)
     rows = {k[1] for k in got[0] if k[0] == "sample" and k[2:] == (False, 0)}
-    assert rows and {k for k in got[0] if k[0] == "sample" and k[2:] != (False, 0)} == {
+    assert rows == {k[1] for k in got[0] if k[0] == "sample" and k[2:] == GREEDY_FLAGS}
+    assert rows and {k for k in got[0] if k[0] == "sample"
+                     and k[2:] not in ((False, 0), GREEDY_FLAGS)} == {
         ("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, 20), (True, 20))}
     llm.engines[1].spec = object()  # a speculative engine
     with pytest.raises(UsageError, match="--warmup requests"):
@@ -304,5 +312,6 @@ def test_cover_keys_cover_every_step_shape_within_one_bucket(ecfg):
     for k in every:
         assert any(all(k[d] <= c[d] <= up(k[d], d) for d in range(4)) for c in fwd), k
     assert 0 < len(fwd) * 4 < len(every), (len(fwd), len(every))
-    # each cover key comes with its plain sampling variant
-    assert {("sample", next_pow2(c[0] + c[2]), False, 0) for c in fwd} <= set(cover)
+    # each cover key comes with its plain sampling variants (general and all-greedy)
+    assert {("sample", next_pow2(c[0] + c[2]), *f) for c in fwd
+            for f in ((False, 0), GREEDY_FLAGS)} <= set(cover)
