@@ -1,7 +1,8 @@
 """Engine core: requests in, one device step at a time, outputs out.
 
 Owns the loaded model, the KV page pool, the scheduler and the per-request host state
-(detokenizer, stop checks, metrics). ``LLM`` (``jaxinfer.llm``) is the user-facing API over it.
+(detokenizer, stop checks, metrics: ``jaxinfer.request_output``). ``LLM`` (``jaxinfer.llm``) is
+the user-facing API over it.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engin
 from jaxinfer.errors import RequestError
 from jaxinfer.host_memory import keep_freed_host_memory
 from jaxinfer.kv_cache import PageAllocator, init_kv_cache
-from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.paged_attention import XLA_IMPLS, check_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.prefix_cache import PrefixCachingAllocator
+from jaxinfer.request_output import RequestState, advance, build_output
 from jaxinfer.resume import ResumeState, check_resume
 from jaxinfer.sampling import (
     GREEDY_FLAGS,
@@ -38,7 +40,6 @@ from jaxinfer.sampling import (
     SamplingParams,
     SamplingTensors,
     draw_seed,
-    find_stop_string,
     sample_flags,
 )
 from jaxinfer.scheduler import Scheduler, SeqStatus, Sequence
@@ -47,18 +48,6 @@ from jaxinfer.step import LogitsControls, jitted_forward_step, jitted_sample_ste
 from jaxinfer.step_controls import has_penalties, logits_controls, needs_controls
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxinfer.tokenizers.ids_only import no_tokenizer_message
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detok: IncrementalDetokenizer | None  # None without a tokenizer: token ids only, no text
-    text: str = ""  # visible output text (after stop-string cuts)
-    emitted: int = 0  # characters of text already streamed
-    error: str | None = None  # why the request failed (finish_reason "error")
-    resumed: int = 0  # output tokens carried over from a partial output (``add_request``)
-    prompt_logprobs: list | None = None  # [None, TokenLogprob...] when asked (prompt_logprobs)
 
 
 @dataclasses.dataclass(eq=False)
@@ -150,7 +139,7 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, ecfg.page_size, ecfg.max_num_seqs,
                                    ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
         self._rng = np.random.default_rng(ecfg.seed)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._sample = jitted_sample_step()
         # Rows of the widest step's sampling (``build_step_batch``): the prev_tokens length.
         self._num_slots = next_pow2(decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs))
@@ -270,7 +259,7 @@ class Engine:
         self.scheduler.add(req.seq)
 
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     prompt: str | None, resume: ResumeState | None) -> _Request:
+                     prompt: str | None, resume: ResumeState | None) -> RequestState:
         """A request's host state, with ``resume``'s tokens replayed. Raises RequestError."""
         if resume is not None:
             check_resume(resume, params, self.cfg.vocab_size)
@@ -279,9 +268,9 @@ class Engine:
         has_text = getattr(self.tokenizer, "has_text", True)  # duck-typed tokenizers have text
         detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
                  if has_text else None)
-        req = _Request(seq, prompt, detok,
-                       prompt_logprobs=None if params.prompt_logprobs is None
-                       else [None] * params.prompt_logprobs_from)
+        req = RequestState(seq, prompt, detok,
+                           prompt_logprobs=None if params.prompt_logprobs is None
+                           else [None] * params.prompt_logprobs_from)
         if resume is not None:
             lps = resume.logprobs or [None] * len(resume.token_ids)
             for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
@@ -546,67 +535,14 @@ class Engine:
             self.scheduler.finish(seq, reason)
         return self._output(req)
 
-    def _advance(self, req: _Request, tok: int, lp: TokenLogprob | None) -> str | None:
-        """Appends one sampled token to a request's host state (ids, logprobs, text, stop checks);
-        returns the finish reason it causes ("stop", "length") or None. Also replays a resumed
-        request's partial output (``_new_request``), so both go through the same checks."""
-        seq = req.seq
-        p = seq.params
-        seq.output_ids.append(tok)
-        if lp is not None:
-            seq.logprobs.append(lp)
-        reason = None
-        if tok in self.stop_ids and not p.ignore_eos:
-            reason, seq.stop_reason = "stop", None
-        elif tok in p.stop_token_ids:
-            reason, seq.stop_reason = "stop", tok
-        elif req.detok is not None:
-            new_start = len(req.text)
-            req.text += req.detok.add(tok)
-            if p.stop and len(seq.output_ids) >= p.min_tokens:
-                cut = find_stop_string(req.text, new_start, p.stop, p.include_stop_str_in_output)
-                if cut is not None:
-                    if p.include_stop_str_in_output:
-                        stop = max((s for s in p.stop if req.text[:cut].endswith(s)), key=len)
-                    else:
-                        stop = max((s for s in p.stop if req.text.startswith(s, cut)), key=len)
-                    req.text = req.text[:cut]
-                    reason, seq.stop_reason = "stop", stop
-        if reason is None:
-            if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
-                reason = "length"
-            elif len(seq.prompt_ids) + len(seq.output_ids) >= self.ecfg.max_model_len:
-                reason = "length"
-        if reason is not None and req.detok is not None and not isinstance(seq.stop_reason, str):
-            req.text += req.detok.finish()  # the held bytes of an unfinished character: U+FFFD
-        return reason
+    def _advance(self, req: RequestState, tok: int, lp: TokenLogprob | None) -> str | None:
+        """``request_output.advance`` with this engine's stop ids and ``max_model_len``; also
+        replays a resumed request's partial output (``_new_request``) through the same checks."""
+        return advance(req, tok, lp, self.stop_ids, self.ecfg.max_model_len)
 
-    def _output(self, req: _Request) -> RequestOutput:
-        seq = req.seq
-        finished = seq.finish_reason is not None
-        visible = len(req.text) if finished else max(req.emitted, len(req.text) - seq.params.stop_buffer_length)
-        delta = req.text[req.emitted:visible]
-        req.emitted = visible
-        n_out = len(seq.output_ids)
-        m = RequestMetrics(prompt_tokens=len(seq.prompt_ids), completion_tokens=n_out,
-                           num_preemptions=seq.num_preemptions, resumed_tokens=req.resumed,
-                           num_cached_tokens=seq.num_cached_tokens or 0)
-        if seq.first_token_time is not None:  # timings of this run's tokens (``add_request``)
-            n_new = n_out - req.resumed
-            m.ttft_s = seq.first_token_time - seq.arrival_time
-            m.tpot_s = ((seq.last_token_time - seq.first_token_time) / (n_new - 1)
-                        if n_new > 1 else 0.0)
-            m.e2e_s = seq.last_token_time - seq.arrival_time
-        has_text = req.detok is not None
-        out = RequestOutput(
-            request_id=seq.request_id, prompt=req.prompt, prompt_token_ids=seq.prompt_ids,
-            text=req.text[:visible] if has_text else None, token_ids=list(seq.output_ids),
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            metrics=m, delta_text=delta if has_text else None, error=req.error,
-            prompt_logprobs=req.prompt_logprobs,
-        )
-        if finished:
-            del self._requests[seq.request_id]
+    def _output(self, req: RequestState) -> RequestOutput:
+        """``request_output.build_output``; a finished request leaves ``_requests``."""
+        out = build_output(req)
+        if out.finish_reason is not None:
+            del self._requests[req.seq.request_id]
         return out
-
