@@ -1,0 +1,136 @@
+"""Compiling the first step while the weights load (``jaxinfer.compile_while_loading``).
+
+Judges: jax.monitoring's lowering events, with the thread each ran on (whether the engine's first
+step compiled again), and the llama2.c outputs in ``greedy_reference.json``."""
+
+import threading
+
+import pytest
+from conftest import STORIES, stories_reference
+
+from jaxinfer import compile_while_loading as cwl
+from jaxinfer.sampling import SamplingParams
+
+# An LLM configuration no other test uses (the pool's page count is in the KV shapes), so the
+# jit caches hold none of this test's step shapes before it runs.
+KW = dict(max_num_seqs=8, kv_pages=227, compilation_cache=False)
+CUT = 24  # output tokens: prompt + output stay within 4 pages, so the job has 2 forward keys
+
+
+def reference_requests(max_tokens: int | None = None):
+    """(prompt text, params) of the two 64-step greedy_reference.json cases (``max_tokens``:
+    their outputs cut to that many tokens), and their expected texts (prompt + output, as
+    llama2.c's run.c prints them)."""
+    from jaxinfer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(STORIES, vocab_size=512)
+    cases = [c for c in stories_reference() if c["max_steps"] <= 64]
+    assert len(cases) == 2
+    reqs = [(c["prompt"], SamplingParams(
+        temperature=0.0, stop_token_ids=(1,),
+        max_tokens=max_tokens or c["max_steps"] - (len(tok.encode(c["prompt"])) - 1)))
+        for c in cases]
+    return reqs, [c["expected"] for c in cases]
+
+
+def test_first_step_is_compiled_during_loading_and_not_again():
+    from jax import monitoring
+
+    from jaxinfer.llm import LLM
+
+    reqs, expected = reference_requests(CUT)
+    events = []
+
+    def listener(name, secs, **kw):
+        if name.endswith("jaxpr_to_mlir_module_duration"):  # a lowering (a persistent cache
+            events.append((threading.current_thread().name, kw.get("fun_name", "")))  # hit too)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        warm = cwl.FirstStepCompile.start(STORIES, KW, [p for p, _ in reqs], [s for _, s in reqs])
+        assert warm.reason is None
+        llm = LLM(STORIES, **KW)
+        ids = [llm.encode_prompt(p)[0] for p, _ in reqs]
+        assert warm.adopt(llm, ids, [s for _, s in reqs]), warm.reason
+        outs = list(llm.generate_stream([{"prompt_token_ids": x} for x in ids],
+                                        [s for _, s in reqs], request_ids=["0", "1"]))
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    done = {o.request_id: o for o in outs if o.finished}
+    for i, x, want in zip("01", ids, expected, strict=True):
+        text = llm.tokenizer.decode(x + done[i].token_ids)
+        assert len(done[i].token_ids) == CUT and want.startswith(text), text
+    engine = llm.engine
+    assert warm.used and warm.keys[0] == ("forward", warm._mine["forward"])
+    assert warm.keys[0] in engine.compile_keys and warm.keys[1] in engine.compile_keys
+    bg = [f for t, f in events if t == "jaxinfer-compile-while-loading"]
+    main = [f for t, f in events if t != "jaxinfer-compile-while-loading"]
+    assert sorted(bg) == ["jit(forward_step)", "jit(sample_step_padded)"]
+    # Every key the job met compiled once: the first step's in the background, the rest inline.
+    kinds = [k[0] for k in engine.compile_keys]
+    assert kinds.count("forward") == 2, engine.compile_keys
+    assert main.count("jit(forward_step)") == kinds.count("forward") - 1 >= 1
+    assert main.count("jit(sample_step_padded)") == kinds.count("sample") - 1
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """A FirstStepCompile planned for the stories_llm fixture's configuration (no compile)."""
+    reqs, _ = reference_requests()
+
+    def plan(**kw):
+        warm = cwl.FirstStepCompile()
+        args = cwl.llm_arguments({"max_num_seqs": 32, **kw})
+        warm._plan(STORIES, args, [p for p, _ in reqs], [s for _, s in reqs])
+        return warm
+
+    return plan, reqs
+
+
+def test_a_prediction_that_does_not_hold_is_not_used(stories_llm, planned):
+    plan, reqs = planned
+    ids = [stories_llm.encode_prompt(p)[0] for p, _ in reqs]
+    params = [s for _, s in reqs]
+    assert plan().reason is None and plan()._mismatch(stories_llm, ids, params) is None
+    pages = stories_llm.engine.ecfg.num_pages
+    cases = [
+        (dict(kv_pages=pages + 8), "ecfg"),
+        (dict(kv_pages=pages, dtype="bfloat16"), "params"),
+        (dict(kv_pages=pages, page_size=16), "ecfg"),
+    ]
+    for kw, what in cases:
+        warm = plan(**kw)
+        assert warm.reason is None
+        assert f"engine's {what} differs" in warm._mismatch(stories_llm, ids, params), kw
+    # Other first prompts: other first-step keys.
+    why = plan()._mismatch(stories_llm, [ids[0] * 12, ids[1]], params)
+    assert "first step's keys" in why
+    warm = plan()
+    warm._mine["params"][1][0] = ((512, 64), "bfloat16", False, False)  # a wrong leaf
+    assert "params differs" in warm._mismatch(stories_llm, ids, params)
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(quantization="int8"), "quantization"),
+    (dict(speculative="ngram"), "speculative"),
+    (dict(tensor_parallel_size=2), "parallelism"),
+    (dict(attn_impl="cpu_kernel"), "XLA attention"),
+    (dict(attn_impl="pallas_tpu_interpret"), "XLA attention"),
+])
+def test_what_cannot_be_derived_is_skipped_without_a_thread(kw, why):
+    before = threading.active_count()
+    warm = cwl.FirstStepCompile.start(STORIES, kw, ["Once"], [SamplingParams()])
+    assert why in warm.reason and warm.future.done() and threading.active_count() == before
+    assert not warm.adopt(None, [[1]], [SamplingParams()])
+
+
+def test_switch_and_bad_arguments(monkeypatch):
+    monkeypatch.setenv(cwl.ENV, "0")
+    warm = cwl.FirstStepCompile.start(STORIES, {}, ["Once"], [SamplingParams()])
+    assert warm.reason == f"{cwl.ENV}=0" and not cwl.enabled()
+    monkeypatch.setenv(cwl.ENV, "yes")
+    with pytest.raises(ValueError, match=cwl.ENV):
+        cwl.enabled()
+    assert cwl.ENV in cwl.FirstStepCompile.start(STORIES, {}, ["x"], [SamplingParams()]).reason
+    monkeypatch.setenv(cwl.ENV, "1")
+    assert "max_num_seq" in cwl.FirstStepCompile.start(STORIES, {"max_num_seq": 3}, [], []).reason
