@@ -4,6 +4,7 @@
     python scripts/bench_peers.py --quick                        # stories260K smoke run
     python scripts/bench_peers.py --engines jaxinfer,hf_generate --num-prompts 16
     python scripts/bench_peers.py --gguf model-f32.gguf          # with llama-cpp-python
+    python scripts/bench_peers.py --gguf model-f32.gguf --gguf-q8 model-q8_0.gguf   # + its q8_0
 
 Job: ``benchlib.make_workload`` (seed 0: 64 prompts, ShareGPT-like log-normal lengths, mean 64
 in and 96 out, clamped to [4, 256] at ``--max-model-len`` 512; on llama110m 4050 prompt and
@@ -34,7 +35,8 @@ that over transformers ``generate``'s (the same tokens, so the inverse wall rati
 ``decode1`` (batch-1 decode, steady state): jaxinfer float32, int8 and w8a8
 (``bench_roofline.decode_rate``: the median decode-only step of one sequence, compile steps left
 out) beside transformers batch 1 (1 / its mean decode step, ``bench_serving.run_hf``) and
-llama.cpp when available.
+llama.cpp when available (the median decode step of the same prompt, f32 ``--gguf`` and q8_0
+``--gguf-q8``, as jaxinfer's float32 and int8 modes).
 
 Output: one JSON line (host, CPU model, load averages before and after, per engine wall, CPU
 seconds, output tokens, tok/s, ratio) appended to ``results/bench_peers.jsonl``; a table on
@@ -54,6 +56,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from benchlib import add_common_args, emit, host_info, log, make_workload, ratio, resolve_model
 
@@ -116,27 +120,25 @@ def child_hf_generate_batch(spec: dict) -> dict:
             "short_requests": sum(g < n for g, (_, n) in zip(got, reqs, strict=True))}
 
 
-def llama_cpp_run(spec: dict, reqs) -> tuple[int, list[float]]:
-    """(output tokens, per request the seconds of its decode steps after the first token)."""
+def llama_cpp_run(spec: dict, reqs) -> int:
+    """Output tokens of llama.cpp's greedy run of ``reqs``, one request after another."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=spec["gguf"], n_ctx=spec["max_model_len"], n_threads=spec["threads"],
                 n_batch=512, verbose=False)
-    total, decode = 0, []
+    total = 0
     for ids, n in reqs:
-        stamps = []
+        got = 0
         for _ in llm.generate(ids, temp=0.0, reset=True):  # yields past EOS: only n counts
-            stamps.append(time.perf_counter())
-            if len(stamps) == n:
+            got += 1
+            if got == n:
                 break
-        total += len(stamps)
-        decode.append((stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1))
-    return total, decode
+        total += got
+    return total
 
 
 def child_llama_cpp(spec: dict) -> dict:
-    n, _ = llama_cpp_run(spec, spec["reqs"])
-    return {"output_tokens": n}
+    return {"output_tokens": llama_cpp_run(spec, spec["reqs"])}
 
 
 def child_decode1(spec: dict) -> dict:
@@ -169,10 +171,27 @@ def child_decode1(spec: dict) -> dict:
         step = res["tpot_s"]["mean"]
         out["hf_generate_float32"] = {"tok_s": round(1 / step, 2),
                                       "step_ms_mean": round(step * 1e3, 3)}
-    if spec.get("gguf"):
-        _, decode = llama_cpp_run(spec, [(prompt, n)])
-        out["llama_cpp"] = {"tok_s": round(1 / decode[0], 2), "gguf": spec["gguf"]}
+    for name, gguf in (("llama_cpp", spec.get("gguf")), ("llama_cpp_q8_0", spec.get("gguf_q8"))):
+        if gguf:
+            steps = llama_cpp_steps({**spec, "gguf": gguf}, prompt, n)[spec["warmup"]:]
+            p50 = float(np.median(steps))
+            out[name] = {"tok_s": round(1 / p50, 2), "step_ms_p50": round(p50 * 1e3, 3),
+                         "timed_steps": len(steps), "gguf": gguf}
     return out
+
+
+def llama_cpp_steps(spec: dict, prompt: list[int], n: int) -> list[float]:
+    """Seconds of each of llama.cpp's batch-1 decode steps after the first token (greedy)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=spec["gguf"], n_ctx=spec["max_model_len"], n_threads=spec["threads"],
+                n_batch=512, verbose=False)
+    stamps = []
+    for _ in llm.generate(prompt, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) == n:
+            break
+    return list(np.diff(stamps))
 
 
 CHILDREN = {"hf_generate": child_hf_generate, "hf_generate_batch": child_hf_generate_batch,
@@ -304,6 +323,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     ap.add_argument("--gguf", default=None, help="the model as GGUF, for llama.cpp")
+    ap.add_argument("--gguf-q8", default=None,
+                    help="the model as q8_0 GGUF: llama.cpp's batch-1 decode beside the int8 modes")
     ap.add_argument("--decode-steps", type=int, default=64, help="timed batch-1 decode steps")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine run")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -356,7 +377,9 @@ def main() -> None:
         decode1 = None
         if "decode1" in engines:
             d_spec = {**spec, "reqs": [], "jaxinfer": True, "hf": True,
-                      "gguf": None if skip else args.gguf, "prompt_len": 16 if args.quick else 64,
+                      "gguf": None if skip else args.gguf,
+                      "gguf_q8": None if skip or llama_cpp_skip(args.gguf_q8) else args.gguf_q8,
+                      "prompt_len": 16 if args.quick else 64,
                       "warmup": 2 if args.quick else 8, "steps": args.decode_steps}
             r = run_child("decode1", d_spec, args, tmp)
             decode1 = {**(r.get("inner") or {"error": r.get("error")}),
@@ -396,7 +419,7 @@ def git_state() -> dict:
     def git(*a):
         p = subprocess.run(["git", *a], cwd=Path(__file__).resolve().parents[1],
                            capture_output=True, text=True)
-        return p.stdout.strip() if p.returncode == 0 else None
+        return p.stdout.rstrip() if p.returncode == 0 else None  # porcelain lines start with a space
 
     status = git("status", "--porcelain", "--", "jaxinfer", "kernels_pallas")
     return {"commit": git("rev-parse", "--short", "HEAD"),
