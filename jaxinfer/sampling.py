@@ -32,6 +32,7 @@ __all__ = [
     "SamplingParams",
     "SamplingTensors",
     "apply_penalties",
+    "argmax_lowest",
     "draw_seed",
     "find_stop_string",
     "processed_logits",
@@ -324,7 +325,7 @@ def sample(
     if not 0 <= num_logprobs <= V:
         raise ValueError(f"sample: num_logprobs must be in [0, {V}], got {num_logprobs}")
 
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = argmax_lowest(logits)  # jnp.argmax's result, faster on CPU
 
     def random_rows(_):
         x = processed_logits(logits, st)  # f32[B, V]
@@ -371,13 +372,25 @@ def sample_flags(params: Iterable[SamplingParams], controls: bool, num_logprobs:
     return (bool(controls), int(num_logprobs))
 
 
+def argmax_lowest(x: jax.Array) -> jax.Array:
+    """i32[B]: per row of f32[B, V] `x`, ``jnp.argmax``'s index (the lowest id among the largest
+    values; the first NaN when the row has one), by two plain reductions: the row maximum, then
+    the smallest index holding it (or holding a NaN, whose maximum is NaN). XLA on CPU runs
+    these vectorised, 5-7x faster than ``argmax``'s (value, index) pair reduction at V = 32000
+    (scripts/bench_sample_step.py)."""
+    m = jnp.max(x, axis=-1, keepdims=True)  # NaN when the row has a NaN
+    hit = (x == m) | jnp.isnan(x)  # a NaN only occurs in a row whose m is NaN
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, ids, x.shape[-1]), axis=-1)
+
+
 def sample_greedy(logits: jax.Array) -> SampleOutput:
     """`sample` for a batch whose rows are all greedy, with no logprobs asked: argmax only.
 
-    The tokens are `sample`'s for greedy rows (``argmax`` of `logits`, lowest id on ties). The
-    sampled tokens' logprobs are not computed (no log-softmax over [B, V]): nothing reads them
-    when no row asked for logprobs (`jaxinfer.engine` reads ``logprobs`` only for rows with
-    ``SamplingParams.logprobs`` set), so they are NaN, and the top-n arrays are empty.
+    The tokens are `sample`'s for greedy rows (`argmax_lowest` of `logits`: ``argmax``, lowest
+    id on ties). The sampled tokens' logprobs are not computed (no log-softmax over [B, V]):
+    nothing reads them when no row asked for logprobs (`jaxinfer.engine` reads ``logprobs`` only
+    for rows with ``SamplingParams.logprobs`` set), so they are NaN; the top-n arrays are empty.
 
     Args:
         logits: f32[B, V] (bf16 is upcast), no penalties or banned tokens to apply.
@@ -388,7 +401,7 @@ def sample_greedy(logits: jax.Array) -> SampleOutput:
     """
     B = logits.shape[0]
     return SampleOutput(
-        tokens=jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32),
+        tokens=argmax_lowest(logits.astype(jnp.float32)),
         logprobs=jnp.full((B,), jnp.nan, jnp.float32),
         top_ids=jnp.zeros((B, 0), jnp.int32),
         top_logprobs=jnp.zeros((B, 0), jnp.float32),

@@ -29,13 +29,18 @@ def tie_logits() -> np.ndarray:
     x[1, [7, 30]] = -2.0  # two finite tokens among -inf, tied
     x[2, [11, 40]] = np.inf  # two +inf tokens
     x[3, 0], x[3, V - 1] = 9.0, 9.0  # the first and the last id tied
+    x[4, [5, 9]] = np.nan  # NaN logits (a broken model): argmax's first NaN
+    x[5, [2, 6]] = -0.0, 0.0  # -0.0 == 0.0: a tie at the maximum
+    x[5, x[5] > 0] = -1.0
     return x
 
 
 def test_greedy_variant_is_numpy_argmax_lowest_id_on_ties():
     logits = tie_logits()
     expected = logits.argmax(-1)  # numpy: the first (lowest) index of the maximum
-    assert (logits == logits.max(-1, keepdims=True)).sum(-1).min() >= 2  # every row has a tie
+    assert expected[4] == 5 and expected[5] == 2
+    tied = (logits == logits.max(-1, keepdims=True)).sum(-1)
+    assert (np.delete(tied, 4) >= 2).all()  # every row but the NaN one has a tie
     st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * B, [0] * B, [0] * B, B)
     out, padded = jitted_sample_step()(jnp.asarray(logits), st, None, num_slots=SLOTS,
                                        greedy=True)
@@ -43,6 +48,9 @@ def test_greedy_variant_is_numpy_argmax_lowest_id_on_ties():
     np.testing.assert_array_equal(np.asarray(padded), np.concatenate([expected, [0] * (SLOTS - B)]))
     assert np.isnan(np.asarray(out.logprobs)).all()  # not computed: nothing asked for them
     assert out.top_ids.shape == (B, 0) and out.top_logprobs.shape == (B, 0)
+    # the general variant's greedy rows: the same rule
+    out, _ = jitted_sample_step()(jnp.asarray(logits), st, None, num_slots=SLOTS)
+    np.testing.assert_array_equal(np.asarray(out.tokens), expected)
 
 
 @pytest.mark.parametrize("temps", [[0.0], [0.0, 1e-6, 0.0], [0.0, 0.7], [SAMPLING_EPS], [0.7, 0.0],
