@@ -33,23 +33,39 @@ def reference_requests(max_tokens: int | None = None):
     return reqs, [c["expected"] for c in cases]
 
 
-def test_first_step_is_compiled_during_loading_and_not_again():
+def test_first_step_is_compiled_during_loading_and_not_again(monkeypatch):
+    """The background compile is held until the first step wants its key: the case where the
+    dispatch must wait for a compile in flight rather than start its own, made certain."""
     from jax import monitoring
 
+    from jaxinfer.bucket_reuse import BackgroundCompiler
     from jaxinfer.llm import LLM
 
+    gate = threading.Event()
+    compile_fn = BackgroundCompiler._compile_fn
+
+    def held_compile_fn(self, *args, **kwargs):
+        fn = compile_fn(self, *args, **kwargs)
+        return lambda: (gate.wait(120), fn())
+
+    monkeypatch.setattr(BackgroundCompiler, "_compile_fn", held_compile_fn)
     reqs, expected = reference_requests(CUT)
     events = []
 
-    def listener(name, secs, **kw):
-        if name.endswith("jaxpr_to_mlir_module_duration"):  # a lowering (a persistent cache
-            events.append((threading.current_thread().name, kw.get("fun_name", "")))  # hit too)
+    def listener(name, secs, **kw):  # lowerings, and compiles (persistent cache hits too)
+        if name.endswith(("jaxpr_to_mlir_module_duration", "backend_compile_duration")):
+            events.append((threading.current_thread().name, kw.get("fun_name", "")))
 
     monitoring.register_event_duration_secs_listener(listener)
     try:
         warm = cwl.FirstStepCompile.start(STORIES, KW, [p for p, _ in reqs], [s for _, s in reqs])
         assert warm.reason is None
         llm = LLM(STORIES, **KW)
+        wait_for = llm.engine._compiler.wait_for
+        # Released 0.3 s after the first step asks: a dispatch that does not wait would have
+        # started its own compile by then.
+        monkeypatch.setattr(llm.engine._compiler, "wait_for",
+                            lambda key: (threading.Timer(0.3, gate.set).start(), wait_for(key)))
         ids = [llm.encode_prompt(p)[0] for p, _ in reqs]
         assert warm.adopt(llm, ids, [s for _, s in reqs]), warm.reason
         outs = list(llm.generate_stream([{"prompt_token_ids": x} for x in ids],
@@ -65,12 +81,13 @@ def test_first_step_is_compiled_during_loading_and_not_again():
     assert warm.keys[0] in engine.compile_keys and warm.keys[1] in engine.compile_keys
     bg = [f for t, f in events if t == "jaxinfer-compile-while-loading"]
     main = [f for t, f in events if t != "jaxinfer-compile-while-loading"]
-    assert sorted(bg) == ["jit(forward_step)", "jit(sample_step_padded)"]
-    # Every key the job met compiled once: the first step's in the background, the rest inline.
+    assert sorted(bg) == ["jit(forward_step)"] * 2 + ["jit(sample_step_padded)"] * 2
+    # Every key the job met was lowered and compiled once: the first step's in the background,
+    # the others inline.
     kinds = [k[0] for k in engine.compile_keys]
     assert kinds.count("forward") == 2, engine.compile_keys
-    assert main.count("jit(forward_step)") == kinds.count("forward") - 1 >= 1
-    assert main.count("jit(sample_step_padded)") == kinds.count("sample") - 1
+    assert main.count("jit(forward_step)") == 2 * (kinds.count("forward") - 1)
+    assert main.count("jit(sample_step_padded)") == 2 * (kinds.count("sample") - 1)
 
 
 @pytest.fixture(scope="module")
