@@ -51,6 +51,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -262,7 +263,7 @@ def run_jaxinfer(path, reqs, args, tmp: Path) -> dict:
         cmd = jaxinfer_cmd() + ["generate", "--model", str(path), "--prompts", str(prompts),
                                 "--out", str(tmp / f"out-{run}.jsonl"), "--temperature", "0",
                                 "--ignore-eos", "--max-model-len", str(args.max_model_len),
-                                "--no-progress"]
+                                "--no-progress", *shlex.split(args.jaxinfer_args)]
         log(f"[peers] jaxinfer {run}: {' '.join(cmd[1:])}")
         r = timed(cmd, env, tmp / f"jaxinfer-{run}.log", args.timeout)
         inner = r.pop("inner", None) or {}
@@ -272,7 +273,8 @@ def run_jaxinfer(path, reqs, args, tmp: Path) -> dict:
         out[f"jaxinfer_{run}"] = r
     out["jaxinfer_cold"]["command"] = ("JAXINFER_CACHE_DIR=<fresh dir> " + " ".join(
         ["jaxinfer", "generate", "--model", "M", "--prompts", "P", "--out", "O", "--temperature",
-         "0", "--ignore-eos", "--max-model-len", str(args.max_model_len), "--no-progress"]))
+         "0", "--ignore-eos", "--max-model-len", str(args.max_model_len), "--no-progress",
+         *shlex.split(args.jaxinfer_args)]))
     return out
 
 
@@ -323,6 +325,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     ap.add_argument("--gguf", default=None, help="the model as GGUF, for llama.cpp")
+    ap.add_argument("--jaxinfer-args", default="",
+                    help='more `jaxinfer generate` flags for its runs, e.g. "--attn-impl cpu_kernel"')
     ap.add_argument("--gguf-q8", default=None,
                     help="the model as q8_0 GGUF: llama.cpp's batch-1 decode beside the int8 modes")
     ap.add_argument("--decode-steps", type=int, default=64, help="timed batch-1 decode steps")
@@ -390,7 +394,8 @@ def main() -> None:
     summary = {
         "bench": "peers", **host_info(), **cpu_info(), "quick": args.quick,
         "started": started, "loadavg_before": load_before, "loadavg_after": loadavg(),
-        "model": args.model, "threads": args.threads, "hf_batch_size": args.hf_batch_size,
+        "model": args.model, "jaxinfer_args": args.jaxinfer_args, "threads": args.threads,
+        "hf_batch_size": args.hf_batch_size,
         "workload": {"num_prompts": len(reqs), "seed": args.seed, "mean_input": args.mean_input,
                      "mean_output": args.mean_output, "max_model_len": args.max_model_len,
                      "prompt_tokens": sum(len(i) for i, _ in reqs), "output_tokens": expected,
