@@ -13,7 +13,7 @@ from scipy import stats
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig
-from jaxinfer.params import init_random
+from jaxinfer.params import init_random, param_shapes, params_from_flat
 from jaxinfer.sampling import SamplingParams, SamplingTensors, processed_logits
 from jaxinfer.speculative.config import SpecConfig
 from jaxinfer.speculative.drafters import (
@@ -329,6 +329,41 @@ def test_greedy_speculative_equals_greedy_stories(stories, method):
     alone_s = _run(eng, prompts[2:3], mixed[2:3])[0]
     assert alone_s.token_ids == got[2].token_ids
     assert got[0].metrics.spec_rounds > 0 and got[0].metrics.acceptance_rate is not None
+
+
+def _staircase_bigram(v: int = 32, d: int = 32):
+    """A llama whose next-token logits depend only on the last token t: 1.0 for t itself, 0.5
+    for t + 1, 0 elsewhere (one-hot embeddings, zero layer weights: the residual stream is the
+    embedding; the LM head undoes the final RMSNorm's sqrt(d) scale). Host-built: no compiles."""
+    cfg = ModelConfig(model_type="llama", vocab_size=v, hidden_size=d, intermediate_size=64,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    flat = {name: (np.ones if name.endswith("norm") else np.zeros)(shape, np.float32)
+            for name, shape in param_shapes(cfg).items()}
+    flat["embed"] = np.eye(v, d, dtype=np.float32)
+    flat["lm_head"][:v] = (np.eye(v) + 0.5 * np.roll(np.eye(v), 1, axis=1)) / np.sqrt(d)
+    return cfg, params_from_flat({k: jnp.asarray(a) for k, a in flat.items()})
+
+
+def test_ngram_penalties_count_the_drafts_accepted_within_a_round():
+    """Penalties at a round's position j count the drafts d_1..d_j accepted before it.
+
+    The model's greedy choice repeats the last token (logit 1.0) unless a penalty of more than
+    0.5 pushes it under t + 1; presence + frequency penalties (0.5 + 0.25 per occurrence) do, so
+    greedy decoding walks 0, 1, 2, ... (the reference: that formula; the plain engine gives it
+    too, checked when this test was written, not rerun here to save its compiles). The
+    prompt holds that staircase, so the n-gram drafter proposes it and every draft is accepted;
+    a round that did not count its accepted drafts would repeat d_j at position j."""
+    cfg, params = _staircase_bigram()
+    prompt = [*range(12), 0]  # ends in 0: the first output repeats it (no penalty on the prompt)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, presence_penalty=0.5,
+                        frequency_penalty=0.25)
+    want = [0, *range(1, 10)]  # 0 (last prompt token, unpenalised), then each next t + 1
+    eng = SpecEngine(cfg, params, _IdTokenizer(), _ecfg(max_num_seqs=2), SpecConfig("ngram", 4))
+    got = _run(eng, [prompt], [sp])[0]
+    assert got.token_ids == want
+    # the rounds really accepted drafts mid-round: [0] rejected, then 2..5 and 7, 8 accepted (6/7)
+    assert got.metrics.acceptance_rate > 0.5, got.metrics
 
 
 # ------------------------------------------------------------------ pieces
