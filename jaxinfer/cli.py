@@ -275,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sampling-seed",
         type=int,
         default=d["seed"],
-        help="per-request seed of prompts without their own 'seed' (None: drawn "
-        "from the engine seed)",
+        help="per-request seed of prompts without their own 'seed', reduced modulo 2**32 "
+        "(None: drawn from the engine seed)",
     )
 
     o = g.add_argument_group("display")
