@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from jaxinfer.compile_while_loading import start_for_jobs
 from jaxinfer.errors import JaxinferError
 from jaxinfer.job_plan import start_job
 from jaxinfer.jobs import Job, plan
@@ -80,13 +81,16 @@ def _encode(llm, job: Job) -> list[int] | None:
 
 
 def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dict, bar,
-              ckpt: Checkpointer) -> None:
+              ckpt: Checkpointer, warm=None) -> None:
     """Generates ``run`` (jobs with their prompt token ids), continuing the requests ``ckpt``
     holds partial outputs of; writes each record (and counts it in ``stats``) as its prompt
-    finishes, and gives ``ckpt`` every output. Raises OutputWriteError."""
+    finishes, and gives ``ckpt`` every output. ``warm``: the first step's compile started
+    before loading (``compile_while_loading``), used when it fits. Raises OutputWriteError."""
     prompts = [{"prompt_token_ids": ids} for _, ids in run]
     params = [SamplingParams.from_dict(j.sampling) for j, _ in run]
     resume = ckpt.plan(llm, [(j.id, ids, p) for (j, ids), p in zip(run, params, strict=True)])
+    if warm is not None:
+        warm.adopt(llm, [ids for _, ids in run], params, resume)
     start_job(llm, [ids for _, ids in run], params, resume, bar, background=True)  # k/n, ahead
     stats["resumed"] = ckpt.resumed
     t0 = time.perf_counter()
@@ -122,6 +126,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say, t_
         say(f"{out_path}: cut away a partial last line (interrupted write)")
     run, errors, skipped = plan(jobs, done.ids)
 
+    warm = start_for_jobs(args, run) if run else None  # compiles the first step meanwhile
     llm = load_llm(args) if run else None
     ids_run = []
     for job in run:
@@ -161,7 +166,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say, t_
             out.write(error_record(job))
             stats["errors"] += 1
         if ids_run:
-            _generate(llm, ids_run, out, stats, bar, ckpt)
+            _generate(llm, ids_run, out, stats, bar, ckpt, warm)
         completed = True
     except KeyboardInterrupt as e:
         interrupted = interrupt_status(e)

@@ -4,7 +4,7 @@ A cold ``jaxinfer generate`` first loads the weights (file reads, layout transfo
 a ~110M model) and only then compiles its first step's forward function and sampling variant
 (seconds more), one after the other. Neither needs the other: a compile needs only the shapes and
 dtypes of its arguments. ``FirstStepCompile.start``, called before the model loads, starts a
-daemon thread that reads the checkpoint's config and tokenizer (not its weights), encodes the
+thread that reads the checkpoint's config and tokenizer (not its weights), encodes the
 first prompts, predicts the first step's compile keys (``jaxinfer.job_plan``'s host step loop
 over the engine's own scheduler and buckets, for one step) and compiles them from abstract
 arguments: ``jax.ShapeDtypeStruct`` params of the checkpoint's ``param_shapes`` put through the
@@ -47,6 +47,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+THREAD_NAME = "jaxinfer-compile-while-loading"
 
 ENV = "JAXINFER_COMPILE_WHILE_LOADING"
 """Environment variable: "1" (default) compiles the first step while the weights load, "0" not."""
@@ -183,6 +185,16 @@ def _abstract_of(tree) -> list:
                        bool(getattr(x, "committed", False))) for x in leaves]]
 
 
+def start_for_jobs(args, jobs) -> FirstStepCompile:
+    """``FirstStepCompile.start`` for ``jaxinfer generate``: the model and engine flags of
+    ``args`` (``llm_from_args.llm_kwargs``), the prompts and sampling dicts of ``jobs``
+    (``jobs.Job``, in the order they run)."""
+    from jaxinfer.llm_from_args import llm_kwargs
+
+    return FirstStepCompile.start(args.model, llm_kwargs(args), [j.prompt for j in jobs],
+                                  [j.sampling for j in jobs])
+
+
 class FirstStepCompile:
     """The first step's compile, started before the model loads (module docstring).
 
@@ -222,8 +234,10 @@ class FirstStepCompile:
         if why is not None:
             return cls(why)
         self = cls()
+        # Not a daemon: the interpreter waits for it at exit (a process that ends while XLA
+        # compiles on a daemon thread aborts, "terminate called ...", status 134).
         threading.Thread(target=self._run, args=(model, kwargs, list(prompts), list(sampling)),
-                         daemon=True, name="jaxinfer-compile-while-loading").start()
+                         daemon=False, name=THREAD_NAME).start()
         return self
 
     def _run(self, model, kwargs: dict, prompts: list, sampling: list) -> None:
@@ -309,10 +323,13 @@ class FirstStepCompile:
         compile."""
         if self.reason is None:
             self._planned.wait()
-        if self.reason is None and llm.engines[0].compile_keys:
-            self.reason = "the engine has run steps already"
-        if self.reason is None:
-            self.reason = self._mismatch(llm, prompt_ids, params, resume)
+        try:
+            if self.reason is None and llm.engines[0].compile_keys:
+                self.reason = "the engine has run steps already"
+            if self.reason is None:
+                self.reason = self._mismatch(llm, prompt_ids, params, resume)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the job goes on without it
+            self.reason = f"could not check the prediction: {type(e).__name__}: {e}"
         if self.reason is not None:
             return False
         compiler = llm.engines[0]._compiler

@@ -60,6 +60,10 @@ def test_first_step_is_compiled_during_loading_and_not_again(monkeypatch):
     try:
         warm = cwl.FirstStepCompile.start(STORIES, KW, [p for p, _ in reqs], [s for _, s in reqs])
         assert warm.reason is None
+        # Not a daemon: a process that ended while a daemon thread compiled aborted ("terminate
+        # called ...", status 134: 2 of 3 runs of a script exiting 1.5-2.5 s after the start).
+        [thread] = [t for t in threading.enumerate() if t.name == cwl.THREAD_NAME]
+        assert not thread.daemon
         llm = LLM(STORIES, **KW)
         wait_for = llm.engine._compiler.wait_for
         # Released 0.3 s after the first step asks: a dispatch that does not wait would have
@@ -79,8 +83,8 @@ def test_first_step_is_compiled_during_loading_and_not_again(monkeypatch):
     engine = llm.engine
     assert warm.used and warm.keys[0] == ("forward", warm._mine["forward"])
     assert warm.keys[0] in engine.compile_keys and warm.keys[1] in engine.compile_keys
-    bg = [f for t, f in events if t == "jaxinfer-compile-while-loading"]
-    main = [f for t, f in events if t != "jaxinfer-compile-while-loading"]
+    bg = [f for t, f in events if t == cwl.THREAD_NAME]
+    main = [f for t, f in events if t != cwl.THREAD_NAME]
     assert sorted(bg) == ["jit(forward_step)"] * 2 + ["jit(sample_step_padded)"] * 2
     # Every key the job met was lowered and compiled once: the first step's in the background,
     # the others inline.
