@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.flag_names import as_flags
 from jaxinfer.jobs import UsageError
 
 
@@ -53,5 +54,5 @@ def load_llm(args: argparse.Namespace):
         raise UsageError(msg if msg.startswith("draft model") else
                          f"cannot load model {args.model}: {msg}") from None
     except ValueError as e:  # an engine setting (sizes, pool, attention implementation)
-        raise UsageError(f"invalid engine setting: {e}") from None
+        raise UsageError(f"invalid engine setting: {as_flags(str(e))}") from None
     return llm
