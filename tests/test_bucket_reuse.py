@@ -188,6 +188,8 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
                     vocab_size=eng.cfg.vocab_size, params=[sp] + [short] * 3, prompt_ids=prompts)
     assert set(plan.keys) == eng.compile_keys
     assert ("forward", (1, 0, 0, 4)) in eng.compile_keys  # counted once submitted
+    # greedy rows: the background compile's sampling variant is the all-greedy one too
+    assert {k[2:] for k in eng.compile_keys if k[0] == "sample"} == {GREEDY_FLAGS}
     assert not compiler.failed
 
 
