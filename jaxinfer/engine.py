@@ -24,6 +24,7 @@ from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engin
     default_num_pages,
     default_page_size,
     kv_cache_dtype,
+    scan_from_tokens,
 )
 from jaxinfer.errors import RequestError
 from jaxinfer.host_memory import keep_freed_host_memory
@@ -116,7 +117,7 @@ class Engine:
             keep_freed_host_memory()
         unroll = ecfg.unroll_layers
         if unroll if unroll is not None else jax.default_backend() == "cpu":
-            params = unstack_layers(params)
+            params = unstack_layers(params, scan_from_tokens(ecfg))
         out_in = ecfg.out_in_weights
         if out_in if out_in is not None else (jax.default_backend() == "cpu" and mesh is None):
             params = out_in_projections(params)

@@ -35,6 +35,12 @@ class EngineConfig:
         unroll_layers: run layers as an unrolled loop over per-layer weight buffers instead of
             ``lax.scan`` over stacked ones (``params.unstack_layers``): faster decode, longer
             compiles. None = on CPU only, where the scan's per-layer weight copies cost ~2x.
+        scan_layers_from_tokens: with unrolled layers, the steps of at least this many tokens
+            (decode plus prefill bucket) run their layers as a ``lax.scan`` over the same
+            per-layer buffers all the same (``Params.scan_from_tokens``): ~2.5x less XLA compile
+            for those steps, at the cost of one copy of each layer's weights a step, which
+            many tokens share. 0 = never; None = ``DEFAULT_SCAN_LAYERS_FROM_TOKENS``. No effect
+            without unrolled layers (the layers are a scan anyway).
         out_in_weights: store float layer projections output-first, q/k/v and gate/up fused
             (``params.out_in_projections``): the layout XLA CPU's GEMM runs 2x faster for a few
             rows, with fewer dots per layer. None = on CPU without a mesh.
@@ -74,6 +80,7 @@ class EngineConfig:
     seed: int = 0
     kv_cache_dtype: str = "auto"
     unroll_layers: bool | None = None
+    scan_layers_from_tokens: int | None = None
     out_in_weights: bool | None = None
     kv_page_major: bool | None = None
     keep_host_memory: bool | None = None
@@ -88,6 +95,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        v = self.scan_layers_from_tokens
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"scan_layers_from_tokens must be None or an integer >= 0, got {v!r}")
         for name in ("unroll_layers", "out_in_weights", "kv_page_major", "keep_host_memory",
                      "async_scheduling"):
             v = getattr(self, name)
@@ -100,6 +110,18 @@ class EngineConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+
+DEFAULT_SCAN_LAYERS_FROM_TOKENS = 0
+"""``EngineConfig.scan_layers_from_tokens``'s default (see docs/performance_cold_start.md)."""
+
+
+def scan_from_tokens(ecfg: EngineConfig) -> int | None:
+    """``Params.scan_from_tokens`` for ``ecfg``: its ``scan_layers_from_tokens`` (None: the
+    default), with 0 (never) as None."""
+    v = ecfg.scan_layers_from_tokens
+    v = DEFAULT_SCAN_LAYERS_FROM_TOKENS if v is None else v
+    return v or None
 
 
 def kv_cache_dtype(ecfg: EngineConfig, params: Params):

@@ -3,8 +3,9 @@
 Tokens are a flat ragged axis T (many sequences concatenated); how attention sees other tokens
 (dense segment mask, paged KV cache, Pallas kernel) is supplied by the caller as ``attn_fn``, so the
 same forward serves the reference tests and the engine's jitted step. Layers run under
-``lax.scan`` over the stacked weights; the KV cache travels in the scan carry so the engine can
-update it in place.
+``lax.scan`` over the stacked weights (unstacked ones: an unrolled loop, or a scan picking each
+layer's buffers for passes of at least ``Params.scan_from_tokens`` tokens); the KV cache travels
+in the carry so the engine can update it in place.
 
 Sources: Hugging Face transformers' modeling_llama / modeling_gemma2 / modeling_gemma3 /
 modeling_qwen3 (the numerics are matched to them: norms in float32, RoPE in float32, softmax in
@@ -235,11 +236,21 @@ def forward(
         x = tmap(lambda x, a: attention_output_and_mlp(cfg, lp, x, a.astype(dtype)), x, attn)
         return (x, cache), None
 
-    if isinstance(params.layers, tuple):  # unstacked (params.unstack_layers): unrolled loop
+    unstacked = isinstance(params.layers, tuple)  # params.unstack_layers
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    if unstacked and (params.scan_from_tokens is None
+                      or tokens.shape[0] < params.scan_from_tokens):  # unrolled loop
         for i, lp in enumerate(params.layers):
             (x, cache), _ = layer_fn((x, cache), (lp, jnp.int32(i), windows[i]))
+    elif unstacked:  # a scan over the separate buffers: each step picks its layer's weights
+        branches = [lambda lp=lp: lp for lp in params.layers]
+
+        def switch_layer_fn(carry, xs):
+            layer, window = xs
+            return layer_fn(carry, (jax.lax.switch(layer, branches), layer, window))
+
+        (x, cache), _ = jax.lax.scan(switch_layer_fn, (x, cache), (layers, windows))
     else:
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(layer_fn, (x, cache), (params.layers, layers, windows))
     return tmap(lambda x: rms_norm(x, params.final_norm, eps, off), x), cache
 

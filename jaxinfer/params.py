@@ -110,12 +110,17 @@ class Params:
             ``unstack_layers``).
         final_norm: [D].
         lm_head: [D, V], or None when tied to ``embed``.
+        scan_from_tokens: static; with unstacked layers, a forward over at least this many
+            tokens runs them as ``lax.scan`` all the same (``model.forward``: each layer's
+            buffers picked by ``lax.switch``), a shorter one unrolled; None = always unrolled.
+            Ignored for stacked layers (always a scan). Set by ``unstack_layers``.
     """
 
     embed: jax.Array
     layers: LayerParams | tuple[LayerParams, ...]
     final_norm: jax.Array
     lm_head: jax.Array | None = None
+    scan_from_tokens: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -173,19 +178,29 @@ def init_random(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     return params_from_flat(flat)
 
 
-def unstack_layers(params: Params) -> Params:
-    """The same weights with one buffer per layer (``layers`` becomes a tuple of L LayerParams).
+def unstack_layers(params: Params, scan_from_tokens: int | None = None) -> Params:
+    """The same weights with one buffer per layer (``layers`` becomes a tuple of L LayerParams),
+    and ``Params.scan_from_tokens`` set to ``scan_from_tokens`` (already unstacked params only
+    get that set).
 
     Why: inside ``lax.scan`` XLA on CPU copies each layer's slice of a stacked weight into a fresh
     buffer before its dot (a dynamic-slice fusion), tripling the memory traffic of a
     bandwidth-bound decode step; separate buffers are read in place. Costs a longer compile
-    (the loop is unrolled). The stacked arrays are released once unstacked.
+    (the loop is unrolled), which ``scan_from_tokens`` spares the many-token steps (see
+    ``model.forward``). The stacked arrays are released once unstacked.
+
+    Raises:
+        ValueError: ``scan_from_tokens`` not None or an integer >= 1.
     """
+    if scan_from_tokens is not None and (not isinstance(scan_from_tokens, int) or isinstance(
+            scan_from_tokens, bool) or scan_from_tokens < 1):
+        raise ValueError(f"scan_from_tokens must be None or an integer >= 1, got "
+                         f"{scan_from_tokens!r}")
     if isinstance(params.layers, tuple):
-        return params
+        return dataclasses.replace(params, scan_from_tokens=scan_from_tokens)
     n = jax.tree.leaves(params.layers)[0].shape[0]
     layers = tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n))
-    return dataclasses.replace(params, layers=layers)
+    return dataclasses.replace(params, layers=layers, scan_from_tokens=scan_from_tokens)
 
 
 def output_first(w: jax.Array, num_lead: int, num_in: int) -> jax.Array:

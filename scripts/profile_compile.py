@@ -4,6 +4,7 @@ compiled function and shape, with the persistent compilation cache off.
     python scripts/profile_compile.py                          # the README's demo (8 prompts)
     python scripts/profile_compile.py --job llama110m --num-prompts 16 --mean-output 32
     python scripts/profile_compile.py --unroll-layers 0        # layers as a lax.scan
+    python scripts/profile_compile.py --scan-from-tokens 32    # steps of >= 32 tokens as a scan
 
 The job runs in this process through ``jaxinfer.cli.main`` (``generate``, greedy) with
 ``JAXINFER_COMPILATION_CACHE=0``, so every compilation is done (``--persistent-cache DIR``
@@ -63,6 +64,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--unroll-layers", choices=("auto", "0", "1"), default="auto",
                     help="EngineConfig.unroll_layers (auto: the engine's default, on for CPU)")
+    ap.add_argument("--scan-from-tokens", type=int, default=None, metavar="N",
+                    help="EngineConfig.scan_layers_from_tokens (default: the engine's; 0 = "
+                         "never: every step unrolled when the layers are)")
     ap.add_argument("--reuse-steps", type=int, default=None,
                     help="bucket_reuse.REUSE_STEPS for the job (default: the engine's)")
     ap.add_argument("--no-bucket-reuse", action="store_true",
@@ -167,13 +171,16 @@ def main() -> None:
         return out
 
     engine_mod.Engine._dispatch, engine_mod.Engine._collect = dispatch, collect
-    if unroll is not None:
+    if unroll is not None or args.scan_from_tokens is not None:
         orig_init = engine_mod.Engine.__init__
+        layer_kw = {k: v for k, v in (("unroll_layers", unroll),
+                                      ("scan_layers_from_tokens", args.scan_from_tokens))
+                    if v is not None}
 
         def init(self, cfg, params, tokenizer, ecfg, *a, **kw):
             import dataclasses
 
-            orig_init(self, cfg, params, tokenizer, dataclasses.replace(ecfg, unroll_layers=unroll),
+            orig_init(self, cfg, params, tokenizer, dataclasses.replace(ecfg, **layer_kw),
                       *a, **kw)
         engine_mod.Engine.__init__ = init
 
@@ -218,7 +225,8 @@ def main() -> None:
     tot = {k: round(sum(r[k] for r in table), 2) for k in ("trace_s", "lower_s", "compile_s")}
     summary = {
         "bench": "profile_compile", **host_info(), "job": args.job, "model": str(path),
-        "unroll_layers": args.unroll_layers, "cli_args": args.cli_args,
+        "unroll_layers": args.unroll_layers, "scan_from_tokens": args.scan_from_tokens,
+        "cli_args": args.cli_args,
         "reuse_steps": bucket_reuse.REUSE_STEPS, "bucket_reuse": not args.no_bucket_reuse,
         "persistent_cache": args.persistent_cache, "exit_code": rc,
         "num_prompts": cli_summary.get("prompts"),
