@@ -26,10 +26,11 @@ compile runs changes.
 Skipped, with ``reason`` set and no thread (the derivation would be a guess there, and this is
 an optimisation, not a mode): environment variable ``JAXINFER_COMPILE_WHILE_LOADING=0``;
 quantization (``--quantization`` or a quantized checkpoint), tensor or data parallelism or more
-than one device, speculative decoding, an ``attn_impl`` other than the XLA attention ("auto"
-resolving to "xla", or "xla"), several hosts. Also unused (``adopt`` returns False) for
-``n > 1`` or prompt-logprob requests in the first step, resumed requests whose first step
-differs, and any mismatch above.
+than one device, speculative decoding, an ``attn_impl`` resolving to a Pallas kernel, several
+hosts ("auto", "xla" and "cpu_kernel" compile with the implementation the engine will resolve,
+``paged_attention.engine_attn_impl``, which builds the CPU kernel on the thread). Also unused
+(``adopt`` returns False) for ``n > 1`` or prompt-logprob requests in the first step, resumed
+requests whose first step differs, and any mismatch above.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def llm_arguments(kwargs: dict) -> dict:
 def unsupported(kwargs: dict) -> str | None:
     """Why the first step's shapes cannot be derived before loading for ``LLM`` arguments
     ``kwargs`` (complete, ``llm_arguments``), or None when they can (module docstring)."""
-    from jaxinfer.paged_attention import resolve_attn_impl
+    from jaxinfer.paged_attention import XLA_IMPLS, resolve_attn_impl
 
     if kwargs["quantization"] not in (None, "none"):
         return f"quantization={kwargs['quantization']!r} (weights transformed after loading)"
@@ -93,7 +94,7 @@ def unsupported(kwargs: dict) -> str | None:
         impl = resolve_attn_impl(kwargs["attn_impl"])
     except ValueError as e:
         return f"attn_impl: {e}"
-    if impl != "xla":
+    if impl not in XLA_IMPLS:
         return f"attn_impl={kwargs['attn_impl']!r} resolves to {impl!r} (only the XLA attention)"
     return None
 
@@ -265,6 +266,7 @@ class FirstStepCompile:
         from jaxinfer.engine_config import kv_cache_dtype
         from jaxinfer.llm import encode_prompt, engine_config
         from jaxinfer.loaders import _resolve_dtype
+        from jaxinfer.paged_attention import engine_attn_impl
         from jaxinfer.sampling import SamplingParams
         from jaxinfer.sharding import plan_sharding
         from jaxinfer.step import jitted_forward_step, jitted_sample_step
@@ -304,6 +306,9 @@ class FirstStepCompile:
             return None
         aparams = abstract_params(run_cfg, dtype, ecfg)
         akv = abstract_kv(run_cfg, ecfg, kv_cache_dtype(ecfg, aparams))
+        impl, _ = engine_attn_impl(ecfg.attn_impl, page_major=akv.page_major,  # as Engine's
+                                   kv_dtype=akv.k_pages.dtype, batch_invariant=ecfg.batch_invariant)
+        ecfg = dataclasses.replace(ecfg, attn_impl=impl)
         num_slots = next_pow2(decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs))
         stand_in = SimpleNamespace(  # what BackgroundCompiler's compile function reads
             cfg=run_cfg, ecfg=ecfg, params=aparams, kv=akv, _forward=jitted_forward_step(),

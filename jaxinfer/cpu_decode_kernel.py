@@ -5,13 +5,21 @@ a copy before two small batched dots; this kernel reads the live pages of a page
 place (one pass, online softmax per head), which on a 2-core CPU takes ~1/3 of the CPU time at
 the 110M model's shapes (``scripts/bench_decode_attention.py``; docs/performance_cold_start.md).
 
-Opt-in: ``attn_impl="cpu_kernel"`` (``--attn-impl cpu_kernel``) runs the XLA attention with its
-decode rows in this kernel; it needs the CPU backend and a page-major float32 pool on one device
-(the CPU default for float32 weights), else the engine refuses it. The first engine compiles
-the source with the system C++ compiler (``$CXX``, else ``c++``) into
-``$JAXINFER_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxinfer``), keyed by the source, the
-flags, jaxlib's version and the CPU; a missing compiler or a failed build raises ``RuntimeError``
-with the compiler's message (no silent fallback).
+The CPU default: ``attn_impl="auto"`` (the default) runs the XLA attention with its decode rows in
+this kernel wherever it can serve the engine (``paged_attention.engine_attn_impl``): the CPU
+backend, a page-major float32 pool on one device (the CPU default for float32 weights), no
+``batch_invariant``, and a kernel that builds and loads; elsewhere "auto" runs the plain XLA
+attention (int8 or bfloat16 pools, head-major pools, meshes, ``batch_invariant``: the rule, not
+an error), and a failed build under "auto" logs a warning and runs XLA. ``attn_impl="cpu_kernel"``
+(``--attn-impl cpu_kernel``) asks for it explicitly: an engine it cannot serve refuses it
+(ValueError), a missing compiler or a failed build raises ``RuntimeError`` (no fallback for a
+kernel asked by name); ``attn_impl="xla"`` never uses it.
+
+The first engine compiles the source with the system C++ compiler (``$CXX``, else ``c++``; ~3-4
+CPU seconds) into ``$JAXINFER_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxinfer``), keyed by
+the source, the flags, jaxlib's version and the CPU; builders write a per-process temporary file
+and rename it, so concurrent processes (xdist workers) leave one complete library. A failed build
+is remembered for the rest of the process (not retried).
 """
 
 from __future__ import annotations
@@ -33,6 +41,19 @@ TARGET = "jaxinfer_cpu_decode_attention"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _loaded: list[Path] = []
+_failure: list[str] = []  # the build or load error, once it failed in this process
+
+
+def unsupported(page_major: bool, kv_dtype, mesh) -> str | None:
+    """Why the kernel cannot serve an engine with this KV pool (page-major or head-major,
+    ``kv_dtype``) and ``mesh`` (None: one device), or None when it can."""
+    if mesh is not None:
+        return "a sharded engine"
+    if not page_major:
+        return "kv_page_major=False"
+    if np.dtype(kv_dtype) != np.float32:
+        return f"a KV pool of {np.dtype(kv_dtype)}"
+    return None
 
 
 def check_engine(impl: str, page_major: bool, kv_dtype, mesh) -> None:
@@ -42,9 +63,8 @@ def check_engine(impl: str, page_major: bool, kv_dtype, mesh) -> None:
     compiler or a failed build."""
     if impl != "cpu_kernel":
         return
-    if mesh is not None or not page_major or np.dtype(kv_dtype) != np.float32:
-        why = ("a sharded engine" if mesh is not None else
-               "kv_page_major=False" if not page_major else f"a KV pool of {np.dtype(kv_dtype)}")
+    why = unsupported(page_major, kv_dtype, mesh)
+    if why is not None:
         raise ValueError("attn_impl='cpu_kernel' reads a page-major float32 KV pool on one "
                          f"device, not {why}; use attn_impl='xla' (or 'auto')")
     load()
@@ -79,8 +99,12 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     base.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}): {e}") from e
     if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
         raise RuntimeError(
             f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
     os.replace(tmp, lib)  # atomic: concurrent builders leave one complete library
@@ -88,16 +112,25 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def load() -> None:
-    """Builds (if needed) and registers the kernel with XLA CPU, once per process."""
+    """Builds (if needed) and registers the kernel with XLA CPU, once per process. Raises
+    RuntimeError when the build or the library's load fails; a failure is remembered, and later
+    calls raise it again without rebuilding."""
     with _lock:
         if _loaded:
             return
+        if _failure:
+            raise RuntimeError(_failure[0])
         import ctypes
 
-        lib = build()
-        handle = ctypes.cdll.LoadLibrary(str(lib))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.JaxinferCpuDecodeAttention),
-                                    platform="cpu")
+        try:
+            lib = build()
+            handle = ctypes.cdll.LoadLibrary(str(lib))
+            fn = handle.JaxinferCpuDecodeAttention
+        except (RuntimeError, OSError, AttributeError) as e:
+            msg = str(e) if isinstance(e, RuntimeError) else f"loading the kernel library: {e}"
+            _failure.append(msg)
+            raise RuntimeError(msg) from e
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="cpu")
         _loaded.append(lib)
 
 

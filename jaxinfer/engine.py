@@ -16,7 +16,6 @@ import numpy as np
 import jaxinfer.prompt_logprobs as plp
 from jaxinfer.batch import build_step_batch, decode_bucket, exact_buckets, next_pow2, row_index
 import jaxinfer.bucket_reuse as bucket_reuse
-import jaxinfer.cpu_decode_kernel as cpu_decode_kernel
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine_config import (  # noqa: F401 - re-exported: jaxinfer.engine's public names
     KV_CACHE_DTYPES,
@@ -30,7 +29,7 @@ from jaxinfer.errors import RequestError
 from jaxinfer.host_memory import keep_freed_host_memory
 from jaxinfer.kv_cache import PageAllocator, init_kv_cache
 from jaxinfer.outputs import RequestOutput, TokenLogprob
-from jaxinfer.paged_attention import XLA_IMPLS, check_attn_impl
+from jaxinfer.paged_attention import XLA_IMPLS, check_attn_impl, engine_attn_impl
 from jaxinfer.params import Params, out_in_projections, unstack_layers
 from jaxinfer.prefix_cache import PrefixCachingAllocator
 from jaxinfer.request_output import RequestState, advance, build_output
@@ -74,6 +73,11 @@ class Engine:
             tokens (the message says how many pages are needed), or ``attn_impl`` is unknown,
             unavailable on this backend, or cannot tile this model (the message says why), or
             ``batch_invariant`` is asked with a Pallas ``attn_impl`` or a mesh.
+        RuntimeError: ``attn_impl="cpu_kernel"`` whose build fails.
+
+    ``attn_impl`` is the implementation it runs (``paged_attention.engine_attn_impl``: "auto"
+    resolved, e.g. "cpu_kernel" or "xla" on CPU), ``attn_impl_reason`` why; ``ecfg.attn_impl``
+    is that resolved name too (the static argument of every jitted step).
     """
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
@@ -97,7 +101,11 @@ class Engine:
                    "use 'xla' or 'auto'" if impl != "xla" else
                    "tensor/data parallel engines are not supported with it yet"))
         kv_dtype = kv_cache_dtype(ecfg, params)
-        cpu_decode_kernel.check_engine(impl, page_major, kv_dtype, mesh)
+        # Every jitted step's static attn_impl: "auto" resolved for this engine's pool.
+        impl, self.attn_impl_reason = engine_attn_impl(
+            ecfg.attn_impl, page_major=page_major, kv_dtype=kv_dtype, mesh=mesh,
+            batch_invariant=ecfg.batch_invariant)
+        self.attn_impl, ecfg = impl, dataclasses.replace(ecfg, attn_impl=impl)
         if kv_dtype == np.int8 and mesh is not None:
             raise ValueError("kv_cache_dtype='int8' with a sharded engine is not supported yet")
         need = ecfg.max_pages_per_seq + 1

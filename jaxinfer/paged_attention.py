@@ -18,6 +18,7 @@ Sources: vLLM PagedAttention (Kwon et al. 2023); jax's
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,8 @@ import jaxinfer.cpu_decode_kernel as cpu_decode_kernel
 from jaxinfer.attention import MASK_VALUE, masked_softmax_av, window_mask
 from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.quant.kv import dequantize_kv
+
+log = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -151,9 +154,11 @@ KERNEL_VERIFIED_BACKENDS: tuple[str, ...] = ()
 
 
 def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
-    """The concrete implementation of ``attn_impl`` on ``backend`` (default: jax's).
+    """The concrete implementation of ``attn_impl`` on ``backend`` (default: jax's), from the
+    backend alone.
 
-    "auto": the backend's kernel where verified (``KERNEL_VERIFIED_BACKENDS``), else "xla";
+    "auto": the backend's kernel where verified (``KERNEL_VERIFIED_BACKENDS``), else "xla" (an
+    engine on CPU then refines "xla" to "cpu_kernel" where its pool allows: ``engine_attn_impl``);
     "pallas": the kernel of the current backend ("pallas_tpu" / "pallas_gpu");
     "cpu_kernel": the XLA attention with its decode rows in the native CPU kernel (CPU only).
 
@@ -181,6 +186,55 @@ def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
         raise ValueError(f"attn_impl={attn_impl!r} cannot run on jax backend {backend!r}; use "
                          f"{other} or '{attn_impl}_interpret'")
     return attn_impl
+
+
+def engine_attn_impl(attn_impl: str, *, page_major: bool, kv_dtype, mesh=None,
+                     batch_invariant: bool = False, backend: str | None = None) -> tuple[str, str]:
+    """(implementation, why) an engine runs for ``attn_impl``, given its KV pool (``page_major``,
+    ``kv_dtype``), ``mesh`` (None: one device) and ``batch_invariant``; the engine passes the
+    implementation as every jitted step's static ``attn_impl``.
+
+    "auto" on the CPU backend is "cpu_kernel" (``cpu_decode_kernel``: the XLA attention with its
+    decode rows in a native kernel) for a page-major float32 pool on one device without
+    ``batch_invariant`` once the kernel builds and loads, else "xla": for another pool, a mesh or
+    ``batch_invariant`` by rule (logged at INFO); for a failed build or load with a WARNING on
+    the ``jaxinfer.paged_attention`` logger (once per process: the failure is remembered), naming
+    the reason; ``attn_impl="xla"`` chooses XLA without it. Other backends and other
+    ``attn_impl`` values: ``resolve_attn_impl``.
+
+    Raises:
+        ValueError: as ``resolve_attn_impl``; an explicit "cpu_kernel" for a pool or mesh the
+            kernel cannot serve.
+        RuntimeError: an explicit "cpu_kernel" whose build or load fails (no fallback).
+    """
+    impl = resolve_attn_impl(attn_impl, backend)
+    backend = backend or jax.default_backend()
+    if impl == "cpu_kernel":
+        cpu_decode_kernel.check_engine(impl, page_major, kv_dtype, mesh)
+        return impl, "attn_impl='cpu_kernel' asked"
+    if attn_impl != "auto":
+        return impl, f"attn_impl={attn_impl!r} asked"
+    if impl != "xla" or backend != "cpu":
+        return impl, f"attn_impl='auto' on the {backend} backend"
+    why = ("batch_invariant=True (its own XLA attention)" if batch_invariant
+           else cpu_decode_kernel.unsupported(page_major, kv_dtype, mesh))
+    if why is not None:
+        why = ("attn_impl='auto': the XLA attention, as the native CPU decode kernel does not "
+               f"serve {why}")
+        log.info("%s", why)
+        return "xla", why
+    failed_before = bool(cpu_decode_kernel._failure)
+    try:
+        cpu_decode_kernel.load()
+    except RuntimeError as e:
+        why = (f"attn_impl='auto': the native CPU decode-attention kernel is unavailable ({e}); "
+               "the XLA attention runs instead (attn_impl='xla' / --attn-impl xla chooses it "
+               "and silences this warning)")
+        (log.info if failed_before else log.warning)("%s", why)
+        return "xla", why
+    why = "attn_impl='auto': the native CPU decode kernel, for a page-major float32 KV pool"
+    log.info("%s", why)
+    return "cpu_kernel", why
 
 
 def check_attn_impl(cfg, attn_impl: str, page_size: int, num_pages: int, max_pages: int) -> str:

@@ -1,8 +1,12 @@
-"""The native CPU decode-attention kernel (jaxinfer/cpu_decode_kernel.py, opt-in with
-attn_impl="cpu_kernel") == numpy float64 attention, the engine with it reproduces llama2.c's
-greedy stories260K outputs, and engines it cannot serve refuse it."""
+"""The native CPU decode-attention kernel (jaxinfer/cpu_decode_kernel.py; what attn_impl="auto"
+runs on CPU where it can, or asked by name with attn_impl="cpu_kernel") == numpy float64
+attention; the engine with it, and with attn_impl="xla", reproduces llama2.c's greedy
+stories260K outputs; "auto" resolves per engine by the documented rule, a build failure under
+"auto" warns and runs XLA, and engines an explicit "cpu_kernel" cannot serve refuse it."""
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -75,9 +79,11 @@ def test_build_and_input_errors(monkeypatch, tmp_path):
             softcap=None, layer=0)
 
 
-def test_engine_with_kernel_reproduces_llama2c(kernel_on, stories_dir, monkeypatch):
+@pytest.mark.parametrize("attn_impl", ["auto", "xla"])
+def test_engine_reproduces_llama2c(kernel_on, stories_dir, monkeypatch, attn_impl):
     """Every greedy_reference.json case in one batch through the paged engine (page-major f32
-    pool, the CPU default) with the kernel serving the decode steps."""
+    pool, the CPU default): "auto" serves the decode steps with the kernel (traced into the
+    engine's step functions), "xla" with the XLA attention (the kernel never traced)."""
     from jaxinfer.llm import LLM
     from jaxinfer.sampling import SamplingParams
 
@@ -85,8 +91,10 @@ def test_engine_with_kernel_reproduces_llama2c(kernel_on, stories_dir, monkeypat
     real = cpu_decode_kernel.decode_attention
     monkeypatch.setattr(cpu_decode_kernel, "decode_attention",
                         lambda *a, **k: traced.append(1) or real(*a, **k))
-    llm = LLM(stories_dir, max_num_seqs=8, attn_impl="cpu_kernel")
+    llm = LLM(stories_dir, max_num_seqs=8, attn_impl=attn_impl)
+    want = "cpu_kernel" if attn_impl == "auto" else "xla"
     assert llm.engine.kv_page_major
+    assert llm.engine.attn_impl == llm.engine.ecfg.attn_impl == want
     cases = stories_reference()
     ids = [llm.tokenizer.encode(c["prompt"]) for c in cases]
     params = [SamplingParams(temperature=0.0, max_tokens=c["max_steps"] - (len(i) - 1),
@@ -94,7 +102,73 @@ def test_engine_with_kernel_reproduces_llama2c(kernel_on, stories_dir, monkeypat
     outs = llm.generate(ids, params)
     for c, i, o in zip(cases, ids, outs, strict=True):
         assert llm.tokenizer.decode(i + o.token_ids) == c["expected"]
-    assert traced
+    assert bool(traced) == (want == "cpu_kernel")
+
+
+def test_auto_resolves_per_engine(kernel_on):
+    """The documented rule, host only: the kernel for a page-major float32 pool on one CPU
+    device without batch_invariant; XLA for every other pool, a mesh, batch_invariant, another
+    backend, or attn_impl="xla"; 8-token default pages either way."""
+    from jaxinfer.engine_config import default_page_size
+
+    kw = dict(page_major=True, kv_dtype=np.float32, mesh=None, backend="cpu")
+    resolve = paged_attention.engine_attn_impl
+    assert resolve("auto", **kw)[0] == "cpu_kernel"
+    assert resolve("cpu_kernel", **kw)[0] == "cpu_kernel"
+    for change, why in ((dict(kv_dtype=np.int8), "a KV pool of int8"),
+                        (dict(kv_dtype=jnp.bfloat16), "a KV pool of bfloat16"),
+                        (dict(page_major=False), "kv_page_major=False"),
+                        (dict(mesh=object()), "a sharded engine"),
+                        (dict(batch_invariant=True), "batch_invariant=True")):
+        impl, reason = resolve("auto", **{**kw, **change})
+        assert impl == "xla" and why in reason, change
+    assert resolve("xla", **kw)[0] == "xla"
+    assert resolve("auto", **{**kw, "backend": "tpu"})[0] == "xla"
+    with pytest.raises(ValueError, match="not a KV pool of int8; use attn_impl='xla'"):
+        resolve("cpu_kernel", **{**kw, "kv_dtype": np.int8})
+    assert [default_page_size(i, "cpu") for i in ("auto", "xla", "cpu_kernel")] == [8, 8, 8]
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """A process where the kernel was never built or loaded, and $CXX names no program."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_decode_kernel, "_loaded", [])
+    monkeypatch.setattr(cpu_decode_kernel, "_failure", [])
+    return tmp_path
+
+
+def test_auto_without_a_compiler_warns_and_runs_xla(no_compiler, stories_dir, caplog):
+    from jaxinfer.llm import LLM
+
+    caplog.set_level(logging.INFO, logger="jaxinfer.paged_attention")
+    llm = LLM(stories_dir, max_num_seqs=4, compilation_cache=False)
+    assert llm.engine.attn_impl == llm.engine.ecfg.attn_impl == "xla"
+    [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    msg = warning.getMessage()
+    assert "needs a C++ compiler" in msg and "no-such-compiler" in msg
+    assert "the XLA attention runs instead" in msg and "--attn-impl xla" in msg
+    assert llm.engine.attn_impl_reason == msg
+    # Remembered: a second engine neither rebuilds nor warns again (INFO), and runs XLA.
+    caplog.clear()
+    impl, _ = paged_attention.engine_attn_impl("auto", page_major=True, kv_dtype=np.float32)
+    assert impl == "xla" and caplog.records
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_explicit_kernel_without_a_compiler_raises(no_compiler, stories_dir, monkeypatch):
+    """No fallback for a kernel asked by name: a missing compiler, or one whose build fails
+    (``false`` exits 1), is a RuntimeError at construction, and the failed build leaves no file."""
+    from jaxinfer.llm import LLM
+
+    with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler: .*no-such-compiler"):
+        LLM(stories_dir, attn_impl="cpu_kernel", compilation_cache=False)
+    monkeypatch.setattr(cpu_decode_kernel, "_failure", [])
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="building cpu_decode_kernel.cc failed"):
+        LLM(stories_dir, attn_impl="cpu_kernel", compilation_cache=False)
+    assert not list((no_compiler / "cpu_kernels").iterdir())
 
 
 def test_engines_the_kernel_cannot_serve_refuse_it(stories_dir):
