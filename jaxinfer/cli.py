@@ -145,10 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # = paged_attention.ATTN_IMPLS (spelled out: the CLI imports jax lazily; a test checks).
     e.add_argument("--attn-impl", default="auto", choices=ATTN_IMPL_CHOICES,
-                   help="attention implementation: auto (XLA on CPU, the Pallas kernel where "
-                   "verified), xla, pallas (this backend's kernel), pallas_tpu, pallas_gpu, "
-                   "pallas_{tpu,gpu}_interpret (kernels run on CPU, for tests), cpu_kernel "
-                   "(XLA with a native CPU decode kernel built by the C++ compiler; opt-in)")
+                   help="attention implementation: auto (on CPU cpu_kernel where the KV pool "
+                   "allows, else xla; the Pallas kernel where verified), xla, pallas (this "
+                   "backend's kernel), pallas_tpu, pallas_gpu, pallas_{tpu,gpu}_interpret "
+                   "(kernels run on CPU, for tests), cpu_kernel (XLA with a native CPU decode "
+                   "kernel built by the C++ compiler)")
     sd = g.add_argument_group("speculative decoding")
     sd.add_argument("--speculative", default=None, choices=["draft-model", "ngram", "heads"],
                     help="drafter: a smaller draft model, n-gram prompt lookup or Medusa heads")

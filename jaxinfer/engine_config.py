@@ -22,13 +22,17 @@ class EngineConfig:
     Attributes:
         max_model_len: longest sequence (prompt + output), tokens.
         page_size: Z, tokens per KV page (``LLM`` and the CLI default to ``default_page_size``:
-            8 on CPU with the XLA attention).
+            8 on CPU with the XLA attention, with or without the CPU decode kernel).
         num_pages: P, pages in the pool (page 0 is reserved as the null page).
         max_num_seqs: most sequences running at once (rows of a step).
         max_num_batched_tokens: token budget of one step.
         max_prefill_seqs: most prefill chunks in one step.
-        attn_impl: attention implementation, one of ``paged_attention.ATTN_IMPLS`` ("auto":
-            XLA on CPU, the Pallas kernel on a backend where it is verified).
+        attn_impl: attention implementation, one of ``paged_attention.ATTN_IMPLS``. "auto": on
+            CPU the XLA attention with its decode rows in the native kernel ("cpu_kernel") for
+            a page-major float32 pool on one device without ``batch_invariant`` when the
+            kernel builds, else "xla" (a failed build logs a WARNING); the Pallas kernel on a
+            backend where it is verified (``paged_attention.engine_attn_impl``). An engine's
+            ``ecfg.attn_impl`` is the resolved name.
         seed: seed of the host RNG that draws seeds for requests without one.
         kv_cache_dtype: "auto" (the params' float dtype) or "int8" (int8 pages with per-token,
             per-head f32 scales; ``jaxinfer.quant.kv``).
@@ -133,7 +137,8 @@ def kv_cache_dtype(ecfg: EngineConfig, params: Params):
 
 def default_page_size(attn_impl: str = "auto", backend: str | None = None) -> int:
     """Tokens per KV page when the user gives none: 8 where ``attn_impl`` resolves to the XLA
-    attention on CPU, else 16 (vLLM's default block size, a tile the Pallas kernels take).
+    attention on CPU ("auto", "xla", "cpu_kernel": the kernel reads any page size), else 16
+    (vLLM's default block size, a tile the Pallas kernels take).
 
     On CPU, 8-token pages leave half the last-page slack of 16-token ones (97 % vs 94 % of
     allocated slots live in ``scripts/bench_kv_memory.py``) at no cost in speed: the 64-prompt

@@ -59,7 +59,8 @@ class LLM:
         max_num_batched_tokens: token budget per step (default max(512, max_num_seqs)).
         attn_impl: attention implementation, see ``paged_attention.ATTN_IMPLS`` ("auto", "xla",
             "pallas", "pallas_tpu_interpret", "cpu_kernel": XLA with the native CPU decode kernel
-            of ``jaxinfer.cpu_decode_kernel``, ...).
+            of ``jaxinfer.cpu_decode_kernel``, what "auto" runs on CPU where the pool allows,
+            ``paged_attention.engine_attn_impl``; ``engine.attn_impl`` says which ran, ...).
         kv_cache_memory_gb: memory budget of the default pool, GiB.
         tokenizer: tokenizer path overriding the one found beside the model.
         seed: seeds the draws of per-request seeds for requests without one.
