@@ -133,6 +133,7 @@ def abstract_params(cfg, dtype, ecfg):
     dtype ``dtype`` (what the llama2.c and Hugging Face loaders return), put through the layout
     transforms ``Engine.__init__`` applies on one device (``unroll_layers`` / ``out_in_weights``
     of ``ecfg``, default on CPU) under ``jax.eval_shape``."""
+    from jaxinfer.engine_config import scan_from_tokens
     from jaxinfer.params import out_in_projections, param_shapes, params_from_flat, unstack_layers
 
     flat = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in param_shapes(cfg).items()}
@@ -140,7 +141,7 @@ def abstract_params(cfg, dtype, ecfg):
 
     def layout(params):
         if ecfg.unroll_layers if ecfg.unroll_layers is not None else cpu:
-            params = unstack_layers(params)
+            params = unstack_layers(params, scan_from_tokens(ecfg))
         if ecfg.out_in_weights if ecfg.out_in_weights is not None else cpu:
             params = out_in_projections(params)
         return params
