@@ -294,6 +294,7 @@ def sample(
     *,
     num_logprobs: int = 0,
     logprob_logits: jax.Array | None = None,
+    token_logprobs: bool = True,
 ) -> SampleOutput:
     """Samples one token per row.
 
@@ -312,6 +313,9 @@ def sample(
         num_logprobs: static; n, how many top logprobs to return per row (0 = none). Use the
             batch's largest `SamplingParams.logprobs` and slice per row on the host.
         logprob_logits: optional f32[B, V] to compute the returned logprobs from instead.
+        token_logprobs: static; False skips the log-softmax over [B, V] when ``num_logprobs``
+            is 0 (the sampled tokens' logprobs are then NaN): the engine passes False when no
+            row asked for logprobs, as nothing reads them then.
 
     Returns:
         `SampleOutput` with tokens i32[B], logprobs f32[B], top_ids i32[B, n],
@@ -330,13 +334,17 @@ def sample(
     def random_rows(_):
         x = processed_logits(logits, st)  # f32[B, V]
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(row_keys(st))
-        random_tokens = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+        random_tokens = argmax_lowest(x + gumbel)
         return jnp.where(st.temperature < SAMPLING_EPS, greedy_tokens, random_tokens)
 
     # An all-greedy batch (the common batch job) skips the sort and the random draws.
     all_greedy = jnp.all(st.temperature < SAMPLING_EPS)
     tokens = jax.lax.cond(all_greedy, lambda _: greedy_tokens, random_rows, None)  # i32[B]
 
+    if num_logprobs == 0 and not token_logprobs:
+        return SampleOutput(tokens=tokens, logprobs=jnp.full((B,), jnp.nan, jnp.float32),
+                            top_ids=jnp.zeros((B, 0), jnp.int32),
+                            top_logprobs=jnp.zeros((B, 0), jnp.float32))
     lp_src = logits if logprob_logits is None else logprob_logits.astype(jnp.float32)
     lp = jax.nn.log_softmax(lp_src, axis=-1)  # f32[B, V]
     token_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]

@@ -130,7 +130,8 @@ def sample_step(
         logits: f32[B, V] raw logits.
         sampling: per-row sampling parameters, B rows.
         controls: penalty inputs and banned tokens, or None when no row needs them.
-        num_logprobs: top-n logprobs to return per row (static; 0 = none).
+        num_logprobs: top-n logprobs to return per row (static; 0 = none, and then the
+            sampled tokens' logprobs are not computed either: NaN).
 
     Returns:
         Sampled tokens i32[B] with logprobs of the raw distribution (vLLM's raw logprobs).
@@ -139,7 +140,10 @@ def sample_step(
     if controls is not None:
         logits = apply_penalties(logits, controls.prompt_mask, controls.output_counts, sampling)
         logits = jnp.where(controls.banned, -jnp.inf, logits)
-    return sample(logits, sampling, num_logprobs=num_logprobs, logprob_logits=raw_logits)
+    # No row asked for logprobs when num_logprobs is 0 (a row's logprobs=0 makes it
+    # MAX_LOGPROBS): the sampled tokens' logprobs are then never read.
+    return sample(logits, sampling, num_logprobs=num_logprobs, logprob_logits=raw_logits,
+                  token_logprobs=num_logprobs > 0)
 
 
 def sample_step_padded(
