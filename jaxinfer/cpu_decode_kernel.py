@@ -17,9 +17,9 @@ kernel asked by name); ``attn_impl="xla"`` never uses it.
 
 The first engine compiles the source with the system C++ compiler (``$CXX``, else ``c++``; ~3-4
 CPU seconds) into ``$JAXINFER_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxinfer``), keyed by
-the source, the flags, jaxlib's version and the CPU; builders write a per-process temporary file
-and rename it, so concurrent processes (xdist workers) leave one complete library. A failed build
-is remembered for the rest of the process (not retried).
+the source, the flags, jaxlib's version and the CPU; concurrent processes (xdist workers) take a
+file lock, so one builds and the others wait for its library (written to a temporary file and
+renamed). A failed build is remembered for the rest of the process (not retried).
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: concurrent builders each build, the rename keeps it safe
+    fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -94,20 +99,27 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     if lib.exists():
         return lib
     if shutil.which(cxx) is None:
-        raise RuntimeError(f"attn_impl='cpu_kernel' needs a C++ compiler: {cxx!r} not found "
-                           "(set CXX, or use attn_impl='xla')")
+        raise RuntimeError(f"building the CPU decode kernel needs a C++ compiler: {cxx!r} not "
+                           "found (install one or set CXX; attn_impl='xla' needs none)")
     base.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}): {e}") from e
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(
-            f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
-    os.replace(tmp, lib)  # atomic: concurrent builders leave one complete library
+    # One builder at a time per cache dir (xdist workers, parallel jobs): the others wait, then
+    # find the library. The temp file and rename keep a crashed build from leaving a partial one.
+    with open(base / ".build.lock", "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}): {e}") from e
+        if res.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(
+                f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+        os.replace(tmp, lib)  # atomic: readers see no library or a complete one
     return lib
 
 

@@ -79,6 +79,30 @@ def test_build_and_input_errors(monkeypatch, tmp_path):
             softcap=None, layer=0)
 
 
+def test_concurrent_builders_build_once(monkeypatch, tmp_path):
+    """Builders racing on one cache dir (xdist workers) compile once: the others wait on the lock
+    and find the library. A stand-in compiler counts its runs and takes 0.5 s."""
+    import os
+    import stat
+    import threading
+
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(f'#!/bin/sh\necho run >> {tmp_path}/runs\nsleep 0.5\n'
+                   'for last; do :; done\necho library > "$last"\n')
+    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CXX", str(cxx))
+    libs = []
+    threads = [threading.Thread(target=lambda: libs.append(cpu_decode_kernel.build(tmp_path)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (tmp_path / "runs").read_text() == "run\n"
+    assert len(set(libs)) == 1 and libs[0].read_text() == "library\n" and len(libs) == 3
+    assert sorted(os.listdir(tmp_path / "cpu_kernels")) == [".build.lock", libs[0].name]
+
+
 @pytest.mark.parametrize("attn_impl", ["auto", "xla"])
 def test_engine_reproduces_llama2c(kernel_on, stories_dir, monkeypatch, attn_impl):
     """Every greedy_reference.json case in one batch through the paged engine (page-major f32
@@ -158,17 +182,22 @@ def test_auto_without_a_compiler_warns_and_runs_xla(no_compiler, stories_dir, ca
 
 
 def test_explicit_kernel_without_a_compiler_raises(no_compiler, stories_dir, monkeypatch):
-    """No fallback for a kernel asked by name: a missing compiler, or one whose build fails
-    (``false`` exits 1), is a RuntimeError at construction, and the failed build leaves no file."""
+    """No fallback for a kernel asked by name: a missing compiler, or a build that fails (a
+    stand-in compiler writes half a library, prints an error and exits 1), is a RuntimeError at
+    construction naming the cause, and the failed build leaves no library or temp file."""
     from jaxinfer.llm import LLM
 
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler: .*no-such-compiler"):
         LLM(stories_dir, attn_impl="cpu_kernel", compilation_cache=False)
     monkeypatch.setattr(cpu_decode_kernel, "_failure", [])
-    monkeypatch.setenv("CXX", "false")
-    with pytest.raises(RuntimeError, match="building cpu_decode_kernel.cc failed"):
+    cxx = no_compiler / "failing-cxx"
+    cxx.write_text('#!/bin/sh\nfor last; do :; done\necho half > "$last"\n'
+                   'echo "error: no AVX here" >&2\nexit 1\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    with pytest.raises(RuntimeError, match="(?s)building cpu_decode_kernel.cc failed .*no AVX"):
         LLM(stories_dir, attn_impl="cpu_kernel", compilation_cache=False)
-    assert not list((no_compiler / "cpu_kernels").iterdir())
+    assert [f.name for f in (no_compiler / "cpu_kernels").iterdir()] == [".build.lock"]
 
 
 def test_engines_the_kernel_cannot_serve_refuse_it(stories_dir):
