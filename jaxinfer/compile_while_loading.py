@@ -23,14 +23,31 @@ executables in jax's caches. When anything differs the compile is not used (``re
 the engine compiles as without this) and outputs are the same either way: only where the
 compile runs changes.
 
-Skipped, with ``reason`` set and no thread (the derivation would be a guess there, and this is
-an optimisation, not a mode): environment variable ``JAXINFER_COMPILE_WHILE_LOADING=0``;
+Off by default: environment variable ``JAXINFER_COMPILE_WHILE_LOADING=1`` turns it on (see
+"Measured" below for why). Skipped, with ``reason`` set and no thread (the derivation would be a
+guess there, and this is an optimisation, not a mode): the variable unset or "0";
 quantization (``--quantization`` or a quantized checkpoint), tensor or data parallelism or more
 than one device, speculative decoding, an ``attn_impl`` resolving to a Pallas kernel, several
 hosts ("auto", "xla" and "cpu_kernel" compile with the implementation the engine will resolve,
 ``paged_attention.engine_attn_impl``, which builds the CPU kernel on the thread). Also unused
 (``adopt`` returns False) for ``n > 1`` or prompt-logprob requests in the first step, resumed
 requests whose first step differs, and any mismatch above.
+
+The thread is not a daemon: the interpreter waits for it at exit (a process that ended while a
+daemon thread compiled aborted with "terminate called ...", status 134).
+
+Measured (2-core Xeon shared with other jobs, load 4-9; tests/test_compile_while_loading.py checks
+correctness, not speed): no reliable gain. The first token of a 64-prompt ~110M job (first step
+only, in-process, 6 alternated pairs at load 3.6-4.6) came 3.2, 2.8 and 0.8 s sooner in three
+pairs and 1.8-2.1 s later in three; the README demo's (``scripts/profile_compile.py --job demo``, 4 pairs) 15.1 / 9.5,
+14.6 / 12.1, 9.0 / 10.8, 9.9 / 9.6 s with / without. Why: XLA CPU compiles in one process largely
+serialize (a 0.05 s compile issued 1.8 s into a 3 s compile on another thread took 1.0 s,
+ending with it), and loading compiles too: the layout transforms' eager ops are 21 small XLA
+compiles for the 110M model (27 for stories260K), each of which then waits for the background
+compile. So the main thread's load ends when the background compile does, and what can be hidden
+is only the load's compile-free part (file reads, ~1-2 s for 110M against a 4-6 s first-step
+compile). Doing the layout transforms in numpy (no compiles; a prototype cut the load's compiles
+from 21 to 4) is the prerequisite for a gain.
 """
 
 from __future__ import annotations
@@ -52,13 +69,14 @@ import jax.numpy as jnp
 THREAD_NAME = "jaxinfer-compile-while-loading"
 
 ENV = "JAXINFER_COMPILE_WHILE_LOADING"
-"""Environment variable: "1" (default) compiles the first step while the weights load, "0" not."""
+"""Environment variable: "1" compiles the first step while the weights load, "0" (the default)
+not; see the module docstring's "Measured"."""
 
 
 def enabled() -> bool:
-    """Whether ``JAXINFER_COMPILE_WHILE_LOADING`` is on: "1" or unset (on), "0" (off).
+    """Whether ``JAXINFER_COMPILE_WHILE_LOADING`` is on: "1" (on), "0" or unset (off).
     Raises ValueError for another value."""
-    v = os.environ.get(ENV, "1")
+    v = os.environ.get(ENV, "0")
     if v not in ("0", "1"):
         raise ValueError(f"{ENV} must be 0 or 1, got {v!r}")
     return v == "1"

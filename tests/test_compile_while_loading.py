@@ -11,6 +11,13 @@ from conftest import STORIES, stories_reference
 from jaxinfer import compile_while_loading as cwl
 from jaxinfer.sampling import SamplingParams
 
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    """The optimisation is off by default (module docstring): these tests turn it on."""
+    monkeypatch.setenv(cwl.ENV, "1")
+
+
 # An LLM configuration no other test uses (the pool's page count is in the KV shapes), so the
 # jit caches hold none of this test's step shapes before it runs.
 KW = dict(max_num_seqs=8, kv_pages=227, compilation_cache=False)
@@ -146,6 +153,9 @@ def test_what_cannot_be_derived_is_skipped_without_a_thread(kw, why):
 
 
 def test_switch_and_bad_arguments(monkeypatch):
+    monkeypatch.delenv(cwl.ENV)
+    assert not cwl.enabled()  # off by default
+    assert cwl.FirstStepCompile.start(STORIES, {}, ["Once"], [SamplingParams()]).reason
     monkeypatch.setenv(cwl.ENV, "0")
     warm = cwl.FirstStepCompile.start(STORIES, {}, ["Once"], [SamplingParams()])
     assert warm.reason == f"{cwl.ENV}=0" and not cwl.enabled()
