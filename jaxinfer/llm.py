@@ -172,6 +172,10 @@ class LLM:
         check_kv_pool(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params), placer.plan.tp,
                       None if self.mesh is None else list(self.mesh.devices.flat))
         if self.mesh is None:
+            from jaxinfer.host_layout import engine_layout_on_host
+
+            # The engine's weight layout built with numpy on CPU: no XLA compiles (host_layout).
+            self.params = engine_layout_on_host(self.params, ecfg)
             self.engines = [Engine(run_cfg, self.params, self._engine_tokenizer, ecfg)]
         else:
             self.engines = [Engine(run_cfg, replica_view(self.params, m), self._engine_tokenizer,
