@@ -43,8 +43,9 @@ class EngineConfig:
             (decode plus prefill bucket) run their layers as a ``lax.scan`` over the same
             per-layer buffers all the same (``Params.scan_from_tokens``): ~2.5x less XLA compile
             for those steps, at the cost of one copy of each layer's weights a step, which
-            many tokens share. 0 = never; None = ``DEFAULT_SCAN_LAYERS_FROM_TOKENS``. No effect
-            without unrolled layers (the layers are a scan anyway).
+            many tokens share. 0 = never; None = ``DEFAULT_SCAN_LAYERS_FROM_TOKENS`` (never
+            with ``batch_invariant``, where a value > 0 raises ValueError). No effect without
+            unrolled layers (a scan anyway).
         out_in_weights: store float layer projections output-first, q/k/v and gate/up fused
             (``params.out_in_projections``): the layout XLA CPU's GEMM runs 2x faster for a few
             rows, with fewer dots per layer. None = on CPU without a mesh.
@@ -102,6 +103,10 @@ class EngineConfig:
         v = self.scan_layers_from_tokens
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"scan_layers_from_tokens must be None or an integer >= 0, got {v!r}")
+        if v and self.batch_invariant is True:
+            raise ValueError(f"scan_layers_from_tokens={v} with batch_invariant=True: a step's "
+                             "loop form would follow its token count, and a row's bits with it; "
+                             "use 0 or None")
         for name in ("unroll_layers", "out_in_weights", "kv_page_major", "keep_host_memory",
                      "async_scheduling"):
             v = getattr(self, name)
@@ -116,14 +121,22 @@ class EngineConfig:
         return -(-self.max_model_len // self.page_size)
 
 
-DEFAULT_SCAN_LAYERS_FROM_TOKENS = 0
-"""``EngineConfig.scan_layers_from_tokens``'s default (see docs/performance_cold_start.md)."""
+DEFAULT_SCAN_LAYERS_FROM_TOKENS = 128
+"""``EngineConfig.scan_layers_from_tokens``'s default: the steps carrying prompt chunks (and
+decode steps of 128+ rows) compile as a scan, few-row decode (+25-60 % CPU a step as a scan at
+1-32 rows) stays unrolled. Measured on the 110M 64-prompt job (docs/performance_cold_start.md,
+"Forward compile"): warm no slower than all unrolled (CPU 35.8 / 40.1 s against 41.8 / 43.6 s
+in two rounds); cold not settled at this machine's load (wall 41.9 / 80.9 s against 73.9 / 58.7
+s); every step a scan (1) was the fastest cold (34.4 s twice) and the slowest warm."""
 
 
 def scan_from_tokens(ecfg: EngineConfig) -> int | None:
     """``Params.scan_from_tokens`` for ``ecfg``: its ``scan_layers_from_tokens`` (None: the
-    default), with 0 (never) as None."""
+    default), with 0 (never) as None; None with ``batch_invariant`` (the loop form would follow
+    the step's token count, and a row's bits with it)."""
     v = ecfg.scan_layers_from_tokens
+    if ecfg.batch_invariant:
+        return None
     v = DEFAULT_SCAN_LAYERS_FROM_TOKENS if v is None else v
     return v or None
 

@@ -78,6 +78,12 @@ def test_scan_from_tokens_values():
     for bad in (-1, True, 2.0, "32"):
         with pytest.raises(ValueError, match="scan_layers_from_tokens"):
             EngineConfig(64, scan_layers_from_tokens=bad)
+    # batch-invariant engines never switch loop form with the step's size
+    assert scan_from_tokens(EngineConfig(64, batch_invariant=True)) is None
+    assert scan_from_tokens(EngineConfig(64, batch_invariant=True,
+                                         scan_layers_from_tokens=0)) is None
+    with pytest.raises(ValueError, match="scan_layers_from_tokens=8 with batch_invariant"):
+        EngineConfig(64, batch_invariant=True, scan_layers_from_tokens=8)
     params = init_random(CFG, jax.random.PRNGKey(0))
     for bad in (0, -3, False, 1.5):
         with pytest.raises(ValueError, match="scan_from_tokens"):
