@@ -37,17 +37,17 @@ The thread is not a daemon: the interpreter waits for it at exit (a process that
 daemon thread compiled aborted with "terminate called ...", status 134).
 
 Measured (2-core Xeon shared with other jobs, load 4-9; tests/test_compile_while_loading.py checks
-correctness, not speed): no reliable gain. The first token of a 64-prompt ~110M job (first step
-only, in-process, 6 alternated pairs at load 3.6-4.6) came 3.2, 2.8 and 0.8 s sooner in three
-pairs and 1.8-2.1 s later in three; the README demo's (``scripts/profile_compile.py --job demo``, 4 pairs) 15.1 / 9.5,
-14.6 / 12.1, 9.0 / 10.8, 9.9 / 9.6 s with / without. Why: XLA CPU compiles in one process largely
-serialize (a 0.05 s compile issued 1.8 s into a 3 s compile on another thread took 1.0 s,
-ending with it), and loading compiles too: the layout transforms' eager ops are 21 small XLA
-compiles for the 110M model (27 for stories260K), each of which then waits for the background
-compile. So the main thread's load ends when the background compile does, and what can be hidden
-is only the load's compile-free part (file reads, ~1-2 s for 110M against a 4-6 s first-step
-compile). Doing the layout transforms in numpy (no compiles; a prototype cut the load's compiles
-from 21 to 4) is the prerequisite for a gain.
+correctness, not speed): no reliable gain, so it is off by default. First token of a 64-prompt
+~110M job (first step only, in-process, alternated pairs): with the load's layout transforms as
+eager jax ops, 3 of 6 pairs 0.8-3.2 s sooner and 3 pairs 1.8-2.1 s later (load 3.6-4.6); with
+them in numpy (``host_layout``, now the default), 15.7 / 14.7, 15.9 / 13.4, 15.1 / 15.3,
+17.1 / 16.0 s with / without (load 7.9-9.9); the README demo (``scripts/profile_compile.py --job
+demo``, eager layout, 4 pairs) 15.1 / 9.5, 14.6 / 12.1, 9.0 / 10.8, 9.9 / 9.6 s. Why: XLA CPU
+compiles in one process largely serialize (a 0.05 s compile issued 1.8 s into a 3 s compile on
+another thread took 1.0 s, ending with it), the load still compiles (4 small computations: the
+KV pool's and the engine's zeros), the background thread's tracing shares the GIL with the load,
+and on a busy machine there is no idle core to overlap on. What it can hide at best is the load's
+compile-free part (file reads, ~1-2 s for 110M against a 4-6 s first-step compile).
 """
 
 from __future__ import annotations
