@@ -25,6 +25,10 @@ from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 
 FAMILIES = ["mistral", "gemma2", "gemma3", "qwen3"]
+# The decode rows' attention: the CPU default ("auto": the native decode kernel on this f32
+# page-major pool) for two families, the XLA attention for the other two; each path meets a
+# sliding window (gemma2 adds the soft-caps, gemma3 the window pattern and local RoPE).
+ATTN_IMPL = {"mistral": "xla", "gemma2": "auto", "gemma3": "xla", "qwen3": "auto"}
 NEW = 16
 PROMPT_LENS = (14, 9)  # 23 tokens: chunked by the 8-token budget
 PAGE = 8
@@ -70,7 +74,8 @@ def family(request, tmp_path_factory):
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         ref_ids.append(out.sequences[0, len(p):].tolist())
         ref_logits.append(np.stack([x[0].float().numpy() for x in out.logits]))
-    llm = LLM(path, **ENGINE)
+    llm = LLM(path, attn_impl=ATTN_IMPL[name], **ENGINE)
+    assert llm.engine.attn_impl == {"auto": "cpu_kernel", "xla": "xla"}[ATTN_IMPL[name]]
     return name, llm, prompts, ref_ids, ref_logits
 
 
