@@ -67,7 +67,7 @@ def live_step_batch(key: tuple[int, int, int, int], page_size: int):
         raise ValueError(f"key {key}: a prefill chunk of {max(kv_lens)} tokens exceeds {m} pages")
     tables = np.arange(1, 1 + len(q_lens) * m, dtype=np.int32).reshape(len(q_lens), m)
     pos, slots, seq = [], [], []
-    for r, (q, kl) in enumerate(zip(q_lens, kv_lens)):
+    for r, (q, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
         for p in range(kl - q, kl):
             pos.append(p)
             slots.append(int(tables[r, p // page_size]) * page_size + p % page_size)
@@ -124,7 +124,7 @@ def child(spec: dict) -> dict:
     for key in spec["keys"]:
         key = tuple(key)
         batch = live_step_batch(key, eng.ecfg.page_size)
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0 = time.process_time()
         lowered = eng._forward.lower(eng.params, eng.kv, batch, eng._no_prev, **static)
         c1, w1 = time.process_time(), time.perf_counter()
         compiled = lowered.compile(compiler_options=spec["options"] or None)
