@@ -299,6 +299,15 @@ class FirstStepCompile:
         embed = SimpleNamespace(embed=jax.ShapeDtypeStruct((1,), dtype))  # the KV dtype's source
         names = inspect.signature(engine_config).parameters
         ecfg = engine_config(run_cfg, embed, 1, **{k: kwargs[k] for k in names if k in kwargs})
+        aparams = abstract_params(run_cfg, dtype, ecfg)
+        akv = abstract_kv(run_cfg, ecfg, kv_cache_dtype(ecfg, aparams))
+        from jaxinfer.memory_limits import shortfall
+
+        if shortfall(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(akv))) is not None:
+            # The engine refuses such a pool; planning its first step would not end well either
+            # (job_plan's page allocator holds a list of every page: ~24 GB for 10^9 pages).
+            self.reason = "KV pool beyond memory"
+            return None
         ids, params = [], []
         for prompt, p in zip(prompts, sampling, strict=True):  # the first step's candidates
             if len(ids) >= ecfg.max_num_seqs:
@@ -323,8 +332,6 @@ class FirstStepCompile:
         if len(fwd) != 1 or len(keys) != 1 + len(flags):
             self.reason = f"first step keys {keys} (one forward key and its sampling expected)"
             return None
-        aparams = abstract_params(run_cfg, dtype, ecfg)
-        akv = abstract_kv(run_cfg, ecfg, kv_cache_dtype(ecfg, aparams))
         impl, _ = engine_attn_impl(ecfg.attn_impl, page_major=akv.page_major,  # as Engine's
                                    kv_dtype=akv.k_pages.dtype, batch_invariant=ecfg.batch_invariant)
         ecfg = dataclasses.replace(ecfg, attn_impl=impl)

@@ -182,7 +182,7 @@ MUTATIONS: list[Mutation] = [
       "max(req.emitted, len(req.text) - held)",
       "max(req.emitted, len(req.text))", ("tests/test_engine.py",), "streaming"),
     M("logprobs_from_penalised", "jaxinfer/step.py",
-      "logprob_logits=raw_logits)", "logprob_logits=logits)", (OUT_REF,), "logprobs"),
+      "logprob_logits=raw_logits,", "logprob_logits=logits,", (OUT_REF,), "logprobs"),
     # ---- the all-greedy sampling variant (issue 21)
     M("greedy_tie_highest_id", "jaxinfer/sampling.py",
       "return jnp.min(jnp.where(hit, ids, x.shape[-1]), axis=-1)",

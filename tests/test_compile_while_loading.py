@@ -162,3 +162,14 @@ def test_switch_and_bad_arguments(monkeypatch):
     assert cwl.ENV in cwl.FirstStepCompile.start(STORIES, {}, ["x"], [SamplingParams()]).reason
     monkeypatch.setenv(cwl.ENV, "1")
     assert "max_num_seq" in cwl.FirstStepCompile.start(STORIES, {"max_num_seq": 3}, [], []).reason
+
+
+def test_a_pool_beyond_memory_is_not_planned(monkeypatch):
+    """--kv-pages 10^9 (10 TB): the engine refuses the pool; the compile thread must give up
+    before planning the first step (job_plan's page allocator would list 10^9 pages: it once
+    took ~24 GB here and the OOM killer ended the test worker)."""
+    monkeypatch.setenv(cwl.ENV, "1")
+    warm = cwl.FirstStepCompile.start(STORIES, {"kv_pages": 10**9}, ["Once"], [SamplingParams()])
+    warm.future.result(timeout=120)
+    assert warm.reason == "KV pool beyond memory"
+    assert not warm.adopt(None, [[1]], [SamplingParams()])
