@@ -184,6 +184,8 @@ def run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say, t_
         "throughput_tok_s": round(stats["completion_tokens"] / gen_s, 2) if gen_s > 0 else 0.0,
         "compilations": llm.num_compilations if llm is not None else 0,
         "preemptions": llm.engine.scheduler.num_preemptions if llm is not None else 0,
+        # the attention implementation that ran ("auto" resolved per engine: cpu_kernel or xla)
+        "attn_impl": getattr(getattr(llm, "engine", None) and llm.engine.ecfg, "attn_impl", None),
         **_prefix_cache_summary(llm),
         "interrupted": bool(interrupted),
         "out": str(out_path),

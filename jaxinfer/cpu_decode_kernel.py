@@ -12,8 +12,8 @@ backend, a page-major float32 pool on one device (the CPU default for float32 we
 attention (int8 or bfloat16 pools, head-major pools, meshes, ``batch_invariant``: the rule, not
 an error), and a failed build under "auto" logs a warning and runs XLA. ``attn_impl="cpu_kernel"``
 (``--attn-impl cpu_kernel``) asks for it explicitly: an engine it cannot serve refuses it
-(ValueError), a missing compiler or a failed build raises ``RuntimeError`` (no fallback for a
-kernel asked by name); ``attn_impl="xla"`` never uses it.
+(ValueError), a missing compiler or a failed build raises ``KernelBuildError``, a RuntimeError
+(no fallback for a kernel asked by name); ``attn_impl="xla"`` never uses it.
 
 The first engine compiles the source with the system C++ compiler (``$CXX``, else ``c++``; ~3-4
 CPU seconds) into ``$JAXINFER_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxinfer``), keyed by
@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import threading
@@ -40,6 +41,8 @@ except ImportError:  # not POSIX: concurrent builders each build, the rename kee
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxinfer.errors import KernelBuildError
 
 SOURCE = Path(__file__).with_name("cpu_decode_kernel.cc")
 TARGET = "jaxinfer_cpu_decode_attention"
@@ -64,8 +67,8 @@ def unsupported(page_major: bool, kv_dtype, mesh) -> str | None:
 def check_engine(impl: str, page_major: bool, kv_dtype, mesh) -> None:
     """At engine construction with ``attn_impl="cpu_kernel"``: the pool must be page-major float32
     on one device, and the kernel is built and loaded now (not at the first step). Raises
-    ValueError naming what is unsupported and what runs instead, RuntimeError for a missing
-    compiler or a failed build."""
+    ValueError naming what is unsupported and what runs instead, KernelBuildError (a
+    RuntimeError) for a missing compiler or a failed build."""
     if impl != "cpu_kernel":
         return
     why = unsupported(page_major, kv_dtype, mesh)
@@ -87,19 +90,20 @@ def _cpu_name() -> str:
 
 def build(cache_dir: str | os.PathLike | None = None) -> Path:
     """Compiles the kernel (once per source, flags, jaxlib and CPU) and returns the library path.
-    Raises RuntimeError when no C++ compiler is found or the build fails."""
+    Raises KernelBuildError (a RuntimeError) when no C++ compiler is found or the build fails."""
     import jaxlib
 
     base = Path(cache_dir or os.environ.get("JAXINFER_CACHE_DIR")
                 or Path.home() / ".cache" / "jaxinfer") / "cpu_kernels"
-    cxx = os.environ.get("CXX") or "c++"
+    cxx = os.environ.get("CXX") or "c++"  # may carry arguments: "ccache g++"
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, jaxlib.__version__,
                                     _cpu_name()]).encode()).hexdigest()[:16]
     lib = base / f"cpu_decode_kernel-{key}.so"
     if lib.exists():
         return lib
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"building the CPU decode kernel needs a C++ compiler: {cxx!r} not "
+    cxx_cmd = shlex.split(cxx) or ["c++"]
+    if shutil.which(cxx_cmd[0]) is None:
+        raise KernelBuildError(f"building the CPU decode kernel needs a C++ compiler: {cxx!r} not "
                            "found (install one or set CXX; attn_impl='xla' needs none)")
     base.mkdir(parents=True, exist_ok=True)
     # One builder at a time per cache dir (xdist workers, parallel jobs): the others wait, then
@@ -110,28 +114,29 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
         if lib.exists():
             return lib
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+        cmd = [*cxx_cmd, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:
-            raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}): {e}") from e
+            raise KernelBuildError(f"building {SOURCE.name} failed ({' '.join(cmd)}): {e}") from e
         if res.returncode != 0:
             tmp.unlink(missing_ok=True)
-            raise RuntimeError(
-                f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+            raise KernelBuildError(
+                f"building {SOURCE.name} failed ({' '.join(cmd)}: exit status {res.returncode})"
+                f":\n{res.stderr[-2000:]}")
         os.replace(tmp, lib)  # atomic: readers see no library or a complete one
     return lib
 
 
 def load() -> None:
     """Builds (if needed) and registers the kernel with XLA CPU, once per process. Raises
-    RuntimeError when the build or the library's load fails; a failure is remembered, and later
-    calls raise it again without rebuilding."""
+    KernelBuildError (a RuntimeError) when the build or the library's load fails; a failure is
+    remembered, and later calls raise it again without rebuilding."""
     with _lock:
         if _loaded:
             return
         if _failure:
-            raise RuntimeError(_failure[0])
+            raise KernelBuildError(_failure[0])
         import ctypes
 
         try:
@@ -141,7 +146,7 @@ def load() -> None:
         except (RuntimeError, OSError, AttributeError) as e:
             msg = str(e) if isinstance(e, RuntimeError) else f"loading the kernel library: {e}"
             _failure.append(msg)
-            raise RuntimeError(msg) from e
+            raise KernelBuildError(msg) from e
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="cpu")
         _loaded.append(lib)
 

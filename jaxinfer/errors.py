@@ -15,3 +15,8 @@ class TokenizerError(JaxinferError, ValueError):
 
 class RequestError(JaxinferError, ValueError):
     """A generation request is invalid (empty prompt, too long, bad sampling value)."""
+
+
+class KernelBuildError(JaxinferError, RuntimeError):
+    """A native kernel asked for by name cannot be built or loaded here (no C++ compiler, a failed
+    build, an unloadable library); the message says why and which implementation needs none."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import JaxinferError, KernelBuildError
 from jaxinfer.flag_names import as_flags
 from jaxinfer.jobs import UsageError
 
@@ -49,6 +49,8 @@ def load_llm(args: argparse.Namespace):
         raise UsageError("--draft-heads is used only with --speculative heads")
     try:
         llm = LLM(args.model, **llm_kwargs(args))
+    except KernelBuildError as e:  # --attn-impl cpu_kernel asked for a kernel that cannot build
+        raise UsageError(f"--attn-impl cpu_kernel: {e}") from None
     except (JaxinferError, OSError) as e:
         msg = str(e)
         raise UsageError(msg if msg.startswith("draft model") else

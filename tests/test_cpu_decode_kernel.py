@@ -200,6 +200,29 @@ def test_explicit_kernel_without_a_compiler_raises(no_compiler, stories_dir, mon
     assert [f.name for f in (no_compiler / "cpu_kernels").iterdir()] == [".build.lock"]
 
 
+def test_cli_explicit_kernel_that_cannot_build_is_one_line(no_compiler, stories_dir, tmp_path,
+                                                           monkeypatch, capsys):
+    """`jaxinfer generate --attn-impl cpu_kernel` without a compiler: one error line naming the
+    flag and the cause, exit 2 (was a traceback); a compiler given with arguments (CXX="ccache
+    g++") is run with them (was "not found": the whole string was looked up)."""
+    from jaxinfer import cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time"}\n')
+    argv = ["generate", "--model", str(stories_dir), "--prompts", str(prompts), "--out",
+            str(tmp_path / "o.jsonl"), "--attn-impl", "cpu_kernel", "--no-progress"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxinfer: error: --attn-impl cpu_kernel: "), err
+    assert "needs a C++ compiler" in err[0] and "no-such-compiler" in err[0]
+    cxx = tmp_path / "stand-in-cxx"  # writes its output file (the last argument), exits 0
+    cxx.write_text('#!/bin/sh\n[ "$1" = "--wrapped" ] || exit 3\nfor last; do :; done\n'
+                   'echo lib > "$last"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", f"{cxx} --wrapped")
+    assert cpu_decode_kernel.build(tmp_path / "c").read_text() == "lib\n"
+
+
 def test_engines_the_kernel_cannot_serve_refuse_it(stories_dir):
     """No silent fallback: an int8, bfloat16 or head-major pool is refused, naming what runs."""
     from jaxinfer.llm import LLM
