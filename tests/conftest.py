@@ -46,6 +46,19 @@ def stories_reference() -> list[dict]:
     return json.loads((STORIES / "greedy_reference.json").read_text())
 
 
+def assert_reproduces_stories_reference(llm) -> None:
+    """``llm`` (stories260K) generates every llama2.c greedy reference text exactly: each prompt
+    to the reference's step count, stopping at BOS (id 1) as llama2.c's run.c does."""
+    from jaxinfer.sampling_params import SamplingParams
+
+    cases = stories_reference()
+    ids = [llm.tokenizer.encode(c["prompt"]) for c in cases]
+    params = [SamplingParams(temperature=0.0, max_tokens=c["max_steps"] - (len(i) - 1),
+                             stop_token_ids=(1,)) for c, i in zip(cases, ids, strict=True)]
+    for c, i, o in zip(cases, ids, llm.generate(ids, params), strict=True):
+        assert llm.tokenizer.decode(i + o.token_ids) == c["expected"], c["prompt"]
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     if not STORIES.is_dir():

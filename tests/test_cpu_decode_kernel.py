@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import stories_reference
+from conftest import assert_reproduces_stories_reference
 from test_paged_attention import TOL, dense_reference, make_batch
 
 from jaxinfer import cpu_decode_kernel, paged_attention
@@ -109,7 +109,6 @@ def test_engine_reproduces_llama2c(kernel_on, stories_dir, monkeypatch, attn_imp
     pool, the CPU default): "auto" serves the decode steps with the kernel (traced into the
     engine's step functions), "xla" with the XLA attention (the kernel never traced)."""
     from jaxinfer.llm import LLM
-    from jaxinfer.sampling import SamplingParams
 
     traced = []  # the decode regions the step functions traced with the kernel
     real = cpu_decode_kernel.decode_attention
@@ -119,13 +118,7 @@ def test_engine_reproduces_llama2c(kernel_on, stories_dir, monkeypatch, attn_imp
     want = "cpu_kernel" if attn_impl == "auto" else "xla"
     assert llm.engine.kv_page_major
     assert llm.engine.attn_impl == llm.engine.ecfg.attn_impl == want
-    cases = stories_reference()
-    ids = [llm.tokenizer.encode(c["prompt"]) for c in cases]
-    params = [SamplingParams(temperature=0.0, max_tokens=c["max_steps"] - (len(i) - 1),
-                             stop_token_ids=(1,)) for c, i in zip(cases, ids, strict=True)]
-    outs = llm.generate(ids, params)
-    for c, i, o in zip(cases, ids, outs, strict=True):
-        assert llm.tokenizer.decode(i + o.token_ids) == c["expected"]
+    assert_reproduces_stories_reference(llm)
     assert bool(traced) == (want == "cpu_kernel")
 
 

@@ -97,11 +97,10 @@ def test_scan_from_tokens_values():
 def test_engine_every_step_a_scan_reproduces_llama2c(stories_dir):
     """The engine with unrolled layers and every step run as the scan over them
     (scan_layers_from_tokens=1): llama2.c's greedy reference, its cases in one batch."""
-    from conftest import stories_reference
+    from conftest import assert_reproduces_stories_reference
 
     from jaxinfer import engine as engine_mod
     from jaxinfer.llm import LLM
-    from jaxinfer.sampling import SamplingParams
 
     orig = engine_mod.Engine.__init__
 
@@ -115,10 +114,4 @@ def test_engine_every_step_a_scan_reproduces_llama2c(stories_dir):
     finally:
         engine_mod.Engine.__init__ = orig
     assert isinstance(llm.engine.params.layers, tuple) and llm.engine.params.scan_from_tokens == 1
-    cases = stories_reference()
-    ids = [llm.tokenizer.encode(c["prompt"]) for c in cases]
-    sps = [SamplingParams(temperature=0.0, max_tokens=c["max_steps"] - (len(i) - 1),
-                          stop_token_ids=(1,)) for c, i in zip(cases, ids, strict=True)]
-    outs = llm.generate(ids, sps)
-    for c, i, o in zip(cases, ids, outs, strict=True):
-        assert llm.tokenizer.decode(i + o.token_ids) == c["expected"]
+    assert_reproduces_stories_reference(llm)
