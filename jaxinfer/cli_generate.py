@@ -185,7 +185,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say, t_
         "compilations": llm.num_compilations if llm is not None else 0,
         "preemptions": llm.engine.scheduler.num_preemptions if llm is not None else 0,
         # the attention implementation that ran ("auto" resolved per engine: cpu_kernel or xla)
-        "attn_impl": getattr(getattr(llm, "engine", None) and llm.engine.ecfg, "attn_impl", None),
+        "attn_impl": llm.engine.ecfg.attn_impl if llm is not None else None,
         **_prefix_cache_summary(llm),
         "interrupted": bool(interrupted),
         "out": str(out_path),
