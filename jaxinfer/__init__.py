@@ -3,6 +3,6 @@
 from jaxinfer.llm import LLM
 from jaxinfer.loaders import LoadedModel, load
 from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling.params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "LoadedModel", "RequestOutput", "SamplingParams", "load"]

@@ -1,8 +1,8 @@
-"""``python -m jaxinfer``: the command line (``jaxinfer.cli``)."""
+"""``python -m jaxinfer``: the command line (``jaxinfer.cli.main``)."""
 
 import sys
 
-from jaxinfer.cli import main
+from jaxinfer.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

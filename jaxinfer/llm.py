@@ -15,14 +15,14 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.engine import Engine, EngineConfig, default_num_pages, default_page_size
-from jaxinfer.engine_loop import EngineLoop
-from jaxinfer.engine import kv_cache_dtype as resolve_kv_dtype
+from jaxinfer.engine.core import Engine, EngineConfig, default_num_pages, default_page_size
+from jaxinfer.engine.loop import EngineLoop
+from jaxinfer.engine.core import kv_cache_dtype as resolve_kv_dtype
 from jaxinfer.errors import JaxinferError, RequestError, TokenizerError
 from jaxinfer.llm_args import check_kv_pool, check_llm_args
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.resume import ResumeState
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.resume import ResumeState
+from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.tokenizers.ids_only import IdsOnlyTokenizer, NoTokenizerWarning, no_tokenizer_message
 
 PromptLike = str | Sequence[int] | dict
@@ -59,13 +59,13 @@ class LLM:
         max_num_batched_tokens: token budget per step (default max(512, max_num_seqs)).
         attn_impl: attention implementation, see ``paged_attention.ATTN_IMPLS`` ("auto", "xla",
             "pallas", "pallas_tpu_interpret", "cpu_kernel": XLA with the native CPU decode kernel
-            of ``jaxinfer.cpu_decode_kernel``, what "auto" runs on CPU where the pool allows,
+            of ``jaxinfer.models.cpu_decode_kernel``, what "auto" runs on CPU where the pool allows,
             ``paged_attention.engine_attn_impl``; ``engine.attn_impl`` says which ran, ...).
         kv_cache_memory_gb: memory budget of the default pool, GiB.
         tokenizer: tokenizer path overriding the one found beside the model.
         seed: seeds the draws of per-request seeds for requests without one.
         tensor_parallel_size: devices each model copy is split over (heads, MLP width,
-            vocabulary; see ``jaxinfer.sharding``). Default: all devices when the weights do not
+            vocabulary; see ``jaxinfer.models.sharding``). Default: all devices when the weights do not
             fit one device's memory, else 1.
         data_parallel_size: engine replicas (each over its own ``tensor_parallel_size`` devices);
             ``generate`` splits the prompts between them and merges the outputs in order.
@@ -92,14 +92,14 @@ class LLM:
         batch_invariant: every request's logits (hence its greedy or seeded tokens and its
             logprobs) bitwise the same whatever else is in the batch: batch size and
             composition, prefill chunking, async scheduling, preemption
-            (``jaxinfer.batch_invariant``; slower, see the README). Not with ``speculative``,
+            (``jaxinfer.models.batch_invariant``; slower, see the README). Not with ``speculative``,
             a Pallas ``attn_impl``, or tensor/data parallel (ValueError).
         enable_prefix_caching: reuse the KV pages of prompt prefixes (full pages) that earlier
-            requests computed (``jaxinfer.prefix_cache``); outputs are the same with it off.
+            requests computed (``jaxinfer.engine.prefix_cache``); outputs are the same with it off.
             Each output's ``metrics.num_cached_tokens`` counts its prompt tokens read from the
             cache; ``LLM.prefix_cache_stats()`` gives the hit rate and evictions.
         reuse_compiled_buckets: run a step of a shape not compiled yet padded to a compiled one
-            at most one bucket larger (``jaxinfer.bucket_reuse``): fewer compilations.
+            at most one bucket larger (``jaxinfer.compile.buckets``): fewer compilations.
 
     Raises:
         CheckpointError / TokenizerError: the model cannot be loaded (message names the file):
@@ -132,7 +132,7 @@ class LLM:
                  reuse_compiled_buckets: bool = True):
         check_llm_args(locals())  # first: locals() is the arguments alone
         from jaxinfer.loaders import load
-        from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view
+        from jaxinfer.models.sharding import ShardedPlacer, replica_meshes, replica_view
 
         if speculative is not None and async_scheduling:
             raise ValueError("async_scheduling=True is not supported with speculative decoding "
@@ -172,7 +172,7 @@ class LLM:
         check_kv_pool(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params), placer.plan.tp,
                       None if self.mesh is None else list(self.mesh.devices.flat))
         if self.mesh is None:
-            from jaxinfer.host_layout import engine_layout_on_host
+            from jaxinfer.models.host_layout import engine_layout_on_host
 
             # The engine's weight layout built with numpy on CPU: no XLA compiles (host_layout).
             self.params = engine_layout_on_host(self.params, ecfg)
@@ -226,16 +226,16 @@ class LLM:
         new text) and once when it finishes. A request that fails validation yields one output
         with ``error`` set; the others go on. A request with ``SamplingParams.n`` > 1 yields one
         output per new-token output of each completion (its ``outputs`` holds that completion,
-        with its ``index``), then one final output with all n (``jaxinfer.parallel_sampling``).
+        with its ``index``), then one final output with all n (``jaxinfer.engine.parallel_sampling``).
 
         ``resume[i]``, when not None, continues prompt i from a partial output: its seed and
-        output tokens so far (``jaxinfer.resume.ResumeState``; for n > 1 a sequence of n, one per
+        output tokens so far (``jaxinfer.engine.resume.ResumeState``; for n > 1 a sequence of n, one per
         completion; ``Engine.add_request`` says what is rebuilt); the result equals an
         uninterrupted run's. A partial output that has already finished, or does not fit the
         request, makes that request's error output.
 
         Thread-safe: concurrent calls (several threads, or interleaved streams) share one engine
-        loop and continuous batch (``jaxinfer.engine_loop``). Closing the iterator before it
+        loop and continuous batch (``jaxinfer.engine.loop``). Closing the iterator before it
         ends aborts its unfinished requests.
 
         Raises:
@@ -274,7 +274,7 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generates for every prompt; returns the finished outputs in the prompts' order, one
         per prompt: with ``SamplingParams.n`` > 1 its ``outputs`` holds the n completions in
-        index order (``jaxinfer.parallel_sampling``)."""
+        index order (``jaxinfer.engine.parallel_sampling``)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -391,7 +391,7 @@ def engine_config(run_cfg, params, tp: int = 1, *, max_model_len: int | None,
     names, defaults resolved): ``run_cfg`` the model config the engines run (after sharding's
     changes), ``params`` the weights (real or ``jax.ShapeDtypeStruct`` leaves: only
     ``params.embed.dtype`` is read, for the KV dtype), ``tp`` the devices of one model copy (the
-    default pool's memory budget is per device). ``jaxinfer.compile_while_loading`` derives
+    default pool's memory budget is per device). ``jaxinfer.compile.while_loading`` derives
     the first step's shapes from it before the weights exist.
 
     Raises:

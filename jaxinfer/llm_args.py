@@ -11,13 +11,13 @@ import math
 import numbers
 import os
 
-from jaxinfer.batch import decode_bucket, next_pow2
-from jaxinfer.config import INT32_MAX, ModelConfig
-from jaxinfer.engine import KV_CACHE_DTYPES, EngineConfig
-from jaxinfer.kv_cache import kv_bytes_per_token
+from jaxinfer.engine.batch import decode_bucket, next_pow2
+from jaxinfer.models.config import INT32_MAX, ModelConfig
+from jaxinfer.engine.core import KV_CACHE_DTYPES, EngineConfig
+from jaxinfer.models.kv_cache import kv_bytes_per_token
 from jaxinfer.loaders import WEIGHT_DTYPES
 from jaxinfer.memory_limits import fmt_bytes, shortfall
-from jaxinfer.paged_attention import ATTN_IMPLS
+from jaxinfer.models.paged_attention import ATTN_IMPLS
 from jaxinfer.quant.tensor import MODES
 from jaxinfer.speculative.config import SPECULATIVE_METHODS
 

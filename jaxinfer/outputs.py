@@ -64,7 +64,7 @@ class CompletionOutput:
             when the model runs without a tokenizer.
         token_ids: generated token ids so far (a stop token id included).
         finish_reason: "stop", "length", "error", "abort" (a sibling completion failed, so this
-            one was stopped: see `jaxinfer.parallel_sampling`), or None while running.
+            one was stopped: see `jaxinfer.engine.parallel_sampling`), or None while running.
         stop_reason: the stop string or stop token id that ended it, if any.
         logprobs: one ``TokenLogprob`` per generated token when requested, else None.
         delta_text: text added since this completion's previous streamed output (streaming;
@@ -124,9 +124,9 @@ class RequestOutput:
             ``prompt_token_ids``: None first, then per prompt token a ``TokenLogprob`` (the
             token, its logprob given the tokens before it, the top k (id, logprob) pairs of that
             distribution, best first); complete from the request's first output with a token on
-            (`jaxinfer.prompt_logprobs`). None when not asked.
+            (`jaxinfer.engine.prompt_logprobs`). None when not asked.
 
-    With ``SamplingParams.n`` > 1 (`jaxinfer.parallel_sampling` makes these outputs): the final
+    With ``SamplingParams.n`` > 1 (`jaxinfer.engine.parallel_sampling` makes these outputs): the final
     output holds the n completions in ``outputs``, in index order; ``text``, ``token_ids``,
     ``stop_reason``, ``logprobs`` and ``delta_text`` are those of ``outputs[0]`` (so code written
     for n = 1 reads completion 0); ``finish_reason`` is the request's: None until all n

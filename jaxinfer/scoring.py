@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 
 from jaxinfer.errors import RequestError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 
 SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
 

@@ -14,11 +14,11 @@ mean live rows at Td=64), 16-256, M 32; ``td64cap`` 17 of 64 with the KV lengths
 batch captured from the 64-prompt job (140-212). Pages of all rows are shuffled over the pool.
 
 Variants (``--variants``, comma list, timed alternately in one process, medians over
-``--repeats``): ``tree`` the working tree's ``jaxinfer.paged_attention``; ``rev:REV`` that module
+``--repeats``): ``tree`` the working tree's ``jaxinfer.models.paged_attention``; ``rev:REV`` that module
 as of git revision REV (``git show``); ``file:PATH`` a module file. Each may end in
 ``:gs=N`` / ``:ch=N`` to set its ``DECODE_ITEMS_PER_GROUP`` / ``DECODE_PAGES_PER_CHUNK``, and
 ``:kernel=1`` to send the decode rows to the native CPU kernel (``decode_kernel=True``, what
-``attn_impl="cpu_kernel"`` runs; ``jaxinfer/cpu_decode_kernel.py``). Every
+``attn_impl="cpu_kernel"`` runs; ``jaxinfer/models/cpu_decode_kernel.py``). Every
 variant's output is checked against the first one's (max abs difference reported).
 
 Per variant and scenario: wall ms per call (median and best), the process's CPU ms per call
@@ -98,7 +98,7 @@ def load_variant(spec: str, tmp: Path):
         path = ROOT / "jaxinfer" / "paged_attention.py"
     elif kind == "rev":
         src = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{rest[0]}:jaxinfer/paged_attention.py"],
+            ["git", "-C", str(ROOT), "show", f"{rest[0]}:jaxinfer/models/paged_attention.py"],
             capture_output=True, text=True, check=True).stdout
         path = tmp / f"pa_{rest[0].replace('/', '_')}.py"
         path.write_text(src)
@@ -146,8 +146,8 @@ def forward_mode(args) -> dict:
     from benchlib import resolve_model
 
     import jaxinfer
-    from jaxinfer.model import compute_logits, forward
-    from jaxinfer.step import forward_step, resolve_tokens
+    from jaxinfer.models.forward import compute_logits, forward
+    from jaxinfer.engine.step import forward_step, resolve_tokens
 
     path, _, _ = resolve_model("llama110m")
     with open(args.batches, "rb") as f:

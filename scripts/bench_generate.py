@@ -6,7 +6,7 @@
 Workload (seeded): N prompts whose input and output lengths are drawn from log-normal
 distributions shaped like ShareGPT's (long-tailed: many short, some long), clamped to the model's
 context; prompt tokens are random non-special ids, outputs run to their drawn length
-(``ignore_eos``), greedy. The prompts go through the real CLI path (``jaxinfer.cli.main``) twice:
+(``ignore_eos``), greedy. The prompts go through the real CLI path (``jaxinfer.cli.main.main``) twice:
 a cold run (compilations included) and a warm run (compiled code reused). The summary is printed
 and appended to ``results/bench_generate.jsonl``.
 """
@@ -74,7 +74,7 @@ def workload(n: int, max_len: int, vocab: int, seed: int, mean_in: float, mean_o
 
 
 def run_cli(argv: list[str]) -> dict:
-    from jaxinfer.cli import main
+    from jaxinfer.cli.main import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -61,7 +61,7 @@ def main() -> None:
 
     path, vocab, _ = resolve_model(args.model)
     if args.page_size is None:
-        from jaxinfer.engine import default_page_size
+        from jaxinfer.engine.core import default_page_size
 
         args.page_size = default_page_size()
     num_pages = args.budget_tokens // args.page_size + 1

@@ -123,7 +123,7 @@ def cache_stats(llm) -> dict:
 
 
 def clear_prefix_cache(llm) -> None:
-    from jaxinfer.prefix_cache import PrefixCachingAllocator
+    from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
 
     for e in llm.engines:
         if isinstance(e.allocator, PrefixCachingAllocator):
@@ -139,7 +139,7 @@ class CacheClock:
     METHODS = ("hash_pages", "match_prefix", "acquire", "cache_page", "record_lookup")
 
     def __init__(self, llm):
-        from jaxinfer.prefix_cache import PrefixCachingAllocator
+        from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
 
         self.seconds = 0.0
         for e in llm.engines:

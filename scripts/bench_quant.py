@@ -59,10 +59,10 @@ def bench_formulations(rows_list=(1, 4, 32), repeats: int = 3) -> dict:
     """ms per forward step of the random ~110M Llama (D=768, L=12, F=2048, V=32000, untied head
     quantized too) with every quantized-matmul formulation forced, layers unstacked as the engine
     runs them on CPU; rows 1 = a batch-1 decode step, 4 = the smallest multi-row decode bucket."""
-    from jaxinfer.attention import dense_attn_fn
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.model import compute_logits, forward
-    from jaxinfer.params import init_random, unstack_layers
+    from jaxinfer.models.attention import dense_attn_fn
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.forward import compute_logits, forward
+    from jaxinfer.models.params import init_random, unstack_layers
     from jaxinfer.quant import matmul as qm
     from jaxinfer.quant.tensor import quantize, weight_bytes
 
@@ -146,8 +146,8 @@ def main() -> None:
     from bench_generate import random_llama_dir
 
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.dense import dense_logits
-    from jaxinfer.kv_cache import kv_bytes_per_token
+    from jaxinfer.models.dense import dense_logits
+    from jaxinfer.models.kv_cache import kv_bytes_per_token
     from jaxinfer.quant.tensor import weight_bytes
 
     shared = REPO.parent / "shared" / "models" / "stories260K"

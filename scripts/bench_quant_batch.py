@@ -48,7 +48,7 @@ def prepared_params(mode: str, fp):
     ``int8+unfused`` / ``w8a8+unfused``: the int8 projections left unfused (one dot each, the
     layout before the engine fused q/k/v and gate/up int8 weights); ``+embed``: the (tied)
     embedding / LM head quantized too (``jaxinfer quantize --embed``)."""
-    from jaxinfer.params import out_in_projections, unstack_layers
+    from jaxinfer.models.params import out_in_projections, unstack_layers
     from jaxinfer.quant.tensor import quantize
 
     name, _, variant = mode.partition("+")
@@ -60,8 +60,8 @@ def prepared_params(mode: str, fp):
 
 
 def step_fn(cfg, rows: int, prefill: bool):
-    from jaxinfer.attention import dense_attn_fn
-    from jaxinfer.model import compute_logits, forward
+    from jaxinfer.models.attention import dense_attn_fn
+    from jaxinfer.models.forward import compute_logits, forward
 
     def step(params, tokens):
         pos = jnp.arange(rows, dtype=jnp.int32) if prefill else jnp.zeros(rows, jnp.int32)
@@ -93,9 +93,9 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from benchlib import emit  # scripts/ is on sys.path when run as a script
 
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.config import ModelConfig
     from jaxinfer.llm import enable_compilation_cache
-    from jaxinfer.params import init_random
+    from jaxinfer.models.params import init_random
     from jaxinfer.quant import matmul as qm
 
     enable_compilation_cache()

@@ -53,9 +53,9 @@ def main() -> None:
     import numpy as np
 
     jax.config.update("jax_enable_compilation_cache", False)
-    import jaxinfer.sampling as sampling
-    from jaxinfer.sampling import SamplingParams, SamplingTensors
-    from jaxinfer.step import sample_step_padded
+    import jaxinfer.sampling.sampler as sampling
+    from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors
+    from jaxinfer.engine.step import sample_step_padded
 
     slots = args.num_slots or max(args.rows)
     load0 = os.getloadavg()

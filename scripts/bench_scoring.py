@@ -41,7 +41,7 @@ def _workload(n: int, vocab: int, mean_input: int, rng) -> list[list[int]]:
 def overhead(llm, prompts, max_tokens: int, repeats: int = 2) -> dict:
     """tok/s of the prompts generated without and with prompt logprobs: both warmed up first
     (compilations), then timed alternately ``repeats`` times each; the best time counts."""
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.sampling.sampler import SamplingParams
 
     variants = {name: SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                      prompt_logprobs=k) for name, k in (("without", None),

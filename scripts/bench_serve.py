@@ -374,7 +374,7 @@ def _servers(args) -> tuple[list[Server], dict]:
     full_vocab = args.model in RANDOM_LLAMAS and not args.tok512
     if full_vocab:  # the same directory, tokenizer included, for every server
         engine_path = full_vocab_dir(args.model)
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(engine_path), "--port",
+    cmd = [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(engine_path), "--port",
            str(port), "--warmup", "--max-num-seqs", str(args.max_num_seqs), "--log-level",
            "warning", "--served-model-name", "bench", "--max-model-len",
            str(args.max_model_len)] + args.jaxinfer_args.split()
@@ -460,7 +460,7 @@ async def _idle_metrics(srv: Server, timeout: float = 30.0) -> dict:
 
 
 def _texts(model: str, n: int, seed: int, args) -> list[tuple[str, int]]:
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     tok = load_tokenizer(STORIES / "tok512.model", vocab_size=512)
     _, vocab, _ = resolve_model(model)

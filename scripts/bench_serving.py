@@ -27,7 +27,7 @@ transformers' own continuous batching (``model.generate_batch``, one call over a
 ``max_new_tokens`` the largest request's; throughput only), reported as ``<dtype>_generate_batch``.
 
 With ``--batch-invariant`` the engine also runs the same workload with
-``LLM(batch_invariant=True)`` (``jaxinfer.batch_invariant``), reported as ``engine_batch_invariant``
+``LLM(batch_invariant=True)`` (``jaxinfer.models.batch_invariant``), reported as ``engine_batch_invariant``
 with ``batch_invariant_cost``: its throughput and latencies over the default engine's, and the
 fraction of requests whose greedy tokens are the same in both modes.
 

@@ -36,7 +36,7 @@ def main() -> None:
     from bench_generate import random_llama_dir
 
     from jaxinfer.llm import LLM
-    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.sampling.params import SamplingParams
 
     path = random_llama_dir(args.model)
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxinfer.llm import LLM
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.speculative.engine import make_spec_engine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -93,7 +93,7 @@ def make_case(rng, rows, *, n=32, kh=8, h=128, z=16, dtype="bfloat16"):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.paged_attention import AttentionMetadata
+    from jaxinfer.models.paged_attention import AttentionMetadata
 
     m = max(-(-kl // z) for kl, _ in rows)
     num_pages = sum(-(-kl // z) for kl, _ in rows) + 1
@@ -126,7 +126,7 @@ def timings(backend: str, iters: int, quick: bool, smoke: bool = False) -> list[
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.paged_attention import ragged_paged_attention_xla
+    from jaxinfer.models.paged_attention import ragged_paged_attention_xla
     from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
     rng = np.random.default_rng(0)

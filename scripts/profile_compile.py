@@ -6,7 +6,7 @@ compiled function and shape, with the persistent compilation cache off.
     python scripts/profile_compile.py --unroll-layers 0        # layers as a lax.scan
     python scripts/profile_compile.py --scan-from-tokens 32    # steps of >= 32 tokens as a scan
 
-The job runs in this process through ``jaxinfer.cli.main`` (``generate``, greedy) with
+The job runs in this process through ``jaxinfer.cli.main.main`` (``generate``, greedy) with
 ``JAXINFER_COMPILATION_CACHE=0``, so every compilation is done (``--persistent-cache DIR``
 keeps the cache on instead, for a warm rerun). ``demo`` is the README's main
 command (stories260K, ``examples/prompts.jsonl``); ``llama110m`` is ``benchlib``'s random ~110M
@@ -96,13 +96,15 @@ def main() -> None:
     import jax
     from jax import monitoring
 
-    from jaxinfer import bucket_reuse, cli
+    from jaxinfer.compile import buckets as bucket_reuse
+
+    from jaxinfer.cli import main as cli
 
     if args.reuse_steps is not None:
         bucket_reuse.REUSE_STEPS = args.reuse_steps
     if args.no_bucket_reuse:
         bucket_reuse.choose_buckets = lambda need, compiled, flags: need
-    from jaxinfer import engine as engine_mod
+    from jaxinfer.engine import core as engine_mod
 
     t_imports = time.time() - T0
     state = {"engine": None, "snap": set(), "on": True, "first_token": None}

@@ -8,7 +8,7 @@ device phases, host phases and gaps, measured. Results: docs/performance_cold_st
 
 The job is ``profile_compile``'s ``llama110m`` job (``benchlib``'s random ~110M Llama, f32, greedy,
 ``ignore_eos``, ``benchlib.make_workload`` prompts; default 64 prompts, mean output 96) run
-through ``jaxinfer.cli.main`` in this process, once per entry of ``--runs``. Engine internals are
+through ``jaxinfer.cli.main.main`` in this process, once per entry of ``--runs``. Engine internals are
 wrapped from here (``Engine._dispatch``, ``_collect``, ``step``, ``_forward``, ``_sample``,
 ``Scheduler.schedule``, ``build_step_batch``, ``to_host``, ``IncrementalDetokenizer.add``);
 jaxinfer itself is not changed.
@@ -107,8 +107,8 @@ def install_hooks(state: dict) -> None:
     import jax
     import numpy as np
 
-    from jaxinfer import engine as em
-    from jaxinfer import scheduler as sm
+    from jaxinfer.engine import core as em
+    from jaxinfer.engine import scheduler as sm
     from jaxinfer.tokenizers import detokenizer as dm
 
     orig = {"dispatch": em.Engine._dispatch, "collect": em.Engine._collect,
@@ -179,7 +179,7 @@ def install_hooks(state: dict) -> None:
 
 
 def run_job(args, path, prompts: Path, out: Path, mode: str, state: dict) -> dict:
-    from jaxinfer import cli
+    from jaxinfer.cli import main as cli
 
     state["t"] = Timers()
     state["fwd_keys"] = Timers()
@@ -263,7 +263,7 @@ STAGE = ["start"]
 
 
 class ElementwiseDecodeDots:
-    """Stands in for ``jax.numpy`` inside ``jaxinfer.paged_attention`` (``--decode-dots
+    """Stands in for ``jax.numpy`` inside ``jaxinfer.models.paged_attention`` (``--decode-dots
     elementwise``): its decode attention's two einsums become a broadcast multiply and a sum
     (one fused loop each, no batched dot of [1, H] x [H, S] per head and row); everything else
     is ``jax.numpy`` itself."""
@@ -290,8 +290,8 @@ def micro(engine, captured: dict, repeats: int, full_pieces: bool = True) -> dic
     import numpy as np
     from bench_roofline import measure_bandwidth
 
-    from jaxinfer.model import compute_logits, forward, linear, linear_parts
-    from jaxinfer.step import forward_step, resolve_tokens
+    from jaxinfer.models.forward import compute_logits, forward, linear, linear_parts
+    from jaxinfer.engine.step import forward_step, resolve_tokens
 
     cfg, params = engine.cfg, engine.params
     layers = params.layers
@@ -482,7 +482,7 @@ def main() -> None:
         import pickle
 
         import jaxinfer
-        from jaxinfer import paged_attention as pa
+        from jaxinfer.models import paged_attention as pa
 
         with open(args.batches, "rb") as f:
             captured = pickle.load(f)
@@ -523,7 +523,7 @@ def main() -> None:
         r = run_job(args, path, prompts, tmp / "out.jsonl", "async", state)
         r["mode"] = "fill"
         runs.append(r)
-    from jaxinfer import bucket_reuse
+    from jaxinfer.compile import buckets as bucket_reuse
 
     default_reuse = bucket_reuse.REUSE_STEPS
     for i, spec in enumerate(modes):

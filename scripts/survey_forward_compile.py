@@ -56,9 +56,9 @@ def live_step_batch(key: tuple[int, int, int, int], page_size: int):
     as fresh prompts; every row owns its own pages (1, 2, ...)."""
     import numpy as np
 
-    from jaxinfer.paged_attention import AttentionMetadata
-    from jaxinfer.precompile import sample_rows
-    from jaxinfer.step import StepBatch
+    from jaxinfer.models.paged_attention import AttentionMetadata
+    from jaxinfer.compile.warmup import sample_rows
+    from jaxinfer.engine.step import StepBatch
 
     td, tp, bp, m = key
     q_lens = [1] * td + ([tp // bp] * (bp - 1) + [tp - (tp // bp) * (bp - 1)] if bp else [])
@@ -92,7 +92,7 @@ def child(spec: dict) -> dict:
     t0 = time.perf_counter()
     kw = dict(max_model_len=spec["max_model_len"], compilation_cache=False,
               skip_tokenizer_init=True)
-    from jaxinfer import engine as engine_mod
+    from jaxinfer.engine import core as engine_mod
 
     if spec["loop"] == "switch":  # unrolled storage, every step a scan (lax.switch per layer)
         orig_init = engine_mod.Engine.__init__

@@ -12,7 +12,7 @@ the JSON summary (and the heads' metadata).
 import sys
 from pathlib import Path
 
-from jaxinfer.cli import main
+from jaxinfer.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = [

@@ -49,7 +49,7 @@ def stories_reference() -> list[dict]:
 def assert_reproduces_stories_reference(llm) -> None:
     """``llm`` (stories260K) generates every llama2.c greedy reference text exactly: each prompt
     to the reference's step count, stopping at BOS (id 1) as llama2.c's run.c does."""
-    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.sampling.params import SamplingParams
 
     cases = stories_reference()
     ids = [llm.tokenizer.encode(c["prompt"]) for c in cases]

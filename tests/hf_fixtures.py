@@ -259,7 +259,7 @@ def jax_logits(path: str, dtype: str, tokens):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.dense import dense_logits
+    from jaxinfer.models.dense import dense_logits
     from jaxinfer.loaders.hf import load_hf
 
     cfg, params = load_hf(path, getattr(jnp, dtype))

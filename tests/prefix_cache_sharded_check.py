@@ -23,7 +23,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 from jaxinfer.llm import LLM  # noqa: E402
-from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+from jaxinfer.sampling.params import SamplingParams  # noqa: E402
 
 SHARED = Path(os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 STORIES = SHARED / "models" / "stories260K"

@@ -26,10 +26,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
+from jaxinfer.engine.core import Engine, EngineConfig  # noqa: E402
 from jaxinfer.loaders import load  # noqa: E402
-from jaxinfer.sampling_params import SamplingParams  # noqa: E402
-from jaxinfer.sharding import ShardedPlacer, replica_meshes, replica_view  # noqa: E402
+from jaxinfer.sampling.params import SamplingParams  # noqa: E402
+from jaxinfer.models.sharding import ShardedPlacer, replica_meshes, replica_view  # noqa: E402
 
 SHARED = Path(os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 STORIES = SHARED / "models" / "stories260K"
@@ -163,7 +163,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     out = []
     if STORIES.is_dir():
-        from jaxinfer.tokenizer import load_tokenizer
+        from jaxinfer.tokenizers import load_tokenizer
 
         tok = load_tokenizer(STORIES)
         texts = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day"]

@@ -5,7 +5,7 @@ tests tie to llama2.c; here the two modes run the same mixed workload side by si
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 from test_engine import MIXED, reference_requests
 
 
@@ -87,7 +87,7 @@ def test_async_stops_exactly_at_max_model_len(stories_llm, sync_llm):
 
 
 def test_async_scheduling_flag_is_validated():
-    from jaxinfer.engine import EngineConfig
+    from jaxinfer.engine.core import EngineConfig
 
     with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
         EngineConfig(max_model_len=64, async_scheduling="yes")

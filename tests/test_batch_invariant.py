@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from conftest import stories_reference
 
-from jaxinfer.batch_invariant import invariant_forward_logits
-from jaxinfer.config import ModelConfig
-from jaxinfer.dense import dense_logits
-from jaxinfer.engine import Engine, EngineConfig
-from jaxinfer.kv_cache import init_kv_cache
+from jaxinfer.models.batch_invariant import invariant_forward_logits
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.dense import dense_logits
+from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.models.kv_cache import init_kv_cache
 from jaxinfer.llm import LLM
-from jaxinfer.paged_attention import AttentionMetadata
-from jaxinfer.params import init_random
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.models.paged_attention import AttentionMetadata
+from jaxinfer.models.params import init_random
+from jaxinfer.sampling.sampler import SamplingParams
 
 FILLERS = ["Lily", "The cat sat on the mat and looked at the big red ball.", "Tom had a toy car.",
            "One day, a little bird flew into the garden and saw a shiny", "Sam and Ben",
@@ -222,7 +222,7 @@ def test_refused_where_not_supported(stories_dir):
 
 def test_cli_flag_reaches_llm(monkeypatch, tmp_path):
     import jaxinfer.llm
-    from jaxinfer.cli import _load_llm, build_parser
+    from jaxinfer.cli.main import _load_llm, build_parser
 
     got = []
     monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **kw: got.append(kw))

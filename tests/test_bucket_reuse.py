@@ -1,14 +1,14 @@
-"""Reusing a compiled bucket one size up (jaxinfer/bucket_reuse.py, issue 21's cold start)."""
+"""Reusing a compiled bucket one size up (jaxinfer/compile/buckets.py, issue 21's cold start)."""
 
 import dataclasses
 
 import pytest
 from test_engine import reference_requests
 
-from jaxinfer.batch import Buckets
-from jaxinfer.bucket_reuse import choose_buckets
-from jaxinfer.job_plan import plan_job
-from jaxinfer.sampling import GREEDY_FLAGS, SamplingParams
+from jaxinfer.engine.batch import Buckets
+from jaxinfer.compile.buckets import choose_buckets
+from jaxinfer.compile.plan import plan_job
+from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 
 PLAIN = (False, 0)  # sampling flags of the general variant: no logits controls, no logprobs
 
@@ -115,7 +115,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
         # All rows greedy without logprobs or controls: every step ran the all-greedy variant.
         assert greedy_calls == [True] * len(shapes)
         assert {k[2:] for k in eng.compile_keys if k[0] == "sample"} == {GREEDY_FLAGS}
-        # Every output ran to max_tokens, so the job's plan (jaxinfer.job_plan: pure host)
+        # Every output ran to max_tokens, so the job's plan (jaxinfer.compile.plan: pure host)
         # predicts exactly the keys the engine counted.
         assert all(o.finish_reason == "length" for o in outs), [o.finish_reason for o in outs]
         plan = plan_job(eng.ecfg, [len(p) for p in prompts], [p.max_tokens for p in params],
@@ -134,7 +134,7 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     """A lone decode row padded to 4 rows for ``REUSE_STEPS`` steps gets its exact shape compiled
     on the background thread; the padded steps go on meanwhile, and the exact shape runs only
     once that compile is done. Its text is still llama2.c's reference."""
-    import jaxinfer.bucket_reuse as bucket_reuse
+    import jaxinfer.compile.buckets as bucket_reuse
 
     eng, tok = stories_llm.engine, stories_llm.tokenizer
     (ids, sp, expected), = [r for r in reference_requests(tok)
@@ -180,7 +180,7 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     assert compiler.compiled == [(1, 0, 0, 4)] and not compiler.pending
     # Each dispatch first waits for a background compile of the key it runs (none pending here).
     assert waited == [key for key, _ in seen]
-    # The plan (jaxinfer.job_plan) predicts the keys, the background one included (every
+    # The plan (jaxinfer.compile.plan) predicts the keys, the background one included (every
     # output ran to max_tokens: the reference too).
     assert [o.finish_reason for o in outs] == ["length"] * 4
     prompts = [ids] + [tok.encode("Tom had a red ball")] * 3
@@ -240,7 +240,7 @@ def test_a_key_compiled_ahead_is_waited_for_and_never_compiled_twice():
     shares the compile; a key nobody submitted is not waited for."""
     import threading
 
-    from jaxinfer.bucket_reuse import BackgroundCompiler
+    from jaxinfer.compile.buckets import BackgroundCompiler
 
     eng, gate = _fake_engine()
     c = BackgroundCompiler(eng)

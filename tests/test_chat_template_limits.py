@@ -455,7 +455,7 @@ def _conversation(role: str, content: str = "way") -> list[dict]:
 
 
 def test_bad_template_request_fails_alone_in_generate(stories_llm, monkeypatch, fast_deadline):
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.sampling.sampler import SamplingParams
 
     monkeypatch.setattr(stories_llm.tokenizer, "chat_template", ENGINE_TEMPLATE)
     params = SamplingParams(max_tokens=8, temperature=0.0)
@@ -480,7 +480,7 @@ def test_bad_template_request_fails_alone_in_generate(stories_llm, monkeypatch, 
 
 def test_bad_template_record_fails_alone_in_cli(stories_dir, tmp_path, monkeypatch, capsys,
                                                 fast_deadline):
-    from jaxinfer import cli
+    from jaxinfer.cli import main as cli
 
     load = cli._load_llm
 

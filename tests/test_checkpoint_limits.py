@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer import memory_limits
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import CheckpointWarning
 from jaxinfer.loaders.hf import config_from_hf, load_hf

@@ -2,7 +2,7 @@
 records become error records while the rest complete, a killed run resumes with every id exactly
 once, plain-text input, ``--help`` and usage errors.
 
-Runs ``jaxinfer.cli.main`` in-process (sharing compiled steps) with one set of engine flags; only
+Runs ``jaxinfer.cli.main.main`` in-process (sharing compiled steps) with one set of engine flags; only
 the kill test uses a subprocess.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer import cli
+from jaxinfer.cli import main as cli
 
 SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
@@ -65,7 +65,7 @@ def _write_jsonl(path: Path, records: list) -> Path:
 
 @needs_model
 def test_greedy_matches_llama2c_reference(tmp_path, capsys):
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     tok = load_tokenizer(STORIES / "tok512.model", vocab_size=512)
     cases = json.loads((STORIES / "greedy_reference.json").read_text())

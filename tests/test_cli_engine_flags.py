@@ -6,7 +6,7 @@ import jaxinfer.llm
 
 
 def test_no_reuse_compiled_buckets_flag_reaches_llm(monkeypatch, tmp_path):
-    from jaxinfer.cli import _load_llm, build_parser
+    from jaxinfer.cli.main import _load_llm, build_parser
 
     got = []
     monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **kw: got.append(kw))

@@ -1,5 +1,5 @@
 """`jaxinfer generate`'s progress line says "compiling (k/n)" while a step compiles
-(jaxinfer/compile_progress.py)."""
+(jaxinfer/compile/progress.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxinfer import cli
-from jaxinfer.compile_progress import CompileProgressBar, CompileWatch
+from jaxinfer.cli import main as cli
+from jaxinfer.compile.progress import CompileProgressBar, CompileWatch
 
 SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
@@ -91,7 +91,7 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
     # new compile keys; with XLA's executables already cached (in memory or on disk) the
     # "compile" can be shorter than the 0.1 s poll, so a dispatch that adds keys is held 0.4 s,
     # standing in for a cold compilation.
-    from jaxinfer import engine as engine_mod
+    from jaxinfer.engine import core as engine_mod
 
     dispatch = engine_mod.Engine._dispatch
 
@@ -111,7 +111,7 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
     assert rc == 0
     cap = capsys.readouterr()
     # k counts the keys dispatched so far (2 after the first step: forward + sampling); n the
-    # job's predicted keys (jaxinfer.job_plan): one prompt of under 32 tokens and 4 outputs is
+    # job's predicted keys (jaxinfer.compile.plan): one prompt of under 32 tokens and 4 outputs is
     # a prefill step (Tp 32, 1 row, M 4), decode steps of 1 row (M 4) and 1-row sampling: 3.
     assert re.search(r"compiling \((2|3)/3\)", cap.err), cap.err
     bar_lines = [ln for ln in cap.err.replace("\r", "\n").splitlines() if ln.startswith("prompts")]

@@ -1,4 +1,4 @@
-"""Compiling the first step while the weights load (``jaxinfer.compile_while_loading``).
+"""Compiling the first step while the weights load (``jaxinfer.compile.while_loading``).
 
 Judges: jax.monitoring's lowering events, with the thread each ran on (whether the engine's first
 step compiled again), and the llama2.c outputs in ``greedy_reference.json``."""
@@ -9,8 +9,8 @@ import jax
 import pytest
 from conftest import STORIES, stories_reference
 
-from jaxinfer import compile_while_loading as cwl
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.compile import while_loading as cwl
+from jaxinfer.sampling.sampler import SamplingParams
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +29,7 @@ def reference_requests(max_tokens: int | None = None):
     """(prompt text, params) of the two 64-step greedy_reference.json cases (``max_tokens``:
     their outputs cut to that many tokens), and their expected texts (prompt + output, as
     llama2.c's run.c prints them)."""
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     tok = load_tokenizer(STORIES, vocab_size=512)
     cases = [c for c in stories_reference() if c["max_steps"] <= 64]
@@ -46,7 +46,7 @@ def test_first_step_is_compiled_during_loading_and_not_again(monkeypatch):
     dispatch must wait for a compile in flight rather than start its own, made certain."""
     from jax import monitoring
 
-    from jaxinfer.bucket_reuse import BackgroundCompiler
+    from jaxinfer.compile.buckets import BackgroundCompiler
     from jaxinfer.llm import LLM
 
     # Steps an earlier test of this process compiled (e.g. the same greedy sampling variant)

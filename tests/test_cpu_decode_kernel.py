@@ -1,4 +1,4 @@
-"""The native CPU decode-attention kernel (jaxinfer/cpu_decode_kernel.py; what attn_impl="auto"
+"""The native CPU decode-attention kernel (jaxinfer/models/cpu_decode_kernel.py; what attn_impl="auto"
 runs on CPU where it can, or asked by name with attn_impl="cpu_kernel") == numpy float64
 attention; the engine with it, and with attn_impl="xla", reproduces llama2.c's greedy
 stories260K outputs; "auto" resolves per engine by the documented rule, a build failure under
@@ -15,8 +15,10 @@ import pytest
 from conftest import assert_reproduces_stories_reference
 from test_paged_attention import TOL, dense_reference, make_batch
 
-from jaxinfer import cpu_decode_kernel, paged_attention
-from jaxinfer.paged_attention import ragged_paged_attention_xla
+from jaxinfer.models import cpu_decode_kernel
+
+from jaxinfer.models import paged_attention
+from jaxinfer.models.paged_attention import ragged_paged_attention_xla
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,7 @@ def test_auto_resolves_per_engine(kernel_on):
     """The documented rule, host only: the kernel for a page-major float32 pool on one CPU
     device without batch_invariant; XLA for every other pool, a mesh, batch_invariant, another
     backend, or attn_impl="xla"; 8-token default pages either way."""
-    from jaxinfer.engine_config import default_page_size
+    from jaxinfer.engine.config import default_page_size
 
     kw = dict(page_major=True, kv_dtype=np.float32, mesh=None, backend="cpu")
     resolve = paged_attention.engine_attn_impl
@@ -159,7 +161,7 @@ def no_compiler(monkeypatch, tmp_path):
 def test_auto_without_a_compiler_warns_and_runs_xla(no_compiler, stories_dir, caplog):
     from jaxinfer.llm import LLM
 
-    caplog.set_level(logging.INFO, logger="jaxinfer.paged_attention")
+    caplog.set_level(logging.INFO, logger="jaxinfer.models.paged_attention")
     llm = LLM(stories_dir, max_num_seqs=4, compilation_cache=False)
     assert llm.engine.attn_impl == llm.engine.ecfg.attn_impl == "xla"
     [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -198,7 +200,7 @@ def test_cli_explicit_kernel_that_cannot_build_is_one_line(no_compiler, stories_
     """`jaxinfer generate --attn-impl cpu_kernel` without a compiler: one error line naming the
     flag and the cause, exit 2 (was a traceback); a compiler given with arguments (CXX="ccache
     g++") is run with them (was "not found": the whole string was looked up)."""
-    from jaxinfer import cli
+    from jaxinfer.cli import main as cli
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Once upon a time"}\n')

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxinfer.tokenizers import IncrementalDetokenizer, load_tokenizer
 
 SHARED = Path(os.environ.get("JAXINFER_SHARED",
                              Path(__file__).resolve().parents[1].parent / "shared"))
@@ -488,8 +488,8 @@ def test_engine_text_follows_the_rule(llm):
     characters; the streamed deltas add up to the final text."""
     import sentencepiece
 
-    from jaxinfer.resume import ResumeState
-    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.engine.resume import ResumeState
+    from jaxinfer.sampling.params import SamplingParams
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(STORIES / "tok512.model"))
     everything_but = [i for i in range(3, 512) if i not in (243, 162)]

@@ -7,7 +7,7 @@ import pytest
 import jax.numpy as jnp
 from conftest import stories_reference
 from jaxinfer.errors import RequestError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 
 MIXED = [
     "Lily", "The cat sat on the mat and looked at the big red ball.", "Once", "Tom had a toy car.",
@@ -84,9 +84,9 @@ def test_chunked_prefill_equals_one_shot(stories_llm):
     """Logits of every prompt position and the KV pages' contents, one-shot vs 3 chunks."""
     import jax
 
-    from jaxinfer.kv_cache import init_kv_cache
-    from jaxinfer.model import compute_logits, forward
-    from jaxinfer.paged_attention import AttentionMetadata, paged_attn_fn
+    from jaxinfer.models.kv_cache import init_kv_cache
+    from jaxinfer.models.forward import compute_logits, forward
+    from jaxinfer.models.paged_attention import AttentionMetadata, paged_attn_fn
 
     llm = stories_llm
     cfg, params = llm.config, llm.params
@@ -142,7 +142,7 @@ def _pow2_from(floor: int, n: int) -> list[int]:
 
 def test_compilations_bounded_and_stop_growing(stories_llm):
     from jaxinfer.llm import LLM
-    from jaxinfer.step import jitted_forward_step, jitted_sample_step
+    from jaxinfer.engine.step import jitted_forward_step, jitted_sample_step
 
     # A fresh engine counts only this workload's compilations; jax's jit caches are per process,
     # so the steps stories_llm compiled are reused, not compiled again. Prefix caching off: a
@@ -257,7 +257,7 @@ def test_logprobs(stories_llm):
 
 
 def test_default_page_size(stories_llm):
-    from jaxinfer.engine import default_page_size
+    from jaxinfer.engine.core import default_page_size
 
     # 8 on CPU with the XLA attention (less last-page slack, same speed there), else 16
     assert default_page_size("auto", "cpu") == 8 and default_page_size("xla", "cpu") == 8

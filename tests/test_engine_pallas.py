@@ -4,8 +4,8 @@ at engine construction."""
 
 import pytest
 
-from jaxinfer.paged_attention import ATTN_IMPLS, resolve_attn_impl
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.models.paged_attention import ATTN_IMPLS, resolve_attn_impl
+from jaxinfer.sampling.sampler import SamplingParams
 
 PROMPTS = ["Once upon a time", "The cat sat"]
 
@@ -56,7 +56,7 @@ def test_resolve_attn_impl():
 
 
 def test_cli_choices_match_attn_impls():
-    from jaxinfer.cli import ATTN_IMPL_CHOICES
+    from jaxinfer.cli.main import ATTN_IMPL_CHOICES
 
     assert ATTN_IMPL_CHOICES == ATTN_IMPLS
 

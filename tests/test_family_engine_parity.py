@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.llm import LLM
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 
 FAMILIES = ["mistral", "gemma2", "gemma3", "qwen3"]
 # The decode rows' attention: the CPU default ("auto": the native decode kernel on this f32

@@ -1,12 +1,12 @@
-"""Engine-setting errors of the command line name the flags the user typed (jaxinfer.flag_names):
+"""Engine-setting errors of the command line name the flags the user typed (jaxinfer.cli.flag_names):
 checked against the argparse parser itself (every mapped argument is a flag with that dest, and
 a rewritten ``--flag value`` parses back to the value) and end to end through generate."""
 
 import pytest
 
-from jaxinfer import cli
-from jaxinfer.flag_names import FLAG_ARGS, as_flags
-from jaxinfer.llm_from_args import llm_kwargs
+from jaxinfer.cli import main as cli
+from jaxinfer.cli.flag_names import FLAG_ARGS, as_flags
+from jaxinfer.cli.llm_from_args import llm_kwargs
 
 
 def _generate_actions():

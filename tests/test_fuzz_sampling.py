@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.errors import RequestError
-from jaxinfer.sampling import SamplingParams, SamplingTensors
+from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors
 
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.dense import dense_greedy
+from jaxinfer.models.dense import dense_greedy
 from jaxinfer.loaders.llama2c import load_llama2c
 
 SHARED = Path(
@@ -58,7 +58,7 @@ def _generate(prompt_ids: tuple[int, ...], max_steps: int) -> tuple[tuple[int, .
     "case", _cases(), ids=lambda c: f"{c['prompt'] or 'BOS'}-{c['max_steps']}".replace(" ", "_")
 )
 def test_stories260k_greedy_matches_llama2c(case, tok_file):
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     cfg, _ = _model()
     tok = load_tokenizer(STORIES / tok_file, vocab_size=cfg.vocab_size)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.dense import dense_greedy, dense_logits
+from jaxinfer.models.dense import dense_greedy, dense_logits
 from jaxinfer.loaders.hf import load_hf
 
 F32_MAX_REL = 1e-4

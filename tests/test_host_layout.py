@@ -1,4 +1,4 @@
-"""The engine's weight layout built with numpy (``jaxinfer.host_layout``) against the eager jax
+"""The engine's weight layout built with numpy (``jaxinfer.models.host_layout``) against the eager jax
 transforms it replaces (``params.unstack_layers``, ``params.out_in_projections``): same tree, same
 bits, placed alike, and no XLA compilation (jax.monitoring's compile events)."""
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import STORIES
 
-from jaxinfer.engine_config import EngineConfig, scan_from_tokens
-from jaxinfer.host_layout import applies, engine_layout_on_host
-from jaxinfer.params import OutInWeight, out_in_projections, unstack_layers
+from jaxinfer.engine.config import EngineConfig, scan_from_tokens
+from jaxinfer.models.host_layout import applies, engine_layout_on_host
+from jaxinfer.models.params import OutInWeight, out_in_projections, unstack_layers
 
 
 @pytest.fixture(scope="module")

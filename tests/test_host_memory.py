@@ -6,7 +6,7 @@ import resource
 import numpy as np
 import pytest
 
-from jaxinfer.host_memory import keep_freed_host_memory
+from jaxinfer.engine.host_memory import keep_freed_host_memory
 
 
 def _minor_faults_of_alloc(nbytes: int) -> int:

@@ -1,4 +1,4 @@
-"""Predicting a job's compile keys (jaxinfer/job_plan.py, issue 21's cold start). Pure host: the
+"""Predicting a job's compile keys (jaxinfer/compile/plan.py, issue 21's cold start). Pure host: the
 plan runs no device function. The check against real stories260K engine runs is folded into
 tests/test_bucket_reuse.py's engine tests (their runs, no extra compilations)."""
 
@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.engine_config import EngineConfig
-from jaxinfer.job_plan import plan_job, plan_keys, start_job
-from jaxinfer.precompile import all_keys
-from jaxinfer.sampling import GREEDY_FLAGS, SamplingParams
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.compile.plan import plan_job, plan_keys, start_job
+from jaxinfer.compile.warmup import all_keys
+from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 
 
 def ecfg(**kw):
@@ -46,7 +46,7 @@ def test_runs_to_max_model_len_and_the_block_table_widens():
 
 
 def test_bucket_reuse_pads_the_tail_and_compiles_it_after_reuse_steps(monkeypatch):
-    import jaxinfer.bucket_reuse as bucket_reuse
+    import jaxinfer.compile.buckets as bucket_reuse
 
     # Two 10-token prompts prefilled together (20 tokens, 2 rows: Tp 32, Bp 2), then decode of 2
     # rows (Td 4, the floor). The first stops at 2 outputs; the second decodes alone from step 2

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import dense_attn_fn
-from jaxinfer.config import ModelConfig
-from jaxinfer.engine_config import EngineConfig, scan_from_tokens
-from jaxinfer.model import compute_logits, forward
-from jaxinfer.params import init_random, out_in_projections, unstack_layers
+from jaxinfer.models.attention import dense_attn_fn
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.engine.config import EngineConfig, scan_from_tokens
+from jaxinfer.models.forward import compute_logits, forward
+from jaxinfer.models.params import init_random, out_in_projections, unstack_layers
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32, as test_weight_layout
 
@@ -99,7 +99,7 @@ def test_engine_every_step_a_scan_reproduces_llama2c(stories_dir):
     (scan_layers_from_tokens=1): llama2.c's greedy reference, its cases in one batch."""
     from conftest import assert_reproduces_stories_reference
 
-    from jaxinfer import engine as engine_mod
+    from jaxinfer.engine import core as engine_mod
     from jaxinfer.llm import LLM
 
     orig = engine_mod.Engine.__init__

@@ -15,7 +15,7 @@ import pytest
 from conftest import peak_alloc_bytes
 
 import jaxinfer
-from jaxinfer.dense import dense_logits
+from jaxinfer.models.dense import dense_logits
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import LoadedModel, detect_format, load
 from jaxinfer.loaders.llama2c import load_llama2c

@@ -16,7 +16,7 @@ import pytest
 from conftest import peak_alloc_bytes
 
 from jaxinfer import memory_limits
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 
 MiB = 2**20
@@ -125,7 +125,7 @@ def test_kv_pool_slots_beyond_int32(stories_dir, monkeypatch):
 def test_huge_max_num_seqs(stories_dir, monkeypatch):
     """2**31 - 1 rows: 2**32 int32 sampling slots (Engine's num_slots) twice = 32 GiB; refused
     against memory (8 GiB here), and against int32 row ids where memory would allow it."""
-    from jaxinfer.engine import EngineConfig
+    from jaxinfer.engine.core import EngineConfig
     from jaxinfer.llm import LLM
     from jaxinfer.llm_args import check_kv_pool
 
@@ -141,7 +141,7 @@ def test_huge_max_num_seqs(stories_dir, monkeypatch):
 
 
 def test_cli_kv_pages_beyond_memory_is_one_line_and_exit_2(stories_dir, tmp_path, capsys):
-    from jaxinfer import cli
+    from jaxinfer.cli import main as cli
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Once upon a time"}\n')

@@ -173,7 +173,7 @@ def test_rolling_equals_hf(runs, stories_llm):
 
 
 def test_generate_until_equals_llama2c(runs, stories_llm):
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.sampling.sampler import SamplingParams
 
     ours, theirs, _ = runs
     want = [t for _, t in _gen_cases()]

@@ -16,10 +16,10 @@ import hf_fixtures as H
 import numpy as np
 import pytest
 
-from jaxinfer import cli
+from jaxinfer.cli import main as cli
 from jaxinfer.errors import CheckpointError, RequestError
 from jaxinfer.llm import LLM
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.tokenizers.ids_only import NoTokenizerWarning, config_special_ids
 
 SHARED = Path(
@@ -160,7 +160,7 @@ def test_cli_token_id_records_without_tokenizer(ckpt, tmp_path, capsys):
 def test_cli_skip_tokenizer_init_reproduces_llama2c_reference(tmp_path, capsys):
     """stories260K with its tokenizer beside it, skipped: the README's ids of "Once upon a time"
     give ids that the real tokenizer decodes to llama2.c's greedy output."""
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     case = next(c for c in json.loads((STORIES / "greedy_reference.json").read_text())
                 if c["prompt"] == "Once upon a time")
@@ -193,7 +193,7 @@ def test_llama2c_checkpoint_alone_stops_on_bos_and_eos(tmp_path):
 
 
 def test_config_special_ids_and_argument_checks(tmp_path):
-    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.config import ModelConfig
 
     cfg = ModelConfig("llama", 100, 8, 16, 1, 2, 2, 4)
     (tmp_path / "config.json").write_text(json.dumps(

@@ -23,8 +23,8 @@ import hf_fixtures as H
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import ScheduledRow, Sequence
+from jaxinfer.sampling.sampler import SamplingParams
+from jaxinfer.engine.scheduler import ScheduledRow, Sequence
 
 LOGPROB_ATOL = 1e-4  # f32 engine vs transformers f32 (logits agree to ~1e-4 relative)
 MARGIN = 1e-3  # penalised top-2 gap below which a float difference could flip the argmax
@@ -99,7 +99,7 @@ def _prompt_predicting_itself(model, freq_pres: float):
 @pytest.fixture(scope="module")
 def engines(tiny):
     """The plain engine and an n-gram speculative one (R = 2) over the tiny model."""
-    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.engine.core import Engine, EngineConfig
     from jaxinfer.speculative.config import SpecConfig
     from jaxinfer.speculative.engine import SpecEngine
 
@@ -189,7 +189,7 @@ def test_logits_controls_ban_for_exactly_min_tokens_and_count_outputs_only():
     """``Engine._controls`` on host: prompt mask = prompt tokens, counts = output tokens only
     (pending tokens excluded: rows with penalties wait for them), stop ids and EOS banned while
     ``len(output) + len(pending) < min_tokens``, EOS not banned with ``ignore_eos``."""
-    from jaxinfer.engine import Engine
+    from jaxinfer.engine.core import Engine
 
     v = 16
     stub = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=v), stop_ids={2})

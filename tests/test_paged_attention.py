@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import jax.numpy as jnp
-from jaxinfer.kv_cache import NULL_PAGE
-from jaxinfer.paged_attention import AttentionMetadata, ragged_paged_attention_xla
+from jaxinfer.models.kv_cache import NULL_PAGE
+from jaxinfer.models.paged_attention import AttentionMetadata, ragged_paged_attention_xla
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -127,7 +127,7 @@ def test_paged_equals_dense(dtype, page_size, gqa, window, softcap, page_major):
                                                        (37, 30.0, True)])
 def test_long_decode_rows_walk_pages_in_chunks(window, softcap, page_major):
     """Decode rows wider than DECODE_PAGES_PER_CHUNK pages take the online-softmax page walk."""
-    from jaxinfer.paged_attention import DECODE_PAGES_PER_CHUNK
+    from jaxinfer.models.paged_attention import DECODE_PAGES_PER_CHUNK
 
     rng = np.random.default_rng(7)
     z, kh, h, gqa = 4, 2, 16, 2
@@ -152,8 +152,8 @@ def test_decode_work_items_span_groups(window, softcap, gqa, page_major, monkeyp
     """Split-KV decode: rows of very different lengths give work items in several groups, and a
     row's partials (some rows' items split across groups) are merged; a padding row (kv_len 0)
     stays finite."""
-    import jaxinfer.paged_attention as pa
-    from jaxinfer.paged_attention import DECODE_PAGES_PER_CHUNK
+    import jaxinfer.models.paged_attention as pa
+    from jaxinfer.models.paged_attention import DECODE_PAGES_PER_CHUNK
 
     monkeypatch.setattr(pa, "DECODE_ITEMS_PER_GROUP", 4)
     rng = np.random.default_rng(11)
@@ -208,8 +208,8 @@ def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
 def test_page_major_pool_holds_the_same_writes(dtype):
     """write_kv into a page-major pool [L, P, K, Z, H] puts every token (and int8 scale) where the
     head-major pool [L, K, P, Z, H] has it, transposed."""
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.kv_cache import init_kv_cache, write_kv
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.kv_cache import init_kv_cache, write_kv
 
     cfg = ModelConfig("llama", 32, 16, 32, 2, 4, 2, 8)
     rng = np.random.default_rng(3)
@@ -230,9 +230,9 @@ def test_page_major_pool_holds_the_same_writes(dtype):
 
 def test_page_major_pool_refused_where_it_cannot_run():
     """The Pallas kernels read the head-major pool: asking for a page-major one with them raises."""
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.engine import Engine, EngineConfig
-    from jaxinfer.params import init_random
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.engine.core import Engine, EngineConfig
+    from jaxinfer.models.params import init_random
     import jax
 
     cfg = ModelConfig("llama", 32, 16, 32, 1, 2, 2, 8)

@@ -1,4 +1,4 @@
-"""``SamplingParams.n`` (vLLM's parallel sampling, `jaxinfer.parallel_sampling`) on stories260K.
+"""``SamplingParams.n`` (vLLM's parallel sampling, `jaxinfer.engine.parallel_sampling`) on stories260K.
 
 Judges from outside the code under test: the llama2.c greedy reference (greedy_reference.json)
 for every greedy completion, and separate n = 1 requests with seeds seed + i (vLLM v1's
@@ -19,14 +19,14 @@ import pytest
 from conftest import STORIES
 from test_engine import reference_requests
 
-from jaxinfer import cli
-from jaxinfer import partial as partial_mod
-from jaxinfer.engine import Engine
+from jaxinfer.cli import main as cli
+from jaxinfer.cli import partial as partial_mod
+from jaxinfer.engine.core import Engine
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import RequestOutput, TokenLogprob
-from jaxinfer.parallel_sampling import child_params
-from jaxinfer.resume import ResumeState
-from jaxinfer.sampling_params import MAX_N, SamplingParams
+from jaxinfer.engine.parallel_sampling import child_params
+from jaxinfer.engine.resume import ResumeState
+from jaxinfer.sampling.params import MAX_N, SamplingParams
 
 PROMPT = "Once upon a time"
 DOT = 426  # stories260K's "." token
@@ -86,7 +86,7 @@ def test_parent_output_record_and_metrics_from_children():
     logprobs, usage counts the prompt once, and the metrics follow the documented rules
     (expected values worked out by hand)."""
     from jaxinfer.outputs import RequestMetrics
-    from jaxinfer.parallel_sampling import ParentRequest
+    from jaxinfer.engine.parallel_sampling import ParentRequest
 
     lp = [TokenLogprob(7, -0.5, [(7, -0.5)])]
     parent = ParentRequest("p", "hi", [1, 2, 3], 2)

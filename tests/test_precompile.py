@@ -1,4 +1,4 @@
-"""``jaxinfer.precompile``: the keys it enumerates cover every step the real scheduler makes, and
+"""``jaxinfer.compile.warmup``: the keys it enumerates cover every step the real scheduler makes, and
 after it a workload inside its keys compiles nothing, leaves the KV pool's pages alone and gives
 llama2.c's greedy reference outputs.
 
@@ -14,13 +14,13 @@ from conftest import STORIES, stories_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.batch import build_step_batch, next_pow2
-from jaxinfer.engine_config import EngineConfig
-from jaxinfer.kv_cache import NULL_PAGE, PageAllocator
-from jaxinfer.precompile import all_keys, precompile, serving_keys, with_sample_keys
-from jaxinfer.prefix_cache import PrefixCachingAllocator
-from jaxinfer.sampling import GREEDY_FLAGS, SamplingParams
-from jaxinfer.scheduler import Scheduler, Sequence
+from jaxinfer.engine.batch import build_step_batch, next_pow2
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.models.kv_cache import NULL_PAGE, PageAllocator
+from jaxinfer.compile.warmup import all_keys, precompile, serving_keys, with_sample_keys
+from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
+from jaxinfer.engine.scheduler import Scheduler, Sequence
 
 
 @st.composite
@@ -251,8 +251,8 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
     all engines, then the total (``precompile`` itself replaced: tested above)."""
     import types
 
-    import jaxinfer.precompile
-    from jaxinfer.jobs import UsageError
+    import jaxinfer.compile.warmup
+    from jaxinfer.cli.prompts_file import UsageError
     from jaxinfer.server.command import precompile_engines
 
     calls = []
@@ -263,7 +263,7 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
         for i, k in enumerate(fwd, 1):
             progress(i, len(fwd), k)
 
-    monkeypatch.setattr(jaxinfer.precompile, "precompile", fake_precompile)
+    monkeypatch.setattr(jaxinfer.compile.warmup, "precompile", fake_precompile)
     ecfg = EngineConfig(max_model_len=128, page_size=32, max_num_seqs=4,
                         max_num_batched_tokens=64)
     n = sum(k[0] == "forward" for k in serving_keys(ecfg))
@@ -277,7 +277,7 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
     # cover (the default): a cover of all_keys, and at every sampled-row count the sampling
     # variants with logits controls and with logprobs (penalties, min_tokens, logprobs requests)
     got = []
-    monkeypatch.setattr(jaxinfer.precompile, "precompile",
+    monkeypatch.setattr(jaxinfer.compile.warmup, "precompile",
                         lambda engine, keys, progress: got.append(keys))
     for e in llm.engines:
         e.cfg = types.SimpleNamespace(vocab_size=512)
@@ -301,7 +301,7 @@ def test_cover_keys_cover_every_step_shape_within_one_bucket(ecfg):
     """Every key of all_keys has a cover key at most one bucket up in each dimension (worked
     out here from the bucket rules: decode rows 1 -> 4, else x2; 0 stays 0), and the cover is
     far smaller than what it covers."""
-    from jaxinfer.precompile import cover_keys
+    from jaxinfer.compile.warmup import cover_keys
 
     def up(v, dim):
         return 0 if v == 0 else (4 if (dim == 0 and v == 1) else 2 * v)

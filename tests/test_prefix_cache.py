@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engine import reference_requests
 
-from jaxinfer import prefix_cache
-from jaxinfer.prefix_cache import PrefixCachingAllocator
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import Scheduler, Sequence, SeqStatus
+from jaxinfer.engine import prefix_cache
+from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.sampling.sampler import SamplingParams
+from jaxinfer.engine.scheduler import Scheduler, Sequence, SeqStatus
 
 Z = 8  # page size of every engine here (the CPU default)
 

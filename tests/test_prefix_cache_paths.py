@@ -26,8 +26,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.engine import Engine, EngineConfig
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.sampling.sampler import SamplingParams
 
 Z = 8
 SIZES = dict(max_model_len=32, page_size=Z, num_pages=12, max_num_seqs=4, max_num_batched_tokens=32,
@@ -298,8 +298,8 @@ def test_pallas_tpu_kernel_interpret(stories, base_ids):
 def test_pallas_gpu_kernel_interpret():
     """The GPU kernel cannot tile stories260K (head_dim 8): a tiny random model with head_dim 16
     and two query heads per KV head."""
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.params import init_random
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.params import init_random
 
     cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)

@@ -17,7 +17,7 @@ import pytest
 
 from jaxinfer.errors import RequestError
 from jaxinfer.llm import LLM
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
+from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams
 
 FAMILIES = ["llama2", "gemma2"]
 ENGINE = dict(max_model_len=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=7,
@@ -95,7 +95,7 @@ def test_preempted_prompt_recomputed_without_duplicates(family):
 
 
 def test_bad_prompt_logprobs_fail_alone(family):
-    from jaxinfer.prompt_logprobs import check_request
+    from jaxinfer.engine.prompt_logprobs import check_request
 
     llm, _ = family
     with pytest.raises(RequestError, match="prompt_logprobs"):
@@ -127,8 +127,8 @@ def test_tiles_cover_every_slot(family, monkeypatch):
     numpy's log-softmax of the whole [T, V] logits."""
     import jax.numpy as jnp
 
-    from jaxinfer import prompt_logprobs as plp
-    from jaxinfer.model import compute_logits
+    from jaxinfer.engine import prompt_logprobs as plp
+    from jaxinfer.models.forward import compute_logits
 
     llm, _ = family
     eng = llm.engine
@@ -149,7 +149,7 @@ def test_cli_records_prompt_logprobs(tmp_path, stories_dir):
     the top-1 of the distribution before it; a bad value is that record's error alone."""
     import json
 
-    from jaxinfer import cli
+    from jaxinfer.cli import main as cli
 
     story = json.loads((stories_dir / "greedy_reference.json").read_text())[0]
     assert story["prompt"] == ""

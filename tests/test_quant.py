@@ -123,9 +123,9 @@ def test_fused_int8_projections_within_bounds(mode):
     # Reference: x @ w per projection in float64 numpy, w the projection's own dequantized weight
     # (values * scales of the unfused QTensor, transposed back to the params' [D, *out] layout);
     # bounds as in the tests above: w8a16 two-digit, w8a8 one digit (and really one digit).
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.model import linear_parts
-    from jaxinfer.params import out_in_projections, param_shapes, params_from_flat, unstack_layers
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.forward import linear_parts
+    from jaxinfer.models.params import out_in_projections, param_shapes, params_from_flat, unstack_layers
 
     cfg = ModelConfig("llama", 64, 32, 48, 2, 4, 2, 8)
     rng = np.random.default_rng(3)
@@ -304,8 +304,8 @@ class _NoTokenizer:
 
 
 def _engine_greedy(cfg, params, prompts, kv_cache_dtype="auto", max_tokens=8):
-    from jaxinfer.engine import Engine, EngineConfig
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.engine.core import Engine, EngineConfig
+    from jaxinfer.sampling.sampler import SamplingParams
 
     ecfg = EngineConfig(
         max_model_len=64,
@@ -346,7 +346,7 @@ def test_tiny_families_run_quantized(tmp_path, family, quant, kv):
     # std 1.5). Float logits from the dense (unpaged) forward, all prompts in one call: they are
     # right-padded to one length, which leaves each one's last-position logits unchanged (causal
     # attention), so one compilation serves the three.
-    from jaxinfer.dense import dense_logits
+    from jaxinfer.models.dense import dense_logits
 
     n = max(len(p) for p in prompts)
     padded = jnp.asarray([p + [0] * (n - len(p)) for p in prompts])
@@ -363,8 +363,8 @@ def test_tiny_families_run_quantized(tmp_path, family, quant, kv):
 
 def test_kv_bytes_count_scales_and_pallas_takes_an_int8_cache(stories_dir):
     from jaxinfer import LLM
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.kv_cache import kv_bytes_per_token
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.kv_cache import kv_bytes_per_token
 
     cfg = ModelConfig("llama", 32, 16, 32, 2, 2, 2, 8)
     assert kv_bytes_per_token(cfg, jnp.float32) == 2 * 2 * 2 * 8 * 4
@@ -406,7 +406,7 @@ def test_model_weight_scales_are_max_over_127_in_numpy(stories_dir):
     """Every quantized projection of stories260K (and the embedding, per row): scales == max|w| /
     127 per output channel, from the float params in numpy."""
     from jaxinfer.loaders import load
-    from jaxinfer.params import LAYER_PROJECTIONS
+    from jaxinfer.models.params import LAYER_PROJECTIONS
 
     m = load(stories_dir)
     qp = quantize(m.params, "int8", embed=True)
@@ -423,8 +423,8 @@ def test_model_weight_scales_are_max_over_127_in_numpy(stories_dir):
 def test_kv_scales_are_max_over_127_per_token_and_head_in_numpy():
     """int8 KV: one scale per token and head == max|x| / 127 over H, values == round(x / s),
     computed in numpy; and ``write_kv`` into an int8 pool stores exactly those at each slot."""
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.kv_cache import init_kv_cache, write_kv
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.kv_cache import init_kv_cache, write_kv
 
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((5, 2, 8)) * rng.uniform(0.1, 20, (5, 2, 1))).astype(np.float32)
@@ -454,8 +454,8 @@ def test_kv_scales_are_max_over_127_per_token_and_head_in_numpy():
 def test_kv_float_writes_at_their_slots():
     """``write_kv`` into a float pool: token t's K and V of each head land at page
     slot // Z, offset slot % Z of the layer written (the slot mapping rule, written out here)."""
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.kv_cache import init_kv_cache, write_kv
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.kv_cache import init_kv_cache, write_kv
 
     cfg = ModelConfig("llama", 32, 16, 32, 2, 4, 2, 8)
     rng = np.random.default_rng(8)

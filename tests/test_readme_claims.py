@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import cli
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.cli import main as cli
+from jaxinfer.sampling.sampler import SamplingParams
 from tests.conftest import STORIES, stories_reference
 
 # A Llama-3-style chat template (as in tests/test_tokenizer.py).
@@ -235,9 +235,9 @@ def test_quantized_untied_lm_head(chat_model, tmp_path, capsys, monkeypatch):
     numpy-dequantized head."""
     from safetensors import safe_open
 
-    from jaxinfer.attention import dense_attn_fn
+    from jaxinfer.models.attention import dense_attn_fn
     from jaxinfer.loaders import load
-    from jaxinfer.model import compute_logits, forward
+    from jaxinfer.models.forward import compute_logits, forward
     from jaxinfer.quant import QTensor, quantize
 
     path = chat_model[0]
@@ -308,7 +308,7 @@ def reference():
     """llama2.c's two 64-step greedy cases as requests (prompt ids with BOS, run.c's step count,
     stop on BOS) and a check that outputs reproduce run.c's text. (Equal lengths: the rows finish
     together, so no batch-1 decode shape is compiled.)"""
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     tok = load_tokenizer(STORIES / "tok512.model", vocab_size=512)
     cases = [c for c in stories_reference() if c["max_steps"] == 64]

@@ -24,7 +24,7 @@ ENGINE = ["--max-model-len", "256", "--page-size", "64", "--max-num-seqs", "4", 
 
 def _records(path: Path, stories: Path) -> None:
     """llama2.c's two 64-step cases as records (BOS-prefixed ids, run.c's step count)."""
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     tok = load_tokenizer(stories / "tok512.model", vocab_size=512)
     cases = json.loads((stories / "greedy_reference.json").read_text())
@@ -41,7 +41,7 @@ def _script(mode: str, work: Path, stories: Path) -> dict:
     """The subprocess side: returns the report printed as the last stdout line."""
     import jax
 
-    from jaxinfer import cli
+    from jaxinfer.cli import main as cli
 
     hits = []
     jax.monitoring.register_event_listener(
@@ -106,7 +106,7 @@ def test_data_parallel_default_sizes_refusals_and_compilation_cache(tmp_path, st
     replicas = first["dp_replicas"]
     assert len(replicas) == 2 and replicas[0]["devices"] != replicas[1]["devices"], replicas
     assert all(len(r["devices"]) == 1 and r["steps_compiled"] > 0 for r in replicas), replicas
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     tok = load_tokenizer(stories_dir / "tok512.model", vocab_size=512)
     cases = stories_reference()
@@ -156,8 +156,8 @@ class _Device:
 def test_default_parallelism_uses_all_devices_only_when_the_weights_do_not_fit():
     import jax.numpy as jnp
 
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.sharding import default_parallelism
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.sharding import default_parallelism
 
     cfg = ModelConfig("llama", vocab_size=512, hidden_size=64, intermediate_size=172,
                       num_layers=5, num_heads=8, num_kv_heads=4, head_dim=8,

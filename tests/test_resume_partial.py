@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxinfer import cli
-from jaxinfer import partial as partial_mod
-from jaxinfer.engine import Engine
+from jaxinfer.cli import main as cli
+from jaxinfer.cli import partial as partial_mod
+from jaxinfer.engine.core import Engine
 from jaxinfer.outputs import TokenLogprob
-from jaxinfer.resume import ResumeState
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.engine.resume import ResumeState
+from jaxinfer.sampling.params import SamplingParams
 
 SHARED = Path(os.environ.get("JAXINFER_SHARED",
                              Path(__file__).resolve().parents[1].parent / "shared"))

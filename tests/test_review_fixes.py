@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import stories_reference
 
-from jaxinfer.config import check_float
+from jaxinfer.models.config import check_float
 from jaxinfer.errors import TokenizerError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.tokenizers.base import SideFiles
 from jaxinfer.tokenizers.chat_template import ChatTemplateError, render_chat_template
 
@@ -50,7 +50,7 @@ def test_a_prompt_the_tokenizer_rejects_fails_alone(stories_llm):
 
 
 def test_negative_seeds_resume_with_their_low_32_bits(stories_llm):
-    from jaxinfer.resume import ResumeState
+    from jaxinfer.engine.resume import ResumeState
 
     llm = stories_llm
     sp = SamplingParams(temperature=0.9, max_tokens=12, seed=-2)
@@ -75,7 +75,7 @@ def test_config_floats_outside_float32_are_refused(value):
 
 
 def test_resume_never_holds_an_overlong_output_line(tmp_path, monkeypatch):
-    import jaxinfer.outfile as outfile
+    import jaxinfer.cli.output_file as outfile
 
     monkeypatch.setattr(outfile, "MAX_RECORD_BYTES", 64)
     out = tmp_path / "o.jsonl"
@@ -90,7 +90,7 @@ def test_resume_never_holds_an_overlong_output_line(tmp_path, monkeypatch):
 
 
 def test_a_partial_file_that_is_a_device_or_fifo_is_not_read(tmp_path):
-    from jaxinfer import partial
+    from jaxinfer.cli import partial
 
     fifo = tmp_path / "p.partial.json"
     os.mkfifo(fifo)
@@ -147,7 +147,7 @@ def test_a_sigterm_swallowed_by_a_callback_still_ends_the_run():
     then sees the flag (a review saw 2 of 30 SIGTERMs ignored, the run exiting 0)."""
     import signal
 
-    from jaxinfer import cli
+    from jaxinfer.cli import main as cli
 
     with cli._sigterm_as_interrupt():
         cli._check_terminated()  # nothing yet

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import (
+from jaxinfer.sampling.sampler import (
     GREEDY_FLAGS,
     SAMPLING_EPS,
     SamplingParams,
     SamplingTensors,
     sample_flags,
 )
-from jaxinfer.step import LogitsControls, jitted_sample_step, sample_step_padded
+from jaxinfer.engine.step import LogitsControls, jitted_sample_step, sample_step_padded
 
 B, V, SLOTS = 8, 50, 16
 

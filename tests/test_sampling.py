@@ -1,4 +1,4 @@
-"""Tests of jaxinfer.sampling and jaxinfer.sampling_params: support of the filters, penalties,
+"""Tests of jaxinfer.sampling.sampler and jaxinfer.sampling.params: support of the filters, penalties,
 seeding, sampling frequencies, logprobs, validation and stop strings."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import RequestError
-from jaxinfer.sampling import (
+from jaxinfer.sampling.sampler import (
     MAX_LOGPROBS,
     SAMPLING_EPS,
     SamplingParams,

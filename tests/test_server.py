@@ -21,7 +21,7 @@ import pytest
 from conftest import stories_reference
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling.params import SamplingParams
 
 uvicorn = pytest.importorskip("uvicorn")
 

@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 
 
 def _serve(*args: str, **kw) -> list[str]:
-    return [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(STORIES), *args]
+    return [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(STORIES), *args]
 
 
 def test_port_in_use_is_a_clear_error_before_loading():
@@ -98,7 +98,7 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
 
 
 def test_serve_takes_every_engine_flag_of_generate():
-    from jaxinfer.cli import build_parser
+    from jaxinfer.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.sharding import (
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.sharding import (
     ShardingError,
     field_spec,
     make_mesh,
@@ -68,8 +68,8 @@ def test_mesh_larger_than_devices_is_an_error():
 
 def test_replication_and_padding_are_exact():
     """KV-head repetition and zero MLP padding leave the logits unchanged (dense forward)."""
-    from jaxinfer.dense import dense_logits
-    from jaxinfer.params import init_random, params_from_flat
+    from jaxinfer.models.dense import dense_logits
+    from jaxinfer.models.params import init_random, params_from_flat
 
     cfg = _cfg(num_kv_heads=2, attention_bias=True)
     params = init_random(cfg, jax.random.key(0), scale=0.2)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.engine import Engine, EngineConfig
-from jaxinfer.params import init_random, param_shapes, params_from_flat
-from jaxinfer.sampling import SamplingParams, SamplingTensors, processed_logits
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.models.params import init_random, param_shapes, params_from_flat
+from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors, processed_logits
 from jaxinfer.speculative.config import SpecConfig
 from jaxinfer.speculative.drafters import (
     init_heads,
@@ -208,7 +208,7 @@ def test_end_to_end_sampling_distribution_with_a_different_draft_model():
     The draft is the target's first layer alone (acceptance ~0.58, so accepted drafts, residual
     draws and bonus tokens all occur often). Power: had the engine emitted the draft's law
     (accept-always), the pooled chi-square at n = 400 has noncentrality ~2900 (df >= 6)."""
-    from jaxinfer.dense import dense_logits
+    from jaxinfer.models.dense import dense_logits
 
     v, n = 8, 400
     cfg, params = _tiny(v, 0)

@@ -12,7 +12,7 @@ import pytest
 from test_engine import reference_requests
 
 from jaxinfer.errors import RequestError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 
 # ------------------------------------------------------------------ what the device can represent
 

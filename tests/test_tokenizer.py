@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jaxinfer.errors import TokenizerError
-from jaxinfer.tokenizer import (
+from jaxinfer.tokenizers import (
     IncrementalDetokenizer,
     Llama2cTokenizer,
     SentencePieceTokenizer,

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import dense_attn_fn
-from jaxinfer.config import ModelConfig
-from jaxinfer.model import compute_logits, forward, linear, linear_parts
-from jaxinfer.params import OutInWeight, init_random, out_in_projections, unstack_layers
+from jaxinfer.models.attention import dense_attn_fn
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.forward import compute_logits, forward, linear, linear_parts
+from jaxinfer.models.params import OutInWeight, init_random, out_in_projections, unstack_layers
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 

@@ -52,7 +52,7 @@ from lm_eval.models.utils import (
 )
 
 from jaxinfer.llm import LLM
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
 

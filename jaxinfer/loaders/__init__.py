@@ -15,13 +15,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.detect import SUPPORTED_FORMATS, detect_format
-from jaxinfer.params import Params
+from jaxinfer.models.params import Params
 
 if TYPE_CHECKING:
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.tokenizers import Tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
@@ -76,7 +76,7 @@ def load(
         tokenizer: a tokenizer file or directory overriding the one found beside the checkpoint
             (the checkpoint's directory is searched when ``path`` is a file).
         place: optional ``place(cfg, field, x: np.ndarray) -> jax.Array`` putting each host
-            tensor on devices (e.g. ``jaxinfer.sharding.ShardedPlacer``, which shards it).
+            tensor on devices (e.g. ``jaxinfer.models.sharding.ShardedPlacer``, which shards it).
         skip_tokenizer_init: load no tokenizer (as vLLM's option of that name).
 
     Returns:
@@ -115,7 +115,7 @@ def load(
 
 def _load_tokenizer(explicit, tok_dir: Path, cfg: ModelConfig):
     from jaxinfer.errors import TokenizerError
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.tokenizers import load_tokenizer
 
     if explicit is not None:
         return load_tokenizer(explicit, vocab_size=cfg.vocab_size)

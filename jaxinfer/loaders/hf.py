@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import (
     CheckpointWarning,
@@ -44,7 +44,7 @@ from jaxinfer.loaders.checks import (
     param_bytes,
 )
 from jaxinfer.loaders.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
-from jaxinfer.params import Params, param_shapes, params_from_flat
+from jaxinfer.models.params import Params, param_shapes, params_from_flat
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "load_hf"]
 
@@ -309,7 +309,7 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
         dtype: dtype of the returned Params (float32, bfloat16 or float16); each tensor is cast with
             round-to-nearest-even, as ``torch.Tensor.to``.
         place: optional ``place(cfg, field, x: np.ndarray) -> jax.Array`` that puts each host
-            tensor on devices (``jaxinfer.sharding.ShardedPlacer`` shards it); default
+            tensor on devices (``jaxinfer.models.sharding.ShardedPlacer`` shards it); default
             ``jnp.asarray``.
 
     Returns:

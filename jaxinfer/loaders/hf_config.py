@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 
-from jaxinfer.config import INT32_MAX, ModelConfig, RopeScaling, num_params
+from jaxinfer.models.config import INT32_MAX, ModelConfig, RopeScaling, num_params
 from jaxinfer.errors import CheckpointError
 
 SUPPORTED_MODEL_TYPES = (

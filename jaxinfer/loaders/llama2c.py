@@ -16,7 +16,7 @@ Formats, as written by llama2.c's ``export.py`` (``legacy_export``, ``version1_e
   Dequantized to float at load (``value = int8 * scale``).
 
 llama2.c applies RoPE to interleaved pairs ``(x[2i], x[2i+1])`` of each head, while
-``jaxinfer.model`` uses the "rotate_half" pairs ``(x[i], x[i + H/2])``. The output rows of wq and
+``jaxinfer.models.forward`` uses the "rotate_half" pairs ``(x[i], x[i + H/2])``. The output rows of wq and
 wk are therefore permuted within each head to ``[0, 2, 4, ..., 1, 3, 5, ...]`` (the inverse of
 transformers' ``convert_llama_weights_to_hf`` permute). Scores are unchanged since q.k is invariant
 to the same permutation of q's and k's head dimensions.
@@ -32,10 +32,10 @@ import struct
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import check_cast, check_finite, check_fits, param_bytes
-from jaxinfer.params import Params, param_shapes, params_from_flat
+from jaxinfer.models.params import Params, param_shapes, params_from_flat
 
 MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32
 HEADER_V1_BYTES = 256

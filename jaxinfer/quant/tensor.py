@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.params import (
+from jaxinfer.models.params import (
     LAYER_PROJECTIONS,
     WEIGHT_FUSERS,
     LayerParams,

@@ -60,7 +60,7 @@ def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.Ar
                    help="compile step shapes before the port opens. cover (the default when "
                    "given alone): a set of shapes one bucket above every shape the buckets "
                    "allow, so every step runs padded to a compiled one at once "
-                   "(jaxinfer.precompile.cover_keys, jaxinfer.bucket_reuse); serving: every step "
+                   "(jaxinfer.compile.warmup.cover_keys, jaxinfer.compile.buckets); serving: every step "
                    "with at most one prefill row (precompile.serving_keys, ~2x cover's "
                    "shapes); all: every step shape (~9x); requests: run one request and a batch "
                    "of eight")
@@ -74,7 +74,7 @@ def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.Ar
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A bound (not yet listening) TCP socket; raises UsageError naming the address."""
-    from jaxinfer.jobs import UsageError
+    from jaxinfer.cli.prompts_file import UsageError
 
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {port}")
@@ -117,9 +117,9 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0, check=None) -
     seconds and the total time at the end; ``check()`` runs after each compiled shape."""
     import time
 
-    from jaxinfer.jobs import UsageError
-    from jaxinfer.precompile import all_keys, cover_keys, precompile, serving_keys
-    from jaxinfer.sampling import MAX_LOGPROBS
+    from jaxinfer.cli.prompts_file import UsageError
+    from jaxinfer.compile.warmup import all_keys, cover_keys, precompile, serving_keys
+    from jaxinfer.sampling.sampler import MAX_LOGPROBS
 
     if any(hasattr(e, "spec") for e in llm.engines):
         raise UsageError(f"--warmup {mode} does not support speculative decoding (its rounds "
@@ -159,7 +159,7 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0, check=None) -
 def warmup_requests(llm, check=lambda: None) -> None:
     """Compiles the step shapes most requests use: one short request, a batch of eight, greedy
     and sampled (a bucket seen later still compiles on first use)."""
-    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.sampling.params import SamplingParams
 
     ids = [[llm.engine.tokenizer.bos_id or 0, 1 % llm.config.vocab_size]] * 8
     llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """
     from pathlib import Path
 
-    from jaxinfer.jobs import UsageError
+    from jaxinfer.cli.prompts_file import UsageError
 
     try:
         import fastapi  # noqa: F401
@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"model {args.model} does not exist")
     sock = bind_socket(args.host, args.port)
     try:
-        from jaxinfer.llm_from_args import load_llm as _load_llm
+        from jaxinfer.cli.llm_from_args import load_llm as _load_llm
         from jaxinfer.server.app import create_app
 
         say = (lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True))

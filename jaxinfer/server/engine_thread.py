@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling.params import SamplingParams
 
 log = logging.getLogger("jaxinfer.server")
 

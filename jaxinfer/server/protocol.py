@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.errors import RequestError
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.server.errors import APIError
 
 

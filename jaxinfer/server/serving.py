@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 import jaxinfer.server.formatting as fmt
 from jaxinfer.errors import JaxinferError
-from jaxinfer.jobs import _unicode_problem
+from jaxinfer.cli.prompts_file import _unicode_problem
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.parallel_sampling import child_params
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.engine.parallel_sampling import child_params
+from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.server.engine_thread import EngineRequest, OutputStream, Overloaded, ShuttingDown
 from jaxinfer.server.errors import APIError, error_body
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params

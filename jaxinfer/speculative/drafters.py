@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.params import Params
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.params import Params
 
 # ------------------------------------------------------------------------------ draft model
 

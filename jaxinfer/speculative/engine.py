@@ -16,19 +16,19 @@ import time
 import jax
 import numpy as np
 
-from jaxinfer.batch import MIN_DECODE_ROWS, MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
-from jaxinfer.config import ModelConfig
-from jaxinfer.engine import Engine, EngineConfig
-from jaxinfer.kv_cache import NULL_PAGE, OutOfPagesError, init_kv_cache
+from jaxinfer.engine.batch import MIN_DECODE_ROWS, MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.models.kv_cache import NULL_PAGE, OutOfPagesError, init_kv_cache
 from jaxinfer.outputs import RequestOutput, TokenLogprob
-from jaxinfer.paged_attention import AttentionMetadata
-from jaxinfer.params import Params
-from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams, SamplingTensors
-from jaxinfer.scheduler import ScheduledRow, Sequence
+from jaxinfer.models.paged_attention import AttentionMetadata
+from jaxinfer.models.params import Params
+from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams, SamplingTensors
+from jaxinfer.engine.scheduler import ScheduledRow, Sequence
 from jaxinfer.speculative.config import SpecConfig
 from jaxinfer.speculative.drafters import DraftHeads, ngram_propose
 from jaxinfer.speculative.round import SpecBatch, jitted_spec_round
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizers import Tokenizer
 
 MIN_ROWS = MIN_DECODE_ROWS
 

@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import SAMPLING_EPS, SamplingTensors, apply_penalties, processed_logits
+from jaxinfer.sampling.sampler import SAMPLING_EPS, SamplingTensors, apply_penalties, processed_logits
 
 SALT_ACCEPT = 1  # the uniform of the accept test
 SALT_RESIDUAL = 2  # the draw from the residual (or, for the bonus token, from p)

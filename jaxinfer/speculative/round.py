@@ -28,12 +28,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import NULL_PAGE, KVCache
-from jaxinfer.model import compute_logits, forward
-from jaxinfer.paged_attention import AttentionMetadata, paged_attn_fn
-from jaxinfer.params import Params
-from jaxinfer.sampling import SAMPLING_EPS, SamplingTensors, apply_penalties, processed_logits
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.kv_cache import NULL_PAGE, KVCache
+from jaxinfer.models.forward import compute_logits, forward
+from jaxinfer.models.paged_attention import AttentionMetadata, paged_attn_fn
+from jaxinfer.models.params import Params
+from jaxinfer.sampling.sampler import SAMPLING_EPS, SamplingTensors, apply_penalties, processed_logits
 from jaxinfer.speculative.drafters import DraftHeads, heads_logits
 from jaxinfer.speculative.rejection import (
     SALT_DRAFT,
@@ -41,7 +41,7 @@ from jaxinfer.speculative.rejection import (
     penalize_positions,
     rejection_sample,
 )
-from jaxinfer.step import LogitsControls
+from jaxinfer.engine.step import LogitsControls
 
 
 @jax.tree_util.register_dataclass

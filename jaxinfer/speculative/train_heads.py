@@ -58,7 +58,7 @@ def cmd_train_draft_heads(args: argparse.Namespace) -> int:
 
 def generate_corpus(llm, num_sequences: int, gen_tokens: int, seed: int) -> list[list[int]]:
     """Greedy generations (prompt + output ids) of random short prompts."""
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.sampling.sampler import SamplingParams
 
     rng = np.random.default_rng(seed)
     v = llm.engine.cfg.vocab_size
@@ -73,8 +73,8 @@ def generate_corpus(llm, num_sequences: int, gen_tokens: int, seed: int) -> list
 def hidden_states(params, cfg, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Final-normed hidden states f32[N, S, D] of the sequences padded to S, and i32[N, S] ids
     (-1 padding). Padding sits after each sequence, so causal attention keeps it invisible."""
-    from jaxinfer.attention import dense_attn_fn
-    from jaxinfer.model import forward
+    from jaxinfer.models.attention import dense_attn_fn
+    from jaxinfer.models.forward import forward
 
     s = max(len(x) for x in seqs)
     ids = np.full((len(seqs), s), -1, np.int32)

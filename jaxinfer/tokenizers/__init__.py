@@ -10,7 +10,7 @@ Three backends behind one interface (``Tokenizer``):
 Chat templates are rendered as transformers' ``apply_chat_template`` renders them, within
 time, size and depth limits (``chat_template.py``, ``template_limits.py``).
 Everything here is plain Python on the host. The public names are re-exported by
-``jaxinfer.tokenizer``.
+``jaxinfer.tokenizers``.
 """
 
 from jaxinfer.tokenizers.base import Tokenizer

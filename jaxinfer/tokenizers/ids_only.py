@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError, RequestError
 from jaxinfer.tokenizers.base import Tokenizer, unique_ids
 

@@ -1,0 +1,1 @@
+"""The command line: ``jaxinfer generate`` / ``serve`` / ``quantize`` / ``train-draft-heads``."""

@@ -1,0 +1,412 @@
+"""The command line: ``jaxinfer generate`` runs a file of prompts through a model into a JSONL file.
+
+    jaxinfer generate --model ../shared/models/stories260K --prompts examples/prompts.jsonl \\
+        --out out.jsonl --temperature 0
+
+Input: JSONL records ``{"id": ..., "prompt" | "messages" | "prompt_token_ids": ..., <sampling
+fields>}`` or plain text, one prompt per line. Output: one JSONL record per prompt
+(``RequestOutput.to_record()`` or an error record), written and flushed as each prompt finishes.
+A rerun with the same ``--out`` skips the ids already there (resume after a crash or Ctrl-C)
+and continues the requests that were in flight from ``<out>.partial.json`` (`jaxinfer.cli.partial`).
+stdout carries one JSON summary object; progress, messages and errors go to stderr.
+
+Reading the prompts file (`jaxinfer.cli.prompts_file`: every bad line is one error record, ids) and the
+output file (`jaxinfer.cli.output_file`: one locked writer, regular files only) live in their own modules,
+as does the run once the output file is open (`jaxinfer.cli.generate`: generate, summary).
+Exit status: 0 done, 1 the output file could not be written (the summary has an "error"),
+2 usage error, 130/143 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+# cli_generate imports job_plan early: it copies Engine's methods (job_plan).
+from jaxinfer.cli.generate import EXIT_INTERRUPTED, EXIT_WRITE_FAILED, Terminated, run_jobs
+from jaxinfer.cli.generate import check_terminated as _check_terminated  # noqa: F401 - tests
+from jaxinfer.cli.generate import error_record as _error_record  # noqa: F401 - tests
+from jaxinfer.cli.generate import interrupt_status as _interrupt_status
+from jaxinfer.cli.generate import sigterm_as_interrupt as _sigterm_as_interrupt
+from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.cli.prompts_file import DUPLICATE_PREFIX, PROMPT_KEYS, Job, UsageError, plan, read_jobs
+from jaxinfer.cli.llm_from_args import load_llm as _load_llm
+from jaxinfer.cli.output_file import Done, OutputFile
+from jaxinfer.cli.partial import Checkpointer, partial_path, run_settings
+from jaxinfer.sampling.params import SamplingParams
+
+ATTN_IMPL_CHOICES = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
+                     "pallas_gpu_interpret", "cpu_kernel")
+
+EXIT_USAGE = 2
+__all__ = ["DUPLICATE_PREFIX", "EXIT_INTERRUPTED", "EXIT_WRITE_FAILED", "PROMPT_KEYS", "Done",
+           "Job", "Terminated", "UsageError", "main", "plan", "read_jobs"]
+
+
+# ------------------------------------------------------------------------- arguments
+
+
+def _sampling_defaults() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="jaxinfer", description="jaxinfer: LLM inference in JAX.", formatter_class=fmt
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    g = sub.add_parser(
+        "generate",
+        formatter_class=fmt,
+        help="generate completions for a file of prompts into a JSONL file",
+        description=(
+            "Generate a completion for every prompt in --prompts and write one JSONL record per "
+            "prompt to --out as it finishes. Rerunning with the same --out resumes: ids already "
+            "in the file (results and error records alike) are skipped."
+        ),
+    )
+    io = g.add_argument_group("input and output")
+    io.add_argument(
+        "--model",
+        required=True,
+        help="model: a Hugging Face directory or a llama2.c checkpoint (file or dir)",
+    )
+    io.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        help=(
+            "prompts file: JSONL ({'id', 'prompt'|'messages'|'prompt_token_ids', sampling "
+            "fields}; read as JSONL when it ends in .jsonl or every non-blank line starts with "
+            "'{' and one at least is a JSON object) or plain UTF-8 text, one prompt per line; "
+            "lines end at \\n only. Ids default to the 0-based line number; a bad line gets an "
+            "error record (id line-N when its own id cannot be read)."
+        ),
+    )
+    io.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output JSONL file (a regular file); appended to, ids already present are "
+        "skipped; locked while a run writes it, so a second run on it is refused",
+    )
+    io.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="rewrite the partial-state file <out>.partial.json (the tokens of requests in "
+        "flight) this often, and on SIGTERM/Ctrl-C, so a rerun continues them; 0 = only on "
+        "SIGTERM/Ctrl-C. Removed when the job completes",
+    )
+    io.add_argument(
+        "--tokenizer", default=None, help="tokenizer file overriding the one found beside the model"
+    )
+    io.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer (as vLLM): records give prompt_token_ids, output records have "
+        "token_ids and no text, records that need text get an error record; a model with no "
+        "tokenizer beside it runs this way too, with a warning",
+    )
+
+    e = g.add_argument_group("engine")
+    e.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weight and KV cache dtype: float32 is the fast dtype on CPU, bfloat16 is for TPU/GPU",
+    )
+    e.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (None: the model's context length)",
+    )
+    e.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        help="pages in the KV pool (None: every sequence at full length, up to 2 GiB)",
+    )
+    e.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (None: 8 on CPU with the XLA attention, else 16)")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded together")
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step (None: max(512, max-num-seqs))",
+    )
+    # = paged_attention.ATTN_IMPLS (spelled out: the CLI imports jax lazily; a test checks).
+    e.add_argument("--attn-impl", default="auto", choices=ATTN_IMPL_CHOICES,
+                   help="attention implementation: auto (on CPU cpu_kernel where the KV pool "
+                   "allows, else xla; the Pallas kernel where verified), xla, pallas (this "
+                   "backend's kernel), pallas_tpu, pallas_gpu, pallas_{tpu,gpu}_interpret "
+                   "(kernels run on CPU, for tests), cpu_kernel (XLA with a native CPU decode "
+                   "kernel built by the C++ compiler)")
+    sd = g.add_argument_group("speculative decoding")
+    sd.add_argument("--speculative", default=None, choices=["draft-model", "ngram", "heads"],
+                    help="drafter: a smaller draft model, n-gram prompt lookup or Medusa heads")
+    sd.add_argument("--num-speculative-tokens", type=int, default=4,
+                    help="R, draft tokens proposed per sequence and round")
+    sd.add_argument("--draft-model", default=None,
+                    help="draft model: a checkpoint with the target's tokenizer, 'self' or "
+                    "'layers:N' (the target's first N layers)")
+    sd.add_argument("--draft-heads", default=None,
+                    help="directory of draft heads written by 'jaxinfer train-draft-heads'")
+    e.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="devices each model copy is split over (None: all devices when the weights do not "
+        "fit one device, else 1)",
+    )
+    e.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        help="engine replicas; the prompts are split between them (None: 1)",
+    )
+    e.add_argument(
+        "--multihost",
+        action="store_true",
+        help="call jax.distributed.initialize() (one process per host; process 0 writes --out); "
+        "automatic on multi-host TPU slices and with JAXINFER_MULTIHOST=1",
+    )
+    e.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"],
+                   help="int8 weights: int8 (weight-only, w8a16) or w8a8 (int8 activations too); "
+                   "a checkpoint from `jaxinfer quantize` is int8 already")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="dispatch each step before the previous one's tokens are read back "
+                   "(default: on, off with --speculative)")
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="every request's logits, tokens and logprobs bitwise the same whatever "
+                   "else is in the batch (its size, chunking, preemption); slower, see README")
+    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV pages of prompt prefixes that earlier requests "
+                   "computed (prefix caching is on by default; outputs are the same)")
+    e.add_argument("--no-reuse-compiled-buckets", dest="reuse_compiled_buckets",
+                   action="store_false", help="compile every new step shape before running it, "
+                   "instead of padding it to a compiled shape one bucket up (same outputs)")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, "
+                   "per-head scales)")
+    e.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed: draws the seeds of requests that have none",
+    )
+
+    d = _sampling_defaults()
+    s = g.add_argument_group(
+        "sampling defaults (SamplingParams fields; a JSONL record's own fields override them)"
+    )
+    s.add_argument(
+        "--temperature",
+        type=float,
+        default=d["temperature"],
+        help="sampling temperature (1.0 as vLLM); --temperature 0 for greedy",
+    )
+    s.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus mass; 1 = off")
+    s.add_argument("--top-k", type=int, default=d["top_k"], help="top-k; 0 or -1 = off")
+    s.add_argument("--min-p", type=float, default=d["min_p"], help="min-p; 0 = off")
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=d["repetition_penalty"],
+        help="repetition penalty; 1 = off",
+    )
+    s.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=d["presence_penalty"],
+        help="presence penalty in [-2, 2]",
+    )
+    s.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=d["frequency_penalty"],
+        help="frequency penalty in [-2, 2]",
+    )
+    s.add_argument(
+        "--max-tokens", type=int, default=d["max_tokens"], help="most tokens generated per prompt"
+    )
+    s.add_argument(
+        "--min-tokens",
+        type=int,
+        default=d["min_tokens"],
+        help="EOS and stop token ids cannot end a prompt before this many tokens",
+    )
+    s.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        help="stop string (repeatable); the text is cut before it",
+    )
+    s.add_argument(
+        "--stop-token-ids",
+        type=int,
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="ID",
+        help="token ids that end generation (repeatable)",
+    )
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    s.add_argument(
+        "--logprobs",
+        type=int,
+        default=d["logprobs"],
+        help="also return the n most likely tokens' logprobs per token",
+    )
+    s.add_argument("--n", type=int, default=d["n"],
+                   help="completions per prompt (1..128; vLLM's n: completion i samples with "
+                   "seed + i when a seed is set); records with n > 1 hold them in 'outputs'")
+    s.add_argument("--prompt-logprobs", type=int, default=d["prompt_logprobs"], metavar="K",
+                   help="also return each prompt token's logprob and the top K (0..20) of its "
+                   "position ('prompt_logprobs' in the record: null, then one per prompt token)")
+    s.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=d["seed"],
+        help="per-request seed of prompts without their own 'seed', reduced modulo 2**32 "
+        "(None: drawn from the engine seed)",
+    )
+
+    o = g.add_argument_group("display")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no messages on stderr except errors",
+    )
+    from jaxinfer.speculative.train_heads import add_parser as add_train_draft_heads
+
+    add_train_draft_heads(sub, fmt)
+    from jaxinfer.quant.command import add_quantize_parser
+
+    add_quantize_parser(sub)
+    from jaxinfer.server.command import add_serve_parser
+
+    add_serve_parser(sub, fmt, g)
+    return parser
+
+
+def sampling_defaults_from_args(args: argparse.Namespace) -> dict:
+    """The command line's sampling defaults as a SamplingParams dict (raises UsageError)."""
+    d = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "max_tokens": args.max_tokens,
+        "min_tokens": args.min_tokens,
+        "stop": list(args.stop or []),
+        "stop_token_ids": list(args.stop_token_ids or []),
+        "ignore_eos": args.ignore_eos,
+        "logprobs": args.logprobs,
+        "seed": args.sampling_seed,
+        "n": args.n,
+        "prompt_logprobs": args.prompt_logprobs,
+    }
+    try:
+        SamplingParams.from_dict(d)
+    except RequestError as e:
+        raise UsageError(f"invalid sampling flags: {e}") from None
+    return d
+
+
+# ------------------------------------------------------------------------- the run
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    quiet = args.quiet
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(f"jaxinfer: {msg}", file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    defaults = sampling_defaults_from_args(args)
+    if not (args.checkpoint_interval >= 0 and args.checkpoint_interval != float("inf")):
+        raise UsageError(f"--checkpoint-interval must be a number of seconds >= 0, got "
+                         f"{args.checkpoint_interval}")
+    if not args.prompts.is_file():
+        raise UsageError(f"prompts file {args.prompts} does not exist or is not a file")
+    if not Path(args.model).exists():
+        raise UsageError(f"model {args.model} does not exist")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_file():
+        raise UsageError(f"tokenizer {args.tokenizer} does not exist or is not a file")
+    out_path: Path = args.out
+    jobs, _ = read_jobs(args.prompts, defaults)
+    if not jobs:
+        say(f"warning: {args.prompts} holds no prompts")
+
+    from jaxinfer.models.sharding import initialize_multihost, is_output_host
+
+    multihost = initialize_multihost(args.multihost)
+    if multihost and not is_output_host():
+        out = OutputFile.reader(out_path)  # every host computes; process 0 writes
+    else:
+        out = OutputFile.open(out_path, args.prompts)  # locked, before the model loads
+    # Partial states are off across hosts: every host must resume from the same state, and
+    # process 0 rewrites the file while the others may still be reading it.
+    ckpt = Checkpointer(partial_path(out_path), run_settings(args), args.checkpoint_interval,
+                        say, enabled=not multihost)
+    try:
+        return run_jobs(args, jobs, out, say, t_start, ckpt, _load_llm)
+    except BaseException:
+        out.close(discard=out.written == 0)  # a failed command leaves no empty file behind
+        raise
+    finally:
+        out.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jaxinfer`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return int(e.code or 0)
+    try:
+        if args.command == "generate":
+            with _sigterm_as_interrupt():
+                return cmd_generate(args)
+        if args.command == "train-draft-heads":
+            from jaxinfer.speculative.train_heads import cmd_train_draft_heads
+
+            return cmd_train_draft_heads(args)
+        if args.command == "serve":
+            from jaxinfer.server.command import cmd_serve
+
+            return cmd_serve(args)
+        if args.command == "quantize":
+            from jaxinfer.quant.command import cmd_quantize
+
+            try:
+                return cmd_quantize(args)
+            except (JaxinferError, OSError, ValueError) as e:
+                raise UsageError(f"cannot quantize {args.model}: {e}") from None
+        parser.error(f"unknown command {args.command!r}")
+    except UsageError as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt as e:  # before any output was opened (loading, compiling)
+        print("jaxinfer: interrupted before writing anything", file=sys.stderr, flush=True)
+        return _interrupt_status(e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

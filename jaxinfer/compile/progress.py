@@ -1,0 +1,120 @@
+"""``jaxinfer generate``'s progress bar, with "compiling (k/n)" shown while a step compiles.
+
+A cold run spends its first seconds compiling one step function per new bucket shape (the
+forward step per ``Buckets.key``, the sampling step per row count and option set); without a word
+on screen the bar would sit at 0/N. ``Engine.compile_keys`` grows when a step with a new key is
+dispatched, and the jitted call compiles before it returns; the engine's ``num_steps`` only counts
+a step when its tokens are read back, which (async scheduling or not) comes after the dispatch
+that grew the keys has returned. So "keys grew, and no step was counted since" means "compiling".
+
+k is the number of distinct step functions (keys, over all engines) dispatched so far, the one
+being compiled included. n is the number of keys the job is predicted to meet
+(``jaxinfer.compile.plan``: the whole workload run through the engine's host step loop, each output
+to its ``max_tokens``), given by ``CompileProgressBar.expect``; without a prediction (several
+engines, speculative decoding...) only "compiling (k)" is shown, since the buckets bound the keys
+only loosely (hundreds, where a job meets 5-20). The prediction is exact when no output stops
+early; outputs that stop early (EOS, stop strings) skip some tail shapes, so a run may end with
+k < n. When a run meets more keys than predicted (the job changed under it, an engine setting the
+plan does not model), n grows with k ("k/k": the count is honest, the total is not known). A key
+whose executable comes from JAX's in-memory or persistent cache, or was compiled ahead on the
+background thread, shows "compiling" only for the moment it takes to fetch it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class CompileWatch:
+    """The compile state from (number of compile keys, number of steps counted) observations:
+    ``observe`` returns the text to show, "compiling (k/n)" (n = ``expected``, at least k) or
+    "compiling (k)" when ``expected`` is None, or None when not compiling."""
+
+    def __init__(self) -> None:
+        self._keys = 0
+        self._steps_at_growth: int | None = None  # num_steps when the keys last grew
+        self.expected: int | None = None  # n: the keys predicted for the job (None: unknown)
+
+    def observe(self, num_keys: int, num_steps: int) -> str | None:
+        """``num_keys``: int, compile keys now; ``num_steps``: int, steps counted now."""
+        if num_keys > self._keys:
+            self._keys = num_keys
+            self._steps_at_growth = num_steps
+        elif self._steps_at_growth is not None and num_steps > self._steps_at_growth:
+            self._steps_at_growth = None  # a step was counted after the growth: compiled
+        if self._steps_at_growth is None:
+            return None
+        if self.expected is None:
+            return f"compiling ({self._keys})"
+        return f"compiling ({self._keys}/{max(self.expected, self._keys)})"
+
+
+class CompileProgressBar:
+    """Wraps a tqdm bar (``update``, ``set_postfix_str``, ``close``) for the engines of ``llm``
+    (``llm.engines``): a daemon thread polls their ``compile_keys`` and ``num_steps`` every
+    ``interval`` seconds and puts "compiling (k/n)" (n: ``expect``) or "compiling (k)" before the
+    caller's postfix while a step compiles. Engines without ``compile_keys`` or ``num_steps`` are
+    not watched."""
+
+    def __init__(self, bar, llm, interval: float = 0.1) -> None:
+        self.bar = bar
+        engines = list(getattr(llm, "engines", []) or [])
+        self._engines = [e for e in engines
+                         if hasattr(e, "compile_keys") and hasattr(e, "num_steps")]
+        self._watch = CompileWatch()
+        self._postfix = ""
+        self._shown: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if self._engines:
+            self._thread = threading.Thread(target=self._poll, args=(interval,), daemon=True,
+                                            name="jaxinfer-compile-progress")
+            self._thread.start()
+
+    def _poll(self, interval: float) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self._tick()
+            self._stop.wait(interval)
+
+    def _tick(self) -> None:
+        """Observes the engines; refreshes the line when the compile text changed (holds _lock)."""
+        if not self._engines:
+            return
+        keys = sum(len(e.compile_keys) for e in self._engines)
+        steps = sum(e.num_steps for e in self._engines)
+        text = self._watch.observe(keys, steps)
+        if text != self._shown:
+            self._shown = text
+            self._refresh()
+
+    def _refresh(self) -> None:
+        parts = [p for p in (self._shown, self._postfix) if p]
+        self.bar.set_postfix_str(", ".join(parts))
+
+    def expect(self, n: int) -> None:
+        """Shows "compiling (k/n)" from now on: ``n``, int, the keys predicted for the job."""
+        with self._lock:
+            self._watch.expected = int(n)
+            self._tick()
+
+    def update(self, n: int = 1) -> None:
+        with self._lock:
+            self.bar.update(n)
+
+    def set_postfix_str(self, s: str) -> None:
+        with self._lock:
+            self._postfix = s
+            self._tick()  # a step was just counted: the line need not wait for the next poll
+            self._refresh()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        with self._lock:
+            if self._shown is not None:  # the job is over: nothing is compiling
+                self._shown = None
+                self._refresh()
+            self.bar.close()

@@ -1,0 +1,1 @@
+"""The model: config, forward, attention dispatch, params, KV pool layout, sharding."""

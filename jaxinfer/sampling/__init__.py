@@ -1,0 +1,1 @@
+"""Sampling: per-request parameters (host) and the jitted sampler (device)."""
