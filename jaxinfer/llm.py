@@ -1,8 +1,8 @@
 """``LLM``: the Python API (pleasant in a notebook), in the shape of vLLM's ``LLM`` class.
 
-    llm = LLM("../shared/models/stories260K")
-    outs = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
-    print(outs[0].text)
+llm = LLM("../shared/models/stories260K")
+outs = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
+print(outs[0].text)
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from pathlib import Path
 import jax
 
 from jaxinfer.engine.core import Engine, EngineConfig, default_num_pages, default_page_size
-from jaxinfer.engine.loop import EngineLoop
 from jaxinfer.engine.core import kv_cache_dtype as resolve_kv_dtype
-from jaxinfer.errors import JaxinferError, RequestError, TokenizerError
+from jaxinfer.engine.loop import EngineLoop
+from jaxinfer.engine.resume import ResumeState
+from jaxinfer.errors import RequestError, TokenizerError
 from jaxinfer.llm_args import check_kv_pool, check_llm_args
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.engine.resume import ResumeState
 from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.tokenizers.ids_only import IdsOnlyTokenizer, NoTokenizerWarning, no_tokenizer_message
 
@@ -65,7 +65,8 @@ class LLM:
         tokenizer: tokenizer path overriding the one found beside the model.
         seed: seeds the draws of per-request seeds for requests without one.
         tensor_parallel_size: devices each model copy is split over (heads, MLP width,
-            vocabulary; see ``jaxinfer.models.sharding``). Default: all devices when the weights do not
+            vocabulary; see ``jaxinfer.models.sharding``). Default: all devices when the weights do
+            not
             fit one device's memory, else 1.
         data_parallel_size: engine replicas (each over its own ``tensor_parallel_size`` devices);
             ``generate`` splits the prompts between them and merges the outputs in order.
@@ -117,31 +118,55 @@ class LLM:
     "auto" (the weights' float dtype) or "int8" (per-token, per-head scales).
     """
 
-    def __init__(self, model: str | os.PathLike, *, dtype: str = "float32",
-                 max_model_len: int | None = None, kv_pages: int | None = None,
-                 page_size: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, attn_impl: str = "auto",
-                 kv_cache_memory_gb: float = 2.0, tokenizer: str | None = None, seed: int = 0,
-                 compilation_cache: bool = True, tensor_parallel_size: int | None = None,
-                 data_parallel_size: int | None = None, speculative: str | None = None,
-                 num_speculative_tokens: int = 4, draft_model: str | None = None,
-                 draft_heads: str | None = None, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", unroll_layers: bool | None = None,
-                 async_scheduling: bool | None = None, skip_tokenizer_init: bool = False,
-                 batch_invariant: bool = False, enable_prefix_caching: bool = True,
-                 reuse_compiled_buckets: bool = True):
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        kv_pages: int | None = None,
+        page_size: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        attn_impl: str = "auto",
+        kv_cache_memory_gb: float = 2.0,
+        tokenizer: str | None = None,
+        seed: int = 0,
+        compilation_cache: bool = True,
+        tensor_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+        draft_model: str | None = None,
+        draft_heads: str | None = None,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        unroll_layers: bool | None = None,
+        async_scheduling: bool | None = None,
+        skip_tokenizer_init: bool = False,
+        batch_invariant: bool = False,
+        enable_prefix_caching: bool = True,
+        reuse_compiled_buckets: bool = True,
+    ):
         check_llm_args(locals())  # first: locals() is the arguments alone
         from jaxinfer.loaders import load
         from jaxinfer.models.sharding import ShardedPlacer, replica_meshes, replica_view
 
         if speculative is not None and async_scheduling:
-            raise ValueError("async_scheduling=True is not supported with speculative decoding "
-                             "(its rounds run synchronously); leave it None or pass False")
+            raise ValueError(
+                "async_scheduling=True is not supported with speculative decoding "
+                "(its rounds run synchronously); leave it None or pass False"
+            )
         if compilation_cache:
             enable_compilation_cache()
         placer = ShardedPlacer(tensor_parallel_size, data_parallel_size)
-        loaded = load(model, dtype=dtype, tokenizer=tokenizer, place=placer,
-                      skip_tokenizer_init=skip_tokenizer_init)
+        loaded = load(
+            model,
+            dtype=dtype,
+            tokenizer=tokenizer,
+            place=placer,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
         self.model_path = str(model)
         self.config, self.params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
         if quantization not in (None, "none"):
@@ -154,23 +179,43 @@ class LLM:
         self._engine_tokenizer = self.tokenizer or IdsOnlyTokenizer(self.config, loaded.path)
         if self.tokenizer is None:
             _warn_no_tokenizer(model, self._engine_tokenizer.eos_ids, skip_tokenizer_init)
-        if max_model_len is not None and not 2 <= max_model_len <= self.config.max_position_embeddings:
+        if (
+            max_model_len is not None
+            and not 2 <= max_model_len <= self.config.max_position_embeddings
+        ):
             raise ValueError(
-                f"max_model_len={max_model_len} must be in [2, {self.config.max_position_embeddings}] "
-                "(the model's context length, max_position_embeddings)")
+                f"max_model_len={max_model_len} must be in "
+                f"[2, {self.config.max_position_embeddings}] "
+                "(the model's context length, max_position_embeddings)"
+            )
         self.mesh, self.sharding_plan = placer.mesh, placer.plan
         run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
         ecfg = engine_config(
-            run_cfg, self.params, placer.plan.tp, max_model_len=max_model_len,
-            page_size=page_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, attn_impl=attn_impl, seed=seed,
-            kv_cache_dtype=kv_cache_dtype, unroll_layers=unroll_layers,
-            async_scheduling=async_scheduling, batch_invariant=batch_invariant,
+            run_cfg,
+            self.params,
+            placer.plan.tp,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attn_impl=attn_impl,
+            seed=seed,
+            kv_cache_dtype=kv_cache_dtype,
+            unroll_layers=unroll_layers,
+            async_scheduling=async_scheduling,
+            batch_invariant=batch_invariant,
             enable_prefix_caching=enable_prefix_caching,
-            reuse_compiled_buckets=reuse_compiled_buckets, kv_pages=kv_pages,
-            kv_cache_memory_gb=kv_cache_memory_gb)
-        check_kv_pool(run_cfg, ecfg, resolve_kv_dtype(ecfg, self.params), placer.plan.tp,
-                      None if self.mesh is None else list(self.mesh.devices.flat))
+            reuse_compiled_buckets=reuse_compiled_buckets,
+            kv_pages=kv_pages,
+            kv_cache_memory_gb=kv_cache_memory_gb,
+        )
+        check_kv_pool(
+            run_cfg,
+            ecfg,
+            resolve_kv_dtype(ecfg, self.params),
+            placer.plan.tp,
+            None if self.mesh is None else list(self.mesh.devices.flat),
+        )
         if self.mesh is None:
             from jaxinfer.models.host_layout import engine_layout_on_host
 
@@ -178,13 +223,17 @@ class LLM:
             self.params = engine_layout_on_host(self.params, ecfg)
             self.engines = [Engine(run_cfg, self.params, self._engine_tokenizer, ecfg)]
         else:
-            self.engines = [Engine(run_cfg, replica_view(self.params, m), self._engine_tokenizer,
-                                   ecfg, mesh=m) for m in replica_meshes(self.mesh)]
+            self.engines = [
+                Engine(run_cfg, replica_view(self.params, m), self._engine_tokenizer, ecfg, mesh=m)
+                for m in replica_meshes(self.mesh)
+            ]
         if speculative is not None:
             from jaxinfer.speculative.engine import make_spec_engine
 
-            self.engines = [make_spec_engine(e, speculative, num_speculative_tokens, draft_model,
-                                             draft_heads) for e in self.engines]
+            self.engines = [
+                make_spec_engine(e, speculative, num_speculative_tokens, draft_model, draft_heads)
+                for e in self.engines
+            ]
         self.engine = self.engines[0]
         # The engines may hold the weights unstacked: drop the stacked copy (with a mesh,
         # ``params`` is then replica 0's).
@@ -200,7 +249,9 @@ class LLM:
         keys = ("queried_tokens", "hit_tokens", "evictions", "cached_pages")
         per = [e.prefix_cache_stats() for e in self.engines]
         out = {k: sum(s[k] for s in per) for k in keys}
-        out["hit_rate"] = out["hit_tokens"] / out["queried_tokens"] if out["queried_tokens"] else 0.0
+        out["hit_rate"] = (
+            out["hit_tokens"] / out["queried_tokens"] if out["queried_tokens"] else 0.0
+        )
         return out
 
     @property
@@ -217,19 +268,23 @@ class LLM:
 
     # ---------------------------------------------------------------- generation
 
-    def generate_stream(self, prompts: PromptLike | Iterable[PromptLike],
-                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                        request_ids: Sequence[str] | None = None,
-                        resume: Sequence[ResumeState | None] | None = None,
-                        ) -> Iterator[RequestOutput]:
+    def generate_stream(
+        self,
+        prompts: PromptLike | Iterable[PromptLike],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        request_ids: Sequence[str] | None = None,
+        resume: Sequence[ResumeState | None] | None = None,
+    ) -> Iterator[RequestOutput]:
         """Yields a ``RequestOutput`` each time a request gets new tokens (``delta_text`` holds the
         new text) and once when it finishes. A request that fails validation yields one output
         with ``error`` set; the others go on. A request with ``SamplingParams.n`` > 1 yields one
         output per new-token output of each completion (its ``outputs`` holds that completion,
-        with its ``index``), then one final output with all n (``jaxinfer.engine.parallel_sampling``).
+        with its ``index``), then one final output with all n
+        (``jaxinfer.engine.parallel_sampling``).
 
         ``resume[i]``, when not None, continues prompt i from a partial output: its seed and
-        output tokens so far (``jaxinfer.engine.resume.ResumeState``; for n > 1 a sequence of n, one per
+        output tokens so far (``jaxinfer.engine.resume.ResumeState``; for n > 1 a sequence of n,
+        one per
         completion; ``Engine.add_request`` says what is rebuilt); the result equals an
         uninterrupted run's. A partial output that has already finished, or does not fit the
         request, makes that request's error output.
@@ -269,9 +324,12 @@ class LLM:
         without a seed when a job is resumed (``jaxinfer generate`` does)."""
         return self._loop.draw_seeds(sampling_params)
 
-    def generate(self, prompts: PromptLike | Iterable[PromptLike],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptLike | Iterable[PromptLike],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generates for every prompt; returns the finished outputs in the prompts' order, one
         per prompt: with ``SamplingParams.n`` > 1 its ``outputs`` holds the n completions in
         index order (``jaxinfer.engine.parallel_sampling``)."""
@@ -286,6 +344,7 @@ class LLM:
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(prompts), desc="prompts", unit="req")
         t0, n_tok = time.perf_counter(), 0
         for out in self.generate_stream(prompts, sampling_params, request_ids=ids):
@@ -299,8 +358,7 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
-    def score(self, pairs: Sequence[tuple[str, str] | tuple[Sequence[int], Sequence[int]]]
-              ) -> list:
+    def score(self, pairs: Sequence[tuple[str, str] | tuple[Sequence[int], Sequence[int]]]) -> list:
         """Log-likelihood of each continuation given its context (lm-evaluation-harness's
         ``loglikelihood``), batched through the engine as prompt-logprob requests.
 
@@ -320,8 +378,7 @@ class LLM:
 
         return score(self, pairs)
 
-    def perplexity(self, texts: Sequence[str | Sequence[int]], stride: int | None = None
-                   ) -> list:
+    def perplexity(self, texts: Sequence[str | Sequence[int]], stride: int | None = None) -> list:
         """Rolling log-likelihood of whole texts (lm-eval's ``loglikelihood_rolling``) over
         windows of ``max_model_len - 2`` tokens (``scoring.rolling_windows``: every token scored
         exactly once; ``stride`` = tokens scored per window after the first, None = a full
@@ -339,9 +396,12 @@ class LLM:
 
         return perplexity(self, texts, stride)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
         list of conversations, through the tokenizer's chat template.
 
@@ -352,7 +412,8 @@ class LLM:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise TokenizerError(
                 f"the tokenizer of {self.model_path} has no chat template; use generate() with "
-                "plain prompts")
+                "plain prompts"
+            )
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)
 
@@ -365,7 +426,9 @@ def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
                 raise RequestError("prompt_token_ids must be a list of integers")
             return list(ids), None
         if "messages" in prompt:
@@ -381,12 +444,26 @@ def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
     raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
 
 
-def engine_config(run_cfg, params, tp: int = 1, *, max_model_len: int | None,
-                  page_size: int | None, max_num_seqs: int, max_num_batched_tokens: int | None,
-                  attn_impl: str, seed: int, kv_cache_dtype: str, unroll_layers: bool | None,
-                  async_scheduling: bool | None, batch_invariant: bool,
-                  enable_prefix_caching: bool, reuse_compiled_buckets: bool,
-                  kv_pages: int | None, kv_cache_memory_gb: float) -> EngineConfig:
+def engine_config(
+    run_cfg,
+    params,
+    tp: int = 1,
+    *,
+    max_model_len: int | None,
+    page_size: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int | None,
+    attn_impl: str,
+    seed: int,
+    kv_cache_dtype: str,
+    unroll_layers: bool | None,
+    async_scheduling: bool | None,
+    batch_invariant: bool,
+    enable_prefix_caching: bool,
+    reuse_compiled_buckets: bool,
+    kv_pages: int | None,
+    kv_cache_memory_gb: float,
+) -> EngineConfig:
     """The ``EngineConfig`` ``LLM`` gives its engines for these arguments (``LLM``'s of the same
     names, defaults resolved): ``run_cfg`` the model config the engines run (after sharding's
     changes), ``params`` the weights (real or ``jax.ShapeDtypeStruct`` leaves: only
@@ -401,16 +478,23 @@ def engine_config(run_cfg, params, tp: int = 1, *, max_model_len: int | None,
     if page_size is None:
         page_size = default_page_size(attn_impl)
     ecfg = EngineConfig(
-        max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=page_size,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
-        attn_impl=attn_impl, seed=seed, kv_cache_dtype=kv_cache_dtype,
-        unroll_layers=unroll_layers, async_scheduling=async_scheduling,
-        batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching,
+        attn_impl=attn_impl,
+        seed=seed,
+        kv_cache_dtype=kv_cache_dtype,
+        unroll_layers=unroll_layers,
+        async_scheduling=async_scheduling,
+        batch_invariant=batch_invariant,
+        enable_prefix_caching=enable_prefix_caching,
         reuse_compiled_buckets=reuse_compiled_buckets,
     )
     if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
-        kv_pages = default_num_pages(run_cfg, ecfg, resolve_kv_dtype(ecfg, params),
-                                     int(kv_cache_memory_gb * 2**30) * tp)
+        kv_pages = default_num_pages(
+            run_cfg, ecfg, resolve_kv_dtype(ecfg, params), int(kv_cache_memory_gb * 2**30) * tp
+        )
     return EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages})
 
 
@@ -419,12 +503,22 @@ def _warn_no_tokenizer(model, eos_ids: tuple[int, ...], asked: bool) -> None:
     ``skip_tokenizer_init`` only when the config names no EOS id)."""
     if asked and eos_ids:
         return
-    stop = (f"generation stops at EOS id(s) {list(eos_ids)} from the checkpoint's config"
-            if eos_ids else "the checkpoint's config names no EOS id, so generation stops only at "
-            "max_tokens, max_model_len or stop_token_ids")
-    why = ("skip_tokenizer_init=True" if asked else
-           f"no tokenizer found for {model} (looked for tokenizer.json, *.model and a llama2.c "
-           "tokenizer .bin beside it; pass tokenizer=PATH for text)")
-    warnings.warn(f"{why}: running on token ids only, as vLLM's skip_tokenizer_init: prompts must "
-                  "be token ids (prompt_token_ids), outputs have no text, and requests that need "
-                  f"text fail alone; {stop}", NoTokenizerWarning, stacklevel=3)
+    stop = (
+        f"generation stops at EOS id(s) {list(eos_ids)} from the checkpoint's config"
+        if eos_ids
+        else "the checkpoint's config names no EOS id, so generation stops only at "
+        "max_tokens, max_model_len or stop_token_ids"
+    )
+    why = (
+        "skip_tokenizer_init=True"
+        if asked
+        else f"no tokenizer found for {model} (looked for tokenizer.json, *.model and a llama2.c "
+        "tokenizer .bin beside it; pass tokenizer=PATH for text)"
+    )
+    warnings.warn(
+        f"{why}: running on token ids only, as vLLM's skip_tokenizer_init: prompts must "
+        "be token ids (prompt_token_ids), outputs have no text, and requests that need "
+        f"text fail alone; {stop}",
+        NoTokenizerWarning,
+        stacklevel=3,
+    )

@@ -12,11 +12,11 @@ import numbers
 import os
 
 from jaxinfer.engine.batch import decode_bucket, next_pow2
-from jaxinfer.models.config import INT32_MAX, ModelConfig
 from jaxinfer.engine.core import KV_CACHE_DTYPES, EngineConfig
-from jaxinfer.models.kv_cache import kv_bytes_per_token
 from jaxinfer.loaders import WEIGHT_DTYPES
 from jaxinfer.memory_limits import fmt_bytes, shortfall
+from jaxinfer.models.config import INT32_MAX, ModelConfig
+from jaxinfer.models.kv_cache import kv_bytes_per_token
 from jaxinfer.models.paged_attention import ATTN_IMPLS
 from jaxinfer.quant.tensor import MODES
 from jaxinfer.speculative.config import SPECULATIVE_METHODS
@@ -39,8 +39,9 @@ def _int(name, v, low, optional=False, high=INT32_MAX):
 
 def _choice(name, v, allowed):
     if not any(v is a or (isinstance(v, str) and v == a) for a in allowed):
-        raise ValueError(f"{name}={v!r} is not supported; supported: "
-                         f"{', '.join(repr(a) for a in allowed)}")
+        raise ValueError(
+            f"{name}={v!r} is not supported; supported: {', '.join(repr(a) for a in allowed)}"
+        )
 
 
 def _flag(name, v, optional=False):
@@ -64,8 +65,10 @@ def _dtype(v):
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise ValueError(f"dtype={v!r} is not supported; supported: "
-                         f"{', '.join(WEIGHT_DTYPES)} (int8 weights: quantization='int8')")
+        raise ValueError(
+            f"dtype={v!r} is not supported; supported: "
+            f"{', '.join(WEIGHT_DTYPES)} (int8 weights: quantization='int8')"
+        )
 
 
 def _gib(v):
@@ -124,18 +127,23 @@ def check_llm_args(args: dict) -> None:
             RULES[name](value)
     spec = args.get("speculative")
     if args.get("draft_model") is not None and spec != "draft-model":
-        raise ValueError(f"draft_model is used only with speculative='draft-model' "
-                         f"(speculative={spec!r})")
+        raise ValueError(
+            f"draft_model is used only with speculative='draft-model' (speculative={spec!r})"
+        )
     if args.get("draft_heads") is not None and spec != "heads":
         raise ValueError(
-            f"draft_heads is used only with speculative='heads' (speculative={spec!r})")
+            f"draft_heads is used only with speculative='heads' (speculative={spec!r})"
+        )
     if args.get("batch_invariant") and spec is not None:
-        raise ValueError(f"batch_invariant=True is not supported with speculative decoding "
-                         f"(speculative={spec!r}): its verify pass runs the batched attention")
+        raise ValueError(
+            f"batch_invariant=True is not supported with speculative decoding "
+            f"(speculative={spec!r}): its verify pass runs the batched attention"
+        )
 
 
-def check_kv_pool(cfg: ModelConfig, ecfg: EngineConfig, kv_dtype, tp: int = 1,
-                  devices=None) -> None:
+def check_kv_pool(
+    cfg: ModelConfig, ecfg: EngineConfig, kv_dtype, tp: int = 1, devices=None
+) -> None:
     """Checks the engine's sized buffers fit before they are allocated: the KV pool
     (``num_pages`` pages of ``page_size`` tokens), its page allocator, and the per-row sampling
     buffers of ``max_num_seqs`` rows (``Engine``'s ``num_slots``, mirrored here).

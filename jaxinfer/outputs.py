@@ -91,9 +91,13 @@ class CompletionOutput:
 
     def to_record(self) -> dict:
         """This completion in an n > 1 output record (``RequestOutput.to_record``)."""
-        rec = {"index": self.index, **({} if self.text is None else {"text": self.text}),
-               "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-               "stop_reason": self.stop_reason}
+        rec = {
+            "index": self.index,
+            **({} if self.text is None else {"text": self.text}),
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
         if self.logprobs is not None:
             rec["logprobs"] = [dataclasses.asdict(lp) for lp in self.logprobs]
         return rec
@@ -126,7 +130,8 @@ class RequestOutput:
             distribution, best first); complete from the request's first output with a token on
             (`jaxinfer.engine.prompt_logprobs`). None when not asked.
 
-    With ``SamplingParams.n`` > 1 (`jaxinfer.engine.parallel_sampling` makes these outputs): the final
+    With ``SamplingParams.n`` > 1 (`jaxinfer.engine.parallel_sampling` makes these outputs): the
+    final
     output holds the n completions in ``outputs``, in index order; ``text``, ``token_ids``,
     ``stop_reason``, ``logprobs`` and ``delta_text`` are those of ``outputs[0]`` (so code written
     for n = 1 reads completion 0); ``finish_reason`` is the request's: None until all n
@@ -151,9 +156,17 @@ class RequestOutput:
 
     def __post_init__(self) -> None:
         if self.outputs is None:
-            self.outputs = [CompletionOutput(
-                0, self.text, self.token_ids, self.finish_reason, self.stop_reason,
-                self.logprobs, self.delta_text)]
+            self.outputs = [
+                CompletionOutput(
+                    0,
+                    self.text,
+                    self.token_ids,
+                    self.finish_reason,
+                    self.stop_reason,
+                    self.logprobs,
+                    self.delta_text,
+                )
+            ]
 
     @property
     def finished(self) -> bool:
@@ -169,11 +182,22 @@ class RequestOutput:
         token."""
         if self.error is not None:
             return {"id": self.request_id, "error": self.error, "finish_reason": "error"}
-        plp = {} if self.prompt_logprobs is None else {"prompt_logprobs": [
-            None if lp is None else dataclasses.asdict(lp) for lp in self.prompt_logprobs]}
+        plp = (
+            {}
+            if self.prompt_logprobs is None
+            else {
+                "prompt_logprobs": [
+                    None if lp is None else dataclasses.asdict(lp) for lp in self.prompt_logprobs
+                ]
+            }
+        )
         if len(self.outputs) > 1:
-            return {"id": self.request_id, "outputs": [c.to_record() for c in self.outputs],
-                    **plp, **self._usage_record()}
+            return {
+                "id": self.request_id,
+                "outputs": [c.to_record() for c in self.outputs],
+                **plp,
+                **self._usage_record(),
+            }
         rec = {
             "id": self.request_id,
             **({} if self.text is None else {"text": self.text}),

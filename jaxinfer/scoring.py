@@ -108,11 +108,12 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
         context = context[:-n_spaces]
     whole = tokenizer.encode(context + continuation)
     ctx = tokenizer.encode(context)
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
-def rolling_windows(tokens: Sequence[int], prefix: int, max_seq_len: int,
-                    stride: int | None = None) -> list[tuple[list[int], list[int]]]:
+def rolling_windows(
+    tokens: Sequence[int], prefix: int, max_seq_len: int, stride: int | None = None
+) -> list[tuple[list[int], list[int]]]:
     """(context, continuation) windows scoring every token of ``tokens`` exactly once
     (lm-eval's ``get_rolling_token_windows`` + ``make_disjoint_window``). ``stride``: tokens
     scored per window after the first, in [1, max_seq_len] (None = max_seq_len). Raises
@@ -130,15 +131,18 @@ def rolling_windows(tokens: Sequence[int], prefix: int, max_seq_len: int,
     while done < len(tokens):
         n = min(len(tokens) - done, stride)
         end = done + n
-        ctx = tokens[max(0, end - max_seq_len - 1):end - 1]
-        out.append((ctx[:len(ctx) - (n - 1)], tokens[end - n:end]))
+        ctx = tokens[max(0, end - max_seq_len - 1) : end - 1]
+        out.append((ctx[: len(ctx) - (n - 1)], tokens[end - n : end]))
         done = end
     return out
 
 
 def _as_ids(x, what: str) -> list[int] | None:
-    if isinstance(x, Sequence) and not isinstance(x, str) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in x):
+    if (
+        isinstance(x, Sequence)
+        and not isinstance(x, str)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    ):
         return [int(t) for t in x]
     return None
 
@@ -155,17 +159,22 @@ def _prepare_pair(llm, pair) -> tuple[list[int], list[int]]:
     else:
         ctx, cont = _as_ids(context, "context"), _as_ids(continuation, "continuation")
         if ctx is None or cont is None:
-            raise RequestError("context and continuation must both be strings or both be lists "
-                               "of token ids")
+            raise RequestError(
+                "context and continuation must both be strings or both be lists of token ids"
+            )
     if not ctx:
-        raise RequestError("context has zero tokens (nothing to condition the first "
-                           "continuation token on; give a BOS id)")
+        raise RequestError(
+            "context has zero tokens (nothing to condition the first "
+            "continuation token on; give a BOS id)"
+        )
     if not cont:
         raise RequestError("continuation has zero tokens")
     limit = llm.engine.ecfg.max_model_len - 1
     if len(ctx) + len(cont) > limit:
-        raise RequestError(f"context + continuation has {len(ctx) + len(cont)} tokens ({len(ctx)} "
-                           f"+ {len(cont)}); scoring takes at most max_model_len - 1 = {limit}")
+        raise RequestError(
+            f"context + continuation has {len(ctx) + len(cont)} tokens ({len(ctx)} "
+            f"+ {len(cont)}); scoring takes at most max_model_len - 1 = {limit}"
+        )
     return ctx, cont
 
 
@@ -187,9 +196,10 @@ def _run(llm, seqs: list[tuple[list[int], list[int]]]) -> list[tuple[list[float]
         if out.error is not None:
             results.append(out.error)
             continue
-        entries = out.prompt_logprobs[len(ctx):]
-        results.append(([e.logprob for e in entries],
-                        all(e.top[0][0] == e.token_id for e in entries)))
+        entries = out.prompt_logprobs[len(ctx) :]
+        results.append(
+            ([e.logprob for e in entries], all(e.top[0][0] == e.token_id for e in entries))
+        )
     return results
 
 
@@ -219,10 +229,13 @@ def perplexity(llm, texts, stride: int | None = None) -> list[PerplexityResult]:
     max_seq_len = llm.engine.ecfg.max_model_len - 2
     if max_seq_len < 1:
         raise ValueError("perplexity needs max_model_len >= 3")
-    if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool)
-                               or not 1 <= stride <= max_seq_len):
-        raise ValueError(f"stride must be an integer in [1, {max_seq_len}] (max_model_len - 2) "
-                         f"or None, got {stride!r}")
+    if stride is not None and (
+        not isinstance(stride, int) or isinstance(stride, bool) or not 1 <= stride <= max_seq_len
+    ):
+        raise ValueError(
+            f"stride must be an integer in [1, {max_seq_len}] (max_model_len - 2) "
+            f"or None, got {stride!r}"
+        )
     plans: list[list[tuple[list[int], list[int]]] | str] = []
     for text in texts:
         try:

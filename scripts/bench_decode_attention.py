@@ -14,7 +14,8 @@ mean live rows at Td=64), 16-256, M 32; ``td64cap`` 17 of 64 with the KV lengths
 batch captured from the 64-prompt job (140-212). Pages of all rows are shuffled over the pool.
 
 Variants (``--variants``, comma list, timed alternately in one process, medians over
-``--repeats``): ``tree`` the working tree's ``jaxinfer.models.paged_attention``; ``rev:REV`` that module
+``--repeats``): ``tree`` the working tree's ``jaxinfer.models.paged_attention``; ``rev:REV`` that
+module
 as of git revision REV (``git show``); ``file:PATH`` a module file. Each may end in
 ``:gs=N`` / ``:ch=N`` to set its ``DECODE_ITEMS_PER_GROUP`` / ``DECODE_PAGES_PER_CHUNK``, and
 ``:kernel=1`` to send the decode rows to the native CPU kernel (``decode_kernel=True``, what
@@ -56,8 +57,14 @@ SCENARIOS = {  # name: (Td, live rows, min len, max len, M pages per table, fixe
     "td8": (8, 8, 16, 512, 64, None),
     "td16": (16, 16, 16, 512, 64, None),
     "td64": (64, 41, 16, 256, 32, None),
-    "td64cap": (64, 17, 0, 0, 32, [212, 185, 160, 162, 173, 158, 193, 182, 154, 170, 172, 146,
-                                    173, 143, 190, 192, 208]),
+    "td64cap": (
+        64,
+        17,
+        0,
+        0,
+        32,
+        [212, 185, 160, 162, 173, 158, 193, 182, 154, 170, 172, 146, 173, 143, 190, 192, 208],
+    ),
 }
 
 
@@ -80,7 +87,7 @@ def scenario(name: str, seed: int = 0):
     bt = np.zeros((td, m), np.int32)
     at = 0
     for r in range(td):
-        bt[r, :npg[r]] = perm[at:at + npg[r]]
+        bt[r, : npg[r]] = perm[at : at + npg[r]]
         at += npg[r]
     return lens, bt, pool
 
@@ -92,21 +99,30 @@ def load_variant(spec: str, tmp: Path):
     knobs = {}
     while rest and "=" in rest[-1]:
         k, v = rest.pop().split("=")
-        knobs[{"gs": "DECODE_ITEMS_PER_GROUP", "ch": "DECODE_PAGES_PER_CHUNK",
-               "kernel": "BENCH_DECODE_KERNEL"}[k]] = int(v)
+        knobs[
+            {
+                "gs": "DECODE_ITEMS_PER_GROUP",
+                "ch": "DECODE_PAGES_PER_CHUNK",
+                "kernel": "BENCH_DECODE_KERNEL",
+            }[k]
+        ] = int(v)
     if kind == "tree":
         path = ROOT / "jaxinfer" / "paged_attention.py"
     elif kind == "rev":
         src = subprocess.run(
             ["git", "-C", str(ROOT), "show", f"{rest[0]}:jaxinfer/models/paged_attention.py"],
-            capture_output=True, text=True, check=True).stdout
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         path = tmp / f"pa_{rest[0].replace('/', '_')}.py"
         path.write_text(src)
     elif kind == "file":
         path = Path(rest[0])
     else:
-        raise SystemExit(f"--variants: unknown kind {kind!r} in {spec!r} "
-                         "(tree, rev:REV, file:PATH)")
+        raise SystemExit(
+            f"--variants: unknown kind {kind!r} in {spec!r} (tree, rev:REV, file:PATH)"
+        )
     mod_name = f"pa_variant_{abs(hash(spec))}"
     mspec = importlib.util.spec_from_file_location(mod_name, path)
     mod = importlib.util.module_from_spec(mspec)
@@ -127,9 +143,22 @@ def chain(mod):
     def run(q, kp, vp, bt, lens, pos):
         outs = []
         for layer in range(L):
-            o = mod._decode_attention(q, kp, vp, bt, lens, pos, jnp.int32(0), scale=0.125,
-                                      softcap=None, layer=layer, k_scales=None, v_scales=None,
-                                      page_major=True, **kernel)
+            o = mod._decode_attention(
+                q,
+                kp,
+                vp,
+                bt,
+                lens,
+                pos,
+                jnp.int32(0),
+                scale=0.125,
+                softcap=None,
+                layer=layer,
+                k_scales=None,
+                v_scales=None,
+                page_major=True,
+                **kernel,
+            )
             outs.append(o)
             q = q + 1e-3 * o
         return jnp.stack(outs)
@@ -146,8 +175,8 @@ def forward_mode(args) -> dict:
     from benchlib import resolve_model
 
     import jaxinfer
-    from jaxinfer.models.forward import compute_logits, forward
     from jaxinfer.engine.step import forward_step, resolve_tokens
+    from jaxinfer.models.forward import compute_logits, forward
 
     path, _, _ = resolve_model("llama110m")
     with open(args.batches, "rb") as f:
@@ -161,15 +190,22 @@ def forward_mode(args) -> dict:
     for kind, (batch, prev, *_) in sorted(captured.items()):
         fns = {}
         for label, impl in (("xla", "xla"), ("kernel", "cpu_kernel")):
-            f = jax.jit(lambda p, kv, b, pv, impl=impl: forward_step(p, kv, b, pv, cfg=cfg,
-                                                                    attn_impl=impl),
-                        donate_argnums=1)
+            f = jax.jit(
+                lambda p, kv, b, pv, impl=impl: forward_step(p, kv, b, pv, cfg=cfg, attn_impl=impl),
+                donate_argnums=1,
+            )
             box[0], lg = f(params, box[0], batch, prev)
             fns[label] = f
 
         def noattn(p, kv, b, pv):
-            h, kv = forward(p, cfg, resolve_tokens(b.tokens, pv), b.md.positions, kv,
-                            lambda q, k, v, cache, layer, window: (q, cache))
+            h, kv = forward(
+                p,
+                cfg,
+                resolve_tokens(b.tokens, pv),
+                b.md.positions,
+                kv,
+                lambda q, k, v, cache, layer, window: (q, cache),
+            )
             return kv, compute_logits(p, cfg, h[b.logits_indices])
 
         fns["no_attention"] = jax.jit(noattn, donate_argnums=1)
@@ -182,9 +218,14 @@ def forward_mode(args) -> dict:
                 jax.block_until_ready(lg)
                 ts[label][0].append(time.perf_counter() - t0)
                 ts[label][1].append(time.process_time() - c0)
-        res = {k: {"wall_p50_ms": round(float(np.median(w)) * 1e3, 1),
-                   "wall_best_ms": round(min(w) * 1e3, 1),
-                   "cpu_p50_ms": round(float(np.median(c)) * 1e3, 1)} for k, (w, c) in ts.items()}
+        res = {
+            k: {
+                "wall_p50_ms": round(float(np.median(w)) * 1e3, 1),
+                "wall_best_ms": round(min(w) * 1e3, 1),
+                "cpu_p50_ms": round(float(np.median(c)) * 1e3, 1),
+            }
+            for k, (w, c) in ts.items()
+        }
         md = batch.md
         res["live_rows"] = int((np.asarray(md.kv_lens) > 0).sum())
         res["kv_tokens"] = int(np.asarray(md.kv_lens).sum())
@@ -198,21 +239,35 @@ def forward_mode(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--variants", default="tree")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--forward", action="store_true",
-                    help="whole decode forwards of the 110M job (see above)")
-    ap.add_argument("--batches", default="/tmp/profile_steady_batches.pkl",
-                    help="--forward: decode batches saved by profile_steady.py --micro")
+    ap.add_argument(
+        "--forward", action="store_true", help="whole decode forwards of the 110M job (see above)"
+    )
+    ap.add_argument(
+        "--batches",
+        default="/tmp/profile_steady_batches.pkl",
+        help="--forward: decode batches saved by profile_steady.py --micro",
+    )
     args = ap.parse_args()
     if args.forward:
         up0 = uptime()
         res = forward_mode(args)
-        print(json.dumps({"bench": "decode_attention_forward", "uptime_before": up0,
-                          "uptime_after": uptime(), "repeats": args.repeats, "forward": res}))
+        print(
+            json.dumps(
+                {
+                    "bench": "decode_attention_forward",
+                    "uptime_before": up0,
+                    "uptime_after": uptime(),
+                    "repeats": args.repeats,
+                    "forward": res,
+                }
+            )
+        )
         return
 
     import jax
@@ -224,8 +279,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     variants = [load_variant(s.strip(), tmp) for s in args.variants.split(",")]
     bw = measure_bandwidth(256, 5)["bytes_s"]
-    out = {"bench": "decode_attention", "uptime_before": up0, "bandwidth_gb_s": round(bw / 1e9, 2),
-           "variants": [v[0] for v in variants], "repeats": args.repeats, "scenarios": {}}
+    out = {
+        "bench": "decode_attention",
+        "uptime_before": up0,
+        "bandwidth_gb_s": round(bw / 1e9, 2),
+        "variants": [v[0] for v in variants],
+        "repeats": args.repeats,
+        "scenarios": {},
+    }
     for name in args.scenarios.split(","):
         lens, bt, pool = scenario(name)
         td = len(lens)
@@ -242,8 +303,13 @@ def main() -> None:
             diff = 0.0 if ref is None else float(np.abs(o - ref).max())
             ref = o if ref is None else ref
             fns[label] = f
-            res[label] = {"temp_mb": round(temp / 1e6, 2), "max_abs_diff": diff,
-                          "wall": [], "cpu": [], "faults": []}
+            res[label] = {
+                "temp_mb": round(temp / 1e6, 2),
+                "max_abs_diff": diff,
+                "wall": [],
+                "cpu": [],
+                "faults": [],
+            }
         for _ in range(args.repeats):
             for label, f in fns.items():
                 r0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -256,15 +322,24 @@ def main() -> None:
                 res[label]["faults"].append(r1.ru_minflt - r0.ru_minflt)
         live_bytes = int(lens.sum()) * L * 2 * K * H * 4
         floor = live_bytes / bw
-        sc = {"td": td, "live_rows": int((lens > 0).sum()), "kv_tokens": int(lens.sum()),
-              "pages_per_table": int(bt.shape[1]), "floor_ms": round(floor * 1e3, 2)}
+        sc = {
+            "td": td,
+            "live_rows": int((lens > 0).sum()),
+            "kv_tokens": int(lens.sum()),
+            "pages_per_table": int(bt.shape[1]),
+            "floor_ms": round(floor * 1e3, 2),
+        }
         for label, r in res.items():
             w = float(np.median(r["wall"]))
-            sc[label] = {"wall_p50_ms": round(w * 1e3, 2),
-                         "wall_best_ms": round(min(r["wall"]) * 1e3, 2),
-                         "cpu_p50_ms": round(float(np.median(r["cpu"])) * 1e3, 2),
-                         "faults_p50": int(np.median(r["faults"])), "temp_mb": r["temp_mb"],
-                         "x_floor": round(w / floor, 1), "max_abs_diff": r["max_abs_diff"]}
+            sc[label] = {
+                "wall_p50_ms": round(w * 1e3, 2),
+                "wall_best_ms": round(min(r["wall"]) * 1e3, 2),
+                "cpu_p50_ms": round(float(np.median(r["cpu"])) * 1e3, 2),
+                "faults_p50": int(np.median(r["faults"])),
+                "temp_mb": r["temp_mb"],
+                "x_floor": round(w / floor, 1),
+                "max_abs_diff": r["max_abs_diff"],
+            }
         out["scenarios"][name] = sc
         print(f"[{name}] {json.dumps(sc)}", file=sys.stderr, flush=True)
     out["uptime_after"] = uptime()

@@ -48,8 +48,12 @@ def main() -> None:
     ap.add_argument("--mean-output", type=float, default=96)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--budget-tokens", type=int, default=8192, help="KV budget in token slots")
-    ap.add_argument("--page-size", type=int, default=None,
-                    help="tokens per page (default: the engine's, engine.default_page_size)")
+    ap.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="tokens per page (default: the engine's, engine.default_page_size)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     add_common_args(ap)
     args = ap.parse_args()

@@ -59,7 +59,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from benchlib import add_common_args, emit, host_info, log, make_workload, ratio, resolve_model
 
 ENGINES = ("jaxinfer", "hf_generate", "hf_generate_batch", "llama_cpp", "decode1")
@@ -80,8 +79,13 @@ def child_hf_generate(spec: dict) -> dict:
     from bench_serving import run_hf
 
     reqs = [(ids, n) for ids, n in spec["reqs"]]
-    res, _ = run_hf(spec["hf_dir"], reqs, dtype="float32", batch_size=spec["batch_size"],
-                    threads=spec["threads"])
+    res, _ = run_hf(
+        spec["hf_dir"],
+        reqs,
+        dtype="float32",
+        batch_size=spec["batch_size"],
+        threads=spec["threads"],
+    )
     return res
 
 
@@ -94,16 +98,22 @@ def child_hf_generate_batch(spec: dict) -> dict:
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=torch.float32).eval()
     load_s = time.perf_counter() - t
-    gen = GenerationConfig(max_new_tokens=max(n for _, n in reqs), do_sample=False,
-                           pad_token_id=0, eos_token_id=-1, bos_token_id=1)
+    gen = GenerationConfig(
+        max_new_tokens=max(n for _, n in reqs),
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=-1,
+        bos_token_id=1,
+    )
     blocks = sum(math.ceil((len(ids) + n) / page) for ids, n in reqs) + 8
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=512,
-                                  max_requests_per_batch=64)
+    cb = ContinuousBatchingConfig(
+        page_size=page, num_blocks=blocks, max_batch_tokens=512, max_requests_per_batch=64
+    )
     results, t = {}, time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5,
-                                                   continuous_batching_config=cb) as manager:
-        ids = [manager.add_request(input_ids=p, max_new_tokens=n, eos_token_id=-1)
-               for p, n in reqs]
+    with model.continuous_batching_context_manager(
+        generation_config=gen, block=True, timeout=5, continuous_batching_config=cb
+    ) as manager:
+        ids = [manager.add_request(input_ids=p, max_new_tokens=n, eos_token_id=-1) for p, n in reqs]
         while len(results) < len(ids):
             r = manager.get_result(timeout=1)
             if r is not None and r.is_finished():
@@ -113,20 +123,32 @@ def child_hf_generate_batch(spec: dict) -> dict:
         generate_s = time.perf_counter() - t
     errors = [i for i, r in results.items() if r.error is not None]
     if len(results) < len(ids) or errors:
-        raise RuntimeError(f"transformers continuous batching: {len(results)} of {len(ids)} "
-                           f"requests finished, errors in {errors[:5]}")
+        raise RuntimeError(
+            f"transformers continuous batching: {len(results)} of {len(ids)} "
+            f"requests finished, errors in {errors[:5]}"
+        )
     got = [len(results[i].generated_tokens) for i in ids]
-    return {"load_s": round(load_s, 3), "generate_s": round(generate_s, 3),
-            "output_tokens": sum(got), "num_blocks": blocks, "page_size": page,
-            "short_requests": sum(g < n for g, (_, n) in zip(got, reqs, strict=True))}
+    return {
+        "load_s": round(load_s, 3),
+        "generate_s": round(generate_s, 3),
+        "output_tokens": sum(got),
+        "num_blocks": blocks,
+        "page_size": page,
+        "short_requests": sum(g < n for g, (_, n) in zip(got, reqs, strict=True)),
+    }
 
 
 def llama_cpp_run(spec: dict, reqs) -> int:
     """Output tokens of llama.cpp's greedy run of ``reqs``, one request after another."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=spec["gguf"], n_ctx=spec["max_model_len"], n_threads=spec["threads"],
-                n_batch=512, verbose=False)
+    llm = Llama(
+        model_path=spec["gguf"],
+        n_ctx=spec["max_model_len"],
+        n_threads=spec["threads"],
+        n_batch=512,
+        verbose=False,
+    )
     total = 0
     for ids, n in reqs:
         got = 0
@@ -153,13 +175,26 @@ def child_decode1(spec: dict) -> dict:
         from jaxinfer import LLM
 
         for mode in QUANT_MODES:
-            llm = LLM(spec["path"], dtype="float32", quantization=mode,
-                      max_model_len=spec["max_model_len"])
-            r = decode_rate(llm, 1, prompt_len=spec["prompt_len"], warmup=spec["warmup"],
-                            steps=spec["steps"], vocab=spec["vocab"], seed=0)
-            out[f"jaxinfer_{mode or 'float32'}"] = {"tok_s": r["tok_s"],
-                                                    "step_ms_p50": round(r["step_s_p50"] * 1e3, 3),
-                                                    "timed_steps": r["timed_steps"]}
+            llm = LLM(
+                spec["path"],
+                dtype="float32",
+                quantization=mode,
+                max_model_len=spec["max_model_len"],
+            )
+            r = decode_rate(
+                llm,
+                1,
+                prompt_len=spec["prompt_len"],
+                warmup=spec["warmup"],
+                steps=spec["steps"],
+                vocab=spec["vocab"],
+                seed=0,
+            )
+            out[f"jaxinfer_{mode or 'float32'}"] = {
+                "tok_s": r["tok_s"],
+                "step_ms_p50": round(r["step_s_p50"] * 1e3, 3),
+                "timed_steps": r["timed_steps"],
+            }
             del llm
             gc.collect()
     prompt = [1] + list(range(3, 2 + spec["prompt_len"]))
@@ -167,17 +202,24 @@ def child_decode1(spec: dict) -> dict:
     if spec["hf"]:
         from bench_serving import run_hf
 
-        res, _ = run_hf(spec["hf_dir"], [(prompt, n)], dtype="float32", batch_size=1,
-                        threads=spec["threads"])
+        res, _ = run_hf(
+            spec["hf_dir"], [(prompt, n)], dtype="float32", batch_size=1, threads=spec["threads"]
+        )
         step = res["tpot_s"]["mean"]
-        out["hf_generate_float32"] = {"tok_s": round(1 / step, 2),
-                                      "step_ms_mean": round(step * 1e3, 3)}
+        out["hf_generate_float32"] = {
+            "tok_s": round(1 / step, 2),
+            "step_ms_mean": round(step * 1e3, 3),
+        }
     for name, gguf in (("llama_cpp", spec.get("gguf")), ("llama_cpp_q8_0", spec.get("gguf_q8"))):
         if gguf:
-            steps = llama_cpp_steps({**spec, "gguf": gguf}, prompt, n)[spec["warmup"]:]
+            steps = llama_cpp_steps({**spec, "gguf": gguf}, prompt, n)[spec["warmup"] :]
             p50 = float(np.median(steps))
-            out[name] = {"tok_s": round(1 / p50, 2), "step_ms_p50": round(p50 * 1e3, 3),
-                         "timed_steps": len(steps), "gguf": gguf}
+            out[name] = {
+                "tok_s": round(1 / p50, 2),
+                "step_ms_p50": round(p50 * 1e3, 3),
+                "timed_steps": len(steps),
+                "gguf": gguf,
+            }
     return out
 
 
@@ -185,8 +227,13 @@ def llama_cpp_steps(spec: dict, prompt: list[int], n: int) -> list[float]:
     """Seconds of each of llama.cpp's batch-1 decode steps after the first token (greedy)."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=spec["gguf"], n_ctx=spec["max_model_len"], n_threads=spec["threads"],
-                n_batch=512, verbose=False)
+    llm = Llama(
+        model_path=spec["gguf"],
+        n_ctx=spec["max_model_len"],
+        n_threads=spec["threads"],
+        n_batch=512,
+        verbose=False,
+    )
     stamps = []
     for _ in llm.generate(prompt, temp=0.0, reset=True):
         stamps.append(time.perf_counter())
@@ -195,8 +242,12 @@ def llama_cpp_steps(spec: dict, prompt: list[int], n: int) -> list[float]:
     return list(np.diff(stamps))
 
 
-CHILDREN = {"hf_generate": child_hf_generate, "hf_generate_batch": child_hf_generate_batch,
-            "llama_cpp": child_llama_cpp, "decode1": child_decode1}
+CHILDREN = {
+    "hf_generate": child_hf_generate,
+    "hf_generate_batch": child_hf_generate_batch,
+    "llama_cpp": child_llama_cpp,
+    "decode1": child_decode1,
+}
 
 
 # ---------------------------------------------------------------- the parent
@@ -212,8 +263,11 @@ def cpu_info() -> dict:
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     flags = set(fields.get("Flags", "").split())
     wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
-    return {"cpu_model": fields.get("Model name"), "cpu_family": fields.get("CPU family"),
-            "cpu_flags": [f for f in wanted if f in flags]}
+    return {
+        "cpu_model": fields.get("Model name"),
+        "cpu_family": fields.get("CPU family"),
+        "cpu_flags": [f for f in wanted if f in flags],
+    }
 
 
 def loadavg() -> list[float]:
@@ -227,8 +281,9 @@ def timed(cmd: list[str], env: dict, log_path: Path, timeout: float) -> dict:
     t = time.perf_counter()
     try:
         with open(log_path, "w") as err:
-            p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                               timeout=timeout)
+            p = subprocess.run(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout
+            )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s", "load1_before": load}
     wall = time.perf_counter() - t
@@ -253,35 +308,75 @@ def jaxinfer_cmd() -> list[str]:
 
 def run_jaxinfer(path, reqs, args, tmp: Path) -> dict:
     prompts = tmp / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": ids,
-                                           "max_tokens": n}) + "\n"
-                               for i, (ids, n) in enumerate(reqs)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt_token_ids": ids, "max_tokens": n}) + "\n"
+            for i, (ids, n) in enumerate(reqs)
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k != "JAXINFER_COMPILATION_CACHE"}
     env["JAXINFER_CACHE_DIR"] = str(tmp / "jaxinfer-cache")  # fresh: the cold run starts empty
     out = {}
     for run in ("cold", "warm"):
-        cmd = jaxinfer_cmd() + ["generate", "--model", str(path), "--prompts", str(prompts),
-                                "--out", str(tmp / f"out-{run}.jsonl"), "--temperature", "0",
-                                "--ignore-eos", "--max-model-len", str(args.max_model_len),
-                                "--no-progress", *shlex.split(args.jaxinfer_args)]
+        cmd = jaxinfer_cmd() + [
+            "generate",
+            "--model",
+            str(path),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp / f"out-{run}.jsonl"),
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--max-model-len",
+            str(args.max_model_len),
+            "--no-progress",
+            *shlex.split(args.jaxinfer_args),
+        ]
         log(f"[peers] jaxinfer {run}: {' '.join(cmd[1:])}")
         r = timed(cmd, env, tmp / f"jaxinfer-{run}.log", args.timeout)
         inner = r.pop("inner", None) or {}
-        r.update({"output_tokens": inner.get("completion_tokens"),
-                  "compilations": inner.get("compilations"),
-                  "generate_s": inner.get("generate_s")})
+        r.update(
+            {
+                "output_tokens": inner.get("completion_tokens"),
+                "compilations": inner.get("compilations"),
+                "generate_s": inner.get("generate_s"),
+            }
+        )
         out[f"jaxinfer_{run}"] = r
-    out["jaxinfer_cold"]["command"] = ("JAXINFER_CACHE_DIR=<fresh dir> " + " ".join(
-        ["jaxinfer", "generate", "--model", "M", "--prompts", "P", "--out", "O", "--temperature",
-         "0", "--ignore-eos", "--max-model-len", str(args.max_model_len), "--no-progress",
-         *shlex.split(args.jaxinfer_args)]))
+    out["jaxinfer_cold"]["command"] = "JAXINFER_CACHE_DIR=<fresh dir> " + " ".join(
+        [
+            "jaxinfer",
+            "generate",
+            "--model",
+            "M",
+            "--prompts",
+            "P",
+            "--out",
+            "O",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--max-model-len",
+            str(args.max_model_len),
+            "--no-progress",
+            *shlex.split(args.jaxinfer_args),
+        ]
+    )
     return out
 
 
 def run_child(kind: str, spec: dict, args, tmp: Path) -> dict:
     (tmp / f"{kind}.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind,
-           "--spec", str(tmp / f"{kind}.json")]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        kind,
+        "--spec",
+        str(tmp / f"{kind}.json"),
+    ]
     log(f"[peers] {kind} ...")
     return timed(cmd, dict(os.environ), tmp / f"{kind}.log", args.timeout)
 
@@ -289,9 +384,11 @@ def run_child(kind: str, spec: dict, args, tmp: Path) -> dict:
 def llama_cpp_skip(gguf: str | None) -> str | None:
     """Why llama.cpp cannot run here, or None."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return ("llama_cpp (llama-cpp-python) is not importable in this Python; install it "
-                "(a source build) and convert the weights with llama.cpp's convert_hf_to_gguf.py, "
-                "then pass --gguf")
+        return (
+            "llama_cpp (llama-cpp-python) is not importable in this Python; install it "
+            "(a source build) and convert the weights with llama.cpp's convert_hf_to_gguf.py, "
+            "then pass --gguf"
+        )
     if not gguf:
         return "no --gguf given (the model converted with llama.cpp's convert_hf_to_gguf.py)"
     if not Path(gguf).is_file():
@@ -312,12 +409,19 @@ def finish(engines: dict, expected_tokens: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="llama110m (default), stories260K (--quick's), llama1b or a HF directory")
-    ap.add_argument("--engines", default=",".join(ENGINES),
-                    help=f"comma-separated subset of {','.join(ENGINES)}")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="llama110m (default), stories260K (--quick's), llama1b or a HF directory",
+    )
+    ap.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"comma-separated subset of {','.join(ENGINES)}",
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--mean-input", type=float, default=64)
     ap.add_argument("--mean-output", type=float, default=96)
@@ -325,10 +429,16 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     ap.add_argument("--gguf", default=None, help="the model as GGUF, for llama.cpp")
-    ap.add_argument("--jaxinfer-args", default="",
-                    help='more `jaxinfer generate` flags for its runs, e.g. "--attn-impl cpu_kernel"')
-    ap.add_argument("--gguf-q8", default=None,
-                    help="the model as q8_0 GGUF: llama.cpp's batch-1 decode beside the int8 modes")
+    ap.add_argument(
+        "--jaxinfer-args",
+        default="",
+        help='more `jaxinfer generate` flags for its runs, e.g. "--attn-impl cpu_kernel"',
+    )
+    ap.add_argument(
+        "--gguf-q8",
+        default=None,
+        help="the model as q8_0 GGUF: llama.cpp's batch-1 decode beside the int8 modes",
+    )
     ap.add_argument("--decode-steps", type=int, default=64, help="timed batch-1 decode steps")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine run")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -350,14 +460,29 @@ def main() -> None:
     load_before, started, git = loadavg(), time.strftime("%Y-%m-%dT%H:%M:%S"), git_state()
     wants_hf = bool({"hf_generate", "hf_generate_batch", "decode1"} & set(engines))
     path, vocab, hf_dir = resolve_model(args.model, hf=wants_hf)
-    reqs = make_workload(args.num_prompts, max_model_len=args.max_model_len, vocab=vocab,
-                         seed=args.seed, mean_input=args.mean_input, mean_output=args.mean_output)
+    reqs = make_workload(
+        args.num_prompts,
+        max_model_len=args.max_model_len,
+        vocab=vocab,
+        seed=args.seed,
+        mean_input=args.mean_input,
+        mean_output=args.mean_output,
+    )
     expected = sum(n for _, n in reqs)
-    log(f"[peers] {args.model}: {len(reqs)} requests, {sum(len(i) for i, _ in reqs)} prompt "
-        f"tokens, {expected} output tokens; load {load_before}")
-    spec = {"reqs": reqs, "path": str(path), "hf_dir": str(hf_dir) if hf_dir else None,
-            "vocab": vocab, "threads": args.threads, "max_model_len": args.max_model_len,
-            "batch_size": args.hf_batch_size, "gguf": args.gguf}
+    log(
+        f"[peers] {args.model}: {len(reqs)} requests, {sum(len(i) for i, _ in reqs)} prompt "
+        f"tokens, {expected} output tokens; load {load_before}"
+    )
+    spec = {
+        "reqs": reqs,
+        "path": str(path),
+        "hf_dir": str(hf_dir) if hf_dir else None,
+        "vocab": vocab,
+        "threads": args.threads,
+        "max_model_len": args.max_model_len,
+        "batch_size": args.hf_batch_size,
+        "gguf": args.gguf,
+    }
     skip = llama_cpp_skip(args.gguf)
     results, skipped = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as td:
@@ -380,37 +505,63 @@ def main() -> None:
                 results["llama_cpp"] = r
         decode1 = None
         if "decode1" in engines:
-            d_spec = {**spec, "reqs": [], "jaxinfer": True, "hf": True,
-                      "gguf": None if skip else args.gguf,
-                      "gguf_q8": None if skip or llama_cpp_skip(args.gguf_q8) else args.gguf_q8,
-                      "prompt_len": 16 if args.quick else 64,
-                      "warmup": 2 if args.quick else 8, "steps": args.decode_steps}
+            d_spec = {
+                **spec,
+                "reqs": [],
+                "jaxinfer": True,
+                "hf": True,
+                "gguf": None if skip else args.gguf,
+                "gguf_q8": None if skip or llama_cpp_skip(args.gguf_q8) else args.gguf_q8,
+                "prompt_len": 16 if args.quick else 64,
+                "warmup": 2 if args.quick else 8,
+                "steps": args.decode_steps,
+            }
             r = run_child("decode1", d_spec, args, tmp)
-            decode1 = {**(r.get("inner") or {"error": r.get("error")}),
-                       "wall_s": r.get("wall_s"), "load1_before": r.get("load1_before")}
+            decode1 = {
+                **(r.get("inner") or {"error": r.get("error")}),
+                "wall_s": r.get("wall_s"),
+                "load1_before": r.get("load1_before"),
+            }
             if skip:
                 decode1["llama_cpp"] = {"skipped": skip}
     finish(results, expected)
     summary = {
-        "bench": "peers", **host_info(), **cpu_info(), "quick": args.quick,
-        "started": started, "loadavg_before": load_before, "loadavg_after": loadavg(),
-        "model": args.model, "jaxinfer_args": args.jaxinfer_args, "threads": args.threads,
+        "bench": "peers",
+        **host_info(),
+        **cpu_info(),
+        "quick": args.quick,
+        "started": started,
+        "loadavg_before": load_before,
+        "loadavg_after": loadavg(),
+        "model": args.model,
+        "jaxinfer_args": args.jaxinfer_args,
+        "threads": args.threads,
         "hf_batch_size": args.hf_batch_size,
-        "workload": {"num_prompts": len(reqs), "seed": args.seed, "mean_input": args.mean_input,
-                     "mean_output": args.mean_output, "max_model_len": args.max_model_len,
-                     "prompt_tokens": sum(len(i) for i, _ in reqs), "output_tokens": expected,
-                     "prompt_len_range": [min(len(i) for i, _ in reqs),
-                                          max(len(i) for i, _ in reqs)],
-                     "output_len_range": [min(n for _, n in reqs), max(n for _, n in reqs)]},
-        "engines": results, "skipped": skipped, "decode_batch1": decode1,
-        "versions": versions(), "git_at_start": git,
+        "workload": {
+            "num_prompts": len(reqs),
+            "seed": args.seed,
+            "mean_input": args.mean_input,
+            "mean_output": args.mean_output,
+            "max_model_len": args.max_model_len,
+            "prompt_tokens": sum(len(i) for i, _ in reqs),
+            "output_tokens": expected,
+            "prompt_len_range": [min(len(i) for i, _ in reqs), max(len(i) for i, _ in reqs)],
+            "output_len_range": [min(n for _, n in reqs), max(n for _, n in reqs)],
+        },
+        "engines": results,
+        "skipped": skipped,
+        "decode_batch1": decode1,
+        "versions": versions(),
+        "git_at_start": git,
     }
     log(f"{'engine':20s} {'wall s':>8s} {'cpu s':>7s} {'tokens':>7s} {'tok/s':>8s} {'vs hf':>6s}")
     for name, r in results.items():
-        log(f"{name:20s} {r.get('wall_s', '-')!s:>8s} {r.get('cpu_s', '-')!s:>7s} "
+        log(
+            f"{name:20s} {r.get('wall_s', '-')!s:>8s} {r.get('cpu_s', '-')!s:>7s} "
             f"{r.get('output_tokens', '-')!s:>7s} {r.get('output_tok_s', '-')!s:>8s} "
-            f"{r.get('vs_hf_generate', '-')!s:>6s}" + (f"  ERROR {r['error'][:200]}"
-                                                        if "error" in r else ""))
+            f"{r.get('vs_hf_generate', '-')!s:>6s}"
+            + (f"  ERROR {r['error'][:200]}" if "error" in r else "")
+        )
     for name, why in skipped.items():
         log(f"{name:20s} skipped: {why}")
     if decode1:
@@ -421,14 +572,20 @@ def main() -> None:
 def git_state() -> dict:
     """The checkout's commit and its uncommitted engine files: a shared working tree changes
     under a long run, and the jaxinfer runs use whatever is there."""
+
     def git(*a):
-        p = subprocess.run(["git", *a], cwd=Path(__file__).resolve().parents[1],
-                           capture_output=True, text=True)
-        return p.stdout.rstrip() if p.returncode == 0 else None  # porcelain lines start with a space
+        p = subprocess.run(
+            ["git", *a], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
+        )
+        return (
+            p.stdout.rstrip() if p.returncode == 0 else None
+        )  # porcelain lines start with a space
 
     status = git("status", "--porcelain", "--", "jaxinfer", "kernels_pallas")
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "uncommitted": [ln[3:] for ln in status.splitlines()] if status else []}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted": [ln[3:] for ln in status.splitlines()] if status else [],
+    }
 
 
 def versions() -> dict:

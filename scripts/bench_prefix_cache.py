@@ -55,11 +55,29 @@ SIZES = {
     "llama110m": dict(requests=8, users=4, turns=4),
 }
 DEFAULT_SIZE = dict(requests=8, users=4, turns=4)
-LENGTHS = dict(system=400, question=32, answer=32, header=300, shot_question=20, shot_answer=8,
-               first_message=64, user_message=32, chat_answer=32)
+LENGTHS = dict(
+    system=400,
+    question=32,
+    answer=32,
+    header=300,
+    shot_question=20,
+    shot_answer=8,
+    first_message=64,
+    user_message=32,
+    chat_answer=32,
+)
 QUICK_SIZE = dict(requests=4, users=2, turns=2)
-QUICK_LENGTHS = dict(system=24, question=8, answer=4, header=20, shot_question=6, shot_answer=2,
-                     first_message=10, user_message=6, chat_answer=4)
+QUICK_LENGTHS = dict(
+    system=24,
+    question=8,
+    answer=4,
+    header=20,
+    shot_question=6,
+    shot_answer=2,
+    first_message=10,
+    user_message=6,
+    chat_answer=4,
+)
 WORKLOADS = ("system_prompt", "chat", "few_shot", "no_prefix")
 
 
@@ -97,16 +115,22 @@ def static_workloads(vocab: int, seed: int, size: dict, ln: dict) -> dict:
     return {
         "system_prompt": [(system + tok(ln["question"]), ln["answer"]) for _ in range(r)],
         "few_shot": [(header + tok(ln["shot_question"]), ln["shot_answer"]) for _ in range(r)],
-        "no_prefix": [(tok(ln["system"] + ln["question"], bos=True), ln["answer"])
-                      for _ in range(r)],
+        "no_prefix": [
+            (tok(ln["system"] + ln["question"], bos=True), ln["answer"]) for _ in range(r)
+        ],
     }
 
 
 def chat_messages(vocab: int, seed: int, size: dict, ln: dict) -> list[list[list[int]]]:
     """Per turn, per user: the new user message (turn 0: the first message, with BOS)."""
     tok = Tokens(vocab, seed + 1)
-    return [[tok(ln["first_message"], bos=True) if k == 0 else tok(ln["user_message"])
-             for _ in range(size["users"])] for k in range(size["turns"])]
+    return [
+        [
+            tok(ln["first_message"], bos=True) if k == 0 else tok(ln["user_message"])
+            for _ in range(size["users"])
+        ]
+        for k in range(size["turns"])
+    ]
 
 
 # ---------------------------------------------------------------- passes
@@ -158,8 +182,9 @@ class CacheClock:
         return timed
 
 
-def run_pass(llm, clock: CacheClock, name: str, static: dict, chat: list,
-             answer_len: int) -> tuple[dict, list]:
+def run_pass(
+    llm, clock: CacheClock, name: str, static: dict, chat: list, answer_len: int
+) -> tuple[dict, list]:
     """One cold-cache pass of workload ``name``: (figures, generated token ids per request)."""
     clear_prefix_cache(llm)
     gc.collect()
@@ -219,20 +244,34 @@ def median_figures(runs: list[dict]) -> dict:
     out = {}
     for k in runs[0]:
         v = float(np.median([r[k] for r in runs]))
-        out[k] = int(v) if k in ("prompt_tokens", "cached_tokens", "prefill_tokens_computed",
-                                 "output_tokens", "evictions", "preemptions") and v.is_integer() \
+        out[k] = (
+            int(v)
+            if k
+            in (
+                "prompt_tokens",
+                "cached_tokens",
+                "prefill_tokens_computed",
+                "output_tokens",
+                "evictions",
+                "preemptions",
+            )
+            and v.is_integer()
             else round(v, 6 if k.endswith("_s") else 4)
-    out["repeats"] = [{k: round(r[k], 4) for k in ("ttft_p50_s", "output_tok_s", "wall_s")}
-                      for r in runs]
+        )
+    out["repeats"] = [
+        {k: round(r[k], 4) for k in ("ttft_p50_s", "output_tok_s", "wall_s")} for r in runs
+    ]
     return out
 
 
 def ratios(on: dict, off: dict) -> dict:
     r = lambda a, b: None if not b else round(a / b, 3)  # noqa: E731
-    return {"ttft_p50_off_over_on": r(off["ttft_p50_s"], on["ttft_p50_s"]),
-            "ttft_p99_off_over_on": r(off["ttft_p99_s"], on["ttft_p99_s"]),
-            "output_tok_s_on_over_off": r(on["output_tok_s"], off["output_tok_s"]),
-            "wall_on_over_off": r(on["wall_s"], off["wall_s"])}
+    return {
+        "ttft_p50_off_over_on": r(off["ttft_p50_s"], on["ttft_p50_s"]),
+        "ttft_p99_off_over_on": r(off["ttft_p99_s"], on["ttft_p99_s"]),
+        "output_tok_s_on_over_off": r(on["output_tok_s"], off["output_tok_s"]),
+        "wall_on_over_off": r(on["wall_s"], off["wall_s"]),
+    }
 
 
 def aims(res: dict) -> dict:
@@ -242,25 +281,32 @@ def aims(res: dict) -> dict:
         out["system_prompt_ttft_p50_3x"] = q["ttft_p50_off_over_on"] >= 3
         out["system_prompt_throughput_2x"] = q["output_tok_s_on_over_off"] >= 2
     if "no_prefix" in res:
-        out["no_prefix_at_most_3pct_slower"] = res["no_prefix"]["ratio_on_vs_off"][
-            "wall_on_over_off"] <= 1.03
+        out["no_prefix_at_most_3pct_slower"] = (
+            res["no_prefix"]["ratio_on_vs_off"]["wall_on_over_off"] <= 1.03
+        )
     return out
 
 
 def table(model: str, res: dict) -> str:
-    head = (f"{model:<12} {'workload':<14}{'cache':<5}{'TTFT p50':>10}{'p99':>9}{'tok/s':>9}"
-            f"{'wall s':>8}{'hit':>7}{'prefill':>9}{'evict':>7}{'cache s':>9}")
+    head = (
+        f"{model:<12} {'workload':<14}{'cache':<5}{'TTFT p50':>10}{'p99':>9}{'tok/s':>9}"
+        f"{'wall s':>8}{'hit':>7}{'prefill':>9}{'evict':>7}{'cache s':>9}"
+    )
     lines = [head]
     for w, r in res.items():
         for s in ("on", "off"):
             f = r[s]
-            lines.append(f"{'':<12} {w:<14}{s:<5}{f['ttft_p50_s']:>10.4f}{f['ttft_p99_s']:>9.4f}"
-                         f"{f['output_tok_s']:>9.1f}{f['wall_s']:>8.2f}{f['hit_rate']:>7.3f}"
-                         f"{f['prefill_tokens_computed']:>9}{f['evictions']:>7}{f['cache_host_s']:>9.4f}")
+            lines.append(
+                f"{'':<12} {w:<14}{s:<5}{f['ttft_p50_s']:>10.4f}{f['ttft_p99_s']:>9.4f}"
+                f"{f['output_tok_s']:>9.1f}{f['wall_s']:>8.2f}{f['hit_rate']:>7.3f}"
+                f"{f['prefill_tokens_computed']:>9}{f['evictions']:>7}{f['cache_host_s']:>9.4f}"
+            )
         q = r["ratio_on_vs_off"]
-        lines.append(f"{'':<12} {w:<14}     TTFT p50 off/on {q['ttft_p50_off_over_on']}x, "
-                     f"tok/s on/off {q['output_tok_s_on_over_off']}x, wall on/off "
-                     f"{q['wall_on_over_off']}, same tokens {r['same_tokens']}")
+        lines.append(
+            f"{'':<12} {w:<14}     TTFT p50 off/on {q['ttft_p50_off_over_on']}x, "
+            f"tok/s on/off {q['output_tok_s_on_over_off']}x, wall on/off "
+            f"{q['wall_on_over_off']}, same tokens {r['same_tokens']}"
+        )
     return "\n".join(lines)
 
 
@@ -274,11 +320,17 @@ def bench_model(name: str, args, size: dict, ln: dict) -> dict:
     static = static_workloads(vocab, args.seed, size, ln)
     chat = chat_messages(vocab, args.seed, size, ln)
     names = [w for w in WORKLOADS if w in args.workloads.split(",")]
-    kw = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              kv_cache_memory_gb=args.kv_cache_memory_gb)
+    kw = dict(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+    )
     t = time.perf_counter()
-    llms = {"on": LLM(path, enable_prefix_caching=True, **kw),
-            "off": LLM(path, enable_prefix_caching=False, **kw)}
+    llms = {
+        "on": LLM(path, enable_prefix_caching=True, **kw),
+        "off": LLM(path, enable_prefix_caching=False, **kw),
+    }
     load_s = time.perf_counter() - t
     clocks = {s: CacheClock(llm) for s, llm in llms.items()}
     t = time.perf_counter()
@@ -297,15 +349,16 @@ def bench_model(name: str, args, size: dict, ln: dict) -> dict:
             for s in order:
                 fig, ids[s] = run_pass(llms[s], clocks[s], w, static, chat, ln["chat_answer"])
                 runs[w][s].append(fig)
-                log(f"[prefix_cache] {name} {w} cache {s} repeat {rep}: "
+                log(
+                    f"[prefix_cache] {name} {w} cache {s} repeat {rep}: "
                     f"TTFT p50 {fig['ttft_p50_s']:.4f} s, {fig['output_tok_s']:.1f} tok/s, "
-                    f"hit {fig['hit_rate']:.3f}")
+                    f"hit {fig['hit_rate']:.3f}"
+                )
             same[w] &= ids["on"] == ids["off"]
     res = {}
     for w in names:
         on, off = median_figures(runs[w]["on"]), median_figures(runs[w]["off"])
-        res[w] = {"on": on, "off": off, "ratio_on_vs_off": ratios(on, off),
-                  "same_tokens": same[w]}
+        res[w] = {"on": on, "off": off, "ratio_on_vs_off": ratios(on, off), "same_tokens": same[w]}
     entry = {
         "model": name,
         "sizes": {**size, **ln},
@@ -315,7 +368,8 @@ def bench_model(name: str, args, size: dict, ln: dict) -> dict:
         "warmup_s": round(warmup_s, 2),
         "compilations": {s: comp[s] for s in llms},
         "compilations_in_measured_passes": sum(
-            llm.num_compilations - comp[s] for s, llm in llms.items()),
+            llm.num_compilations - comp[s] for s, llm in llms.items()
+        ),
         "workloads": res,
         "aims": aims(res),
     }
@@ -327,20 +381,35 @@ def bench_model(name: str, args, size: dict, ln: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="stories260K,llama110m",
-                    help="comma-separated: stories260K, llama110m, llama1b or paths")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--models",
+        default="stories260K,llama110m",
+        help="comma-separated: stories260K, llama110m, llama1b or paths",
+    )
+    ap.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated subset of {','.join(WORKLOADS)}",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="measured rounds (median reported)")
-    ap.add_argument("--requests", type=int, default=None,
-                    help=f"requests of system_prompt, few_shot, no_prefix (default per model: "
-                         f"{ {k: v['requests'] for k, v in SIZES.items()} })")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"requests of system_prompt, few_shot, no_prefix (default per model: "
+        f"{ {k: v['requests'] for k, v in SIZES.items()} })",
+    )
     ap.add_argument("--users", type=int, default=None, help="chat users (default per model)")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=0.5,
-                    help="KV pool of each LLM, GiB (0.5: 910 pages of 8 tokens for llama110m)")
+    ap.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=0.5,
+        help="KV pool of each LLM, GiB (0.5: 910 pages of 8 tokens for llama110m)",
+    )
     ap.add_argument("--dtype", default="float32")
     add_common_args(ap)
     args = ap.parse_args()

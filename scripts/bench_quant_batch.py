@@ -76,9 +76,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--modes", default="float32,int8,w8a8",
-                    help="comma-separated float32 | int8 | w8a8 (+unfused | +embed), optionally "
-                         ":formulation")
+    ap.add_argument(
+        "--modes",
+        default="float32,int8,w8a8",
+        help="comma-separated float32 | int8 | w8a8 (+unfused | +embed), optionally :formulation",
+    )
     ap.add_argument("--batch-sizes", default="1,4,16,64", help="decode rows")
     ap.add_argument("--prefill", default="256", help="prefill lengths (tokens); '' for none")
     ap.add_argument("--repeats", type=int, default=7)
@@ -87,14 +89,15 @@ def main() -> None:
     for m in args.modes.split(","):
         name, _, variant = m.split(":")[0].partition("+")
         if name not in ("float32", "int8", "w8a8") or variant not in ("", "unfused", "embed"):
-            ap.error(f"--modes: {m!r} is not float32 | int8 | w8a8 [+unfused | +embed]"
-                     "[:formulation]")
+            ap.error(
+                f"--modes: {m!r} is not float32 | int8 | w8a8 [+unfused | +embed][:formulation]"
+            )
 
     sys.path.insert(0, str(REPO))
     from benchlib import emit  # scripts/ is on sys.path when run as a script
 
-    from jaxinfer.models.config import ModelConfig
     from jaxinfer.llm import enable_compilation_cache
+    from jaxinfer.models.config import ModelConfig
     from jaxinfer.models.params import init_random
     from jaxinfer.quant import matmul as qm
 
@@ -150,8 +153,12 @@ def main() -> None:
         ts, cs = np.asarray(tt).T * 1e3
         ms = float(np.median(ts))
         row = table.setdefault(f"{kind}{n}", {})
-        row[m] = {"ms_p50": round(ms, 2), "ms_min": round(float(ts.min()), 2),
-                  "cpu_ms_p50": round(float(np.median(cs)), 2), "tok_s": round(n / ms * 1e3, 1)}
+        row[m] = {
+            "ms_p50": round(ms, 2),
+            "ms_min": round(float(ts.min()), 2),
+            "cpu_ms_p50": round(float(np.median(cs)), 2),
+            "tok_s": round(n / ms * 1e3, 1),
+        }
     for row in table.values():
         f32 = row.get("float32")
         for m, r in row.items():
@@ -162,8 +169,9 @@ def main() -> None:
         "bench": "quant_batch",
         "backend": jax.default_backend(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "git": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip(),
+        "git": subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "repeats": args.repeats,
         "compile_s": round(compile_s, 1),
         "uptime_before": load_before,

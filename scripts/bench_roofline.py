@@ -80,8 +80,9 @@ def matmul_floor(params, repeats: int) -> dict | None:
     def chain(mats, x):
         for m in mats:
             o, i = m.shape
-            y = jnp.einsum("RI,OI->RO", x[:, :i].astype(m.dtype), m,
-                           preferred_element_type=jnp.float32)
+            y = jnp.einsum(
+                "RI,OI->RO", x[:, :i].astype(m.dtype), m, preferred_element_type=jnp.float32
+            )
             x = x + 1e-6 * (y[:, :width] if o >= width else jnp.pad(y, ((0, 0), (0, width - o))))
         return x
 

@@ -37,10 +37,16 @@ from benchlib import add_common_args, emit, host_info, log
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=32000, help="V (default: the 110M Llama's)")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128],
-                    help="batch rows B (the engine's sampled-row buckets)")
-    ap.add_argument("--num-slots", type=int, default=0,
-                    help="padded token slots (default: the largest B)")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1, 8, 16, 32, 64, 128],
+        help="batch rows B (the engine's sampled-row buckets)",
+    )
+    ap.add_argument(
+        "--num-slots", type=int, default=0, help="padded token slots (default: the largest B)"
+    )
     ap.add_argument("--calls", type=int, default=200, help="timed calls per variant and B")
     add_common_args(ap)
     args = ap.parse_args()
@@ -54,8 +60,8 @@ def main() -> None:
 
     jax.config.update("jax_enable_compilation_cache", False)
     import jaxinfer.sampling.sampler as sampling
-    from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors
     from jaxinfer.engine.step import sample_step_padded
+    from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors
 
     slots = args.num_slots or max(args.rows)
     load0 = os.getloadavg()
@@ -63,8 +69,9 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     for b in args.rows:
         logits = jnp.asarray(rng.normal(size=(b, args.vocab)).astype(np.float32))
-        st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b,
-                                         pad_to=b)
+        st = SamplingTensors.from_params(
+            [SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b, pad_to=b
+        )
         st = jax.tree.map(jnp.asarray, st)
         row = {"rows": b}
         tokens = {}
@@ -94,7 +101,8 @@ def main() -> None:
                 wall.append(time.perf_counter() - ww)
                 cpu.append(time.process_time() - cc)
             row[variant] = {
-                "trace_lower_cpu_s": round(c1 - c0, 3), "compile_cpu_s": round(c2 - c1, 3),
+                "trace_lower_cpu_s": round(c1 - c0, 3),
+                "compile_cpu_s": round(c2 - c1, 3),
                 "compile_wall_s": round(w2 - w1, 3),
                 "call_ms_p50": round(1e3 * statistics.median(wall), 3),
                 "call_cpu_ms_p50": round(1e3 * statistics.median(cpu), 3),
@@ -103,18 +111,29 @@ def main() -> None:
             raise SystemExit(f"B={b}: a variant's tokens are not numpy's argmax")
         g, q = row["before"], row["greedy"]
         row["compile_cpu_ratio_before_greedy"] = round(
-            g["compile_cpu_s"] / max(q["compile_cpu_s"], 1e-9), 2)
+            g["compile_cpu_s"] / max(q["compile_cpu_s"], 1e-9), 2
+        )
         row["call_ratio_before_greedy"] = round(g["call_ms_p50"] / max(q["call_ms_p50"], 1e-9), 2)
-        log(f"B={b:4d}  compile cpu s " + " ".join(
-            f"{v} {row[v]['compile_cpu_s']:.3f}" for v in tokens) + "  call ms " + " ".join(
-            f"{v} {row[v]['call_ms_p50']:.3f}" for v in tokens))
+        log(
+            f"B={b:4d}  compile cpu s "
+            + " ".join(f"{v} {row[v]['compile_cpu_s']:.3f}" for v in tokens)
+            + "  call ms "
+            + " ".join(f"{v} {row[v]['call_ms_p50']:.3f}" for v in tokens)
+        )
         rows_out.append(row)
     summary = {
-        "bench": "sample_step", **host_info(), "vocab": args.vocab, "num_slots": slots,
-        "calls": args.calls, "load_before": [round(x, 2) for x in load0],
-        "load_after": [round(x, 2) for x in os.getloadavg()], "rows": rows_out,
-        "compile_cpu_s_total": {v: round(sum(r[v]["compile_cpu_s"] for r in rows_out), 3)
-                                for v in ("before", "general", "greedy")},
+        "bench": "sample_step",
+        **host_info(),
+        "vocab": args.vocab,
+        "num_slots": slots,
+        "calls": args.calls,
+        "load_before": [round(x, 2) for x in load0],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "rows": rows_out,
+        "compile_cpu_s_total": {
+            v: round(sum(r[v]["compile_cpu_s"] for r in rows_out), 3)
+            for v in ("before", "general", "greedy")
+        },
     }
     emit(summary, "bench_sample_step", args.results_dir)
 

@@ -43,9 +43,12 @@ def overhead(llm, prompts, max_tokens: int, repeats: int = 2) -> dict:
     (compilations), then timed alternately ``repeats`` times each; the best time counts."""
     from jaxinfer.sampling.sampler import SamplingParams
 
-    variants = {name: SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                     prompt_logprobs=k) for name, k in (("without", None),
-                                                                        ("with", 5))}
+    variants = {
+        name: SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=k
+        )
+        for name, k in (("without", None), ("with", 5))
+    }
     for sp in variants.values():
         llm.generate(prompts, sp)
     best: dict[str, float] = {}
@@ -56,8 +59,9 @@ def overhead(llm, prompts, max_tokens: int, repeats: int = 2) -> dict:
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
             assert all(r.error is None for r in res)
     toks = sum(len(r.prompt_token_ids) + len(r.token_ids) for r in res)
-    out = {name: {"seconds": round(dt, 3), "tok_s": round(toks / dt, 1)}
-           for name, dt in best.items()}
+    out = {
+        name: {"seconds": round(dt, 3), "tok_s": round(toks / dt, 1)} for name, dt in best.items()
+    }
     out["tokens"] = toks
     out["prompt_tokens"] = sum(len(r.prompt_token_ids) for r in res)
     out["overhead"] = B.ratio(best["with"], best["without"])
@@ -87,14 +91,22 @@ def hf_scores(hf_dir, pairs, batch_size: int) -> tuple[list[float], str, float]:
             tok_dir = Path(tempfile.mkdtemp())
             shutil.copy(Path(hf_dir) / "config.json", tok_dir / "config.json")
             shutil.copy(B.STORIES / "tok512.model", tok_dir / "tokenizer.model")
-        lm = HFLM(pretrained=str(hf_dir), tokenizer=str(tok_dir), batch_size=batch_size,
-                  dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
+        lm = HFLM(
+            pretrained=str(hf_dir),
+            tokenizer=str(tok_dir),
+            batch_size=batch_size,
+            dtype="float32",
+            device="cuda" if torch.cuda.is_available() else "cpu",
+        )
         reqs = [(("", ""), list(c), list(x)) for c, x in pairs]
         lm._loglikelihood_tokens(reqs[:batch_size], disable_tqdm=True)  # warm-up
         t = time.perf_counter()
         res = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
-        return [float(r[0]) for r in res], "lm_eval HFLM._loglikelihood_tokens", \
-            time.perf_counter() - t
+        return (
+            [float(r[0]) for r in res],
+            "lm_eval HFLM._loglikelihood_tokens",
+            time.perf_counter() - t,
+        )
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -102,7 +114,7 @@ def hf_scores(hf_dir, pairs, batch_size: int) -> tuple[list[float], str, float]:
     out = []
     with torch.no_grad():
         for i in range(0, len(pairs), batch_size):
-            chunk = pairs[i:i + batch_size]
+            chunk = pairs[i : i + batch_size]
             seqs = [c + x for c, x in chunk]
             n = max(map(len, seqs))
             ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
@@ -136,15 +148,25 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     # Prefix caching off: a timed pass must not read pages its warm-up pass cached (requests with
     # prompt logprobs never read them, so the comparison would be skewed).
-    llm = LLM(path, max_model_len=512, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=1024, enable_prefix_caching=False)
-    summary = {"bench": "scoring", "model": args.model, **B.host_info(),
-               "load_avg": os.getloadavg(), "args": vars(args)}
+    llm = LLM(
+        path,
+        max_model_len=512,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+    )
+    summary = {
+        "bench": "scoring",
+        "model": args.model,
+        **B.host_info(),
+        "load_avg": os.getloadavg(),
+        "args": vars(args),
+    }
     B.log("overhead ...")
     summary["prompt_logprobs_overhead"] = overhead(
-        llm, _workload(args.requests, vocab, args.mean_input, rng), args.max_tokens)
-    pairs = _pairs(args.contexts, args.choices, args.context_len, args.continuation_len, vocab,
-                   rng)
+        llm, _workload(args.requests, vocab, args.mean_input, rng), args.max_tokens
+    )
+    pairs = _pairs(args.contexts, args.choices, args.context_len, args.continuation_len, vocab, rng)
     B.log("score ...")
     llm.score(pairs)  # warm-up
     t = time.perf_counter()
@@ -155,8 +177,7 @@ def main(argv=None) -> int:
     # pages (prompt_logprobs_from); the cache is emptied after the warm-up pass, so the timed
     # pass shares contexts only within itself.
     del llm
-    llm = LLM(path, max_model_len=512, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=1024)
+    llm = LLM(path, max_model_len=512, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=1024)
     llm.score(pairs)
     for e in llm.engines:
         e.allocator.clear_cache()
@@ -168,11 +189,14 @@ def main(argv=None) -> int:
     B.log("hf ...")
     ref, which, hf_dt = hf_scores(hf_dir, pairs, args.hf_batch_size)
     summary["score"] = {
-        "pairs": len(pairs), "jaxinfer_pairs_s": round(len(pairs) / dt, 2),
+        "pairs": len(pairs),
+        "jaxinfer_pairs_s": round(len(pairs) / dt, 2),
         "jaxinfer_prefix_caching_pairs_s": round(len(pairs) / dt_on, 2),
         "prefix_cached_tokens": llm.prefix_cache_stats()["hit_tokens"] - before,
-        "hf_pairs_s": round(len(pairs) / hf_dt, 2), "hf_reference": which,
-        "speedup": B.ratio(hf_dt, dt), "speedup_prefix_caching": B.ratio(hf_dt, dt_on),
+        "hf_pairs_s": round(len(pairs) / hf_dt, 2),
+        "hf_reference": which,
+        "speedup": B.ratio(hf_dt, dt),
+        "speedup_prefix_caching": B.ratio(hf_dt, dt_on),
         "max_abs_logprob_diff": float(np.max(np.abs(np.array([r.logprob for r in res]) - ref))),
     }
     summary["load_avg_end"] = os.getloadavg()

@@ -121,6 +121,7 @@ def _cpu_s(pid: int | None) -> tuple[float, float] | None:
         return None
     tick = os.sysconf("SC_CLK_TCK")
     try:
+
         def read(path):
             f = Path(path).read_text().rsplit(")", 1)[1].split()
             return (int(f[11]) + int(f[12])) / tick  # utime, stime (fields 14, 15)
@@ -148,16 +149,28 @@ async def _scrape(client, url: str, names: tuple[str, ...]) -> dict:
     return out
 
 
-JAX_GAUGES = ("jaxinfer:num_compilations", "jaxinfer:num_requests_running",
-              "jaxinfer:num_requests_waiting", "jaxinfer:num_kv_pages_used")
+JAX_GAUGES = (
+    "jaxinfer:num_compilations",
+    "jaxinfer:num_requests_running",
+    "jaxinfer:num_requests_waiting",
+    "jaxinfer:num_kv_pages_used",
+)
 
 
 class Server:
     """A server subprocess (or an external URL) and what to send it."""
 
-    def __init__(self, name: str, cmd: list[str] | None, url: str, model: str, vllm_extras: bool,
-                 start_timeout: float = 600.0, env: dict | None = None,
-                 continuous_usage: bool = True):
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str] | None,
+        url: str,
+        model: str,
+        vllm_extras: bool,
+        start_timeout: float = 600.0,
+        env: dict | None = None,
+        continuous_usage: bool = True,
+    ):
         self.name, self.cmd, self.url, self.model = name, cmd, url, model
         self.vllm_extras, self.start_timeout, self.env = vllm_extras, start_timeout, env
         self.continuous_usage = continuous_usage
@@ -172,8 +185,12 @@ class Server:
         if self.cmd is None:
             return None
         self.log_path = log_dir / f"{self.name}.log"
-        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log_path, "w"),  # noqa: SIM115
-                                     stderr=subprocess.STDOUT, env=self.env or dict(os.environ))
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=open(self.log_path, "w"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            env=self.env or dict(os.environ),
+        )
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -199,8 +216,9 @@ class Server:
             return self.proc.wait(30)
 
 
-def request_timings(t0: float, end: float, events: list[tuple[float, dict]],
-                    continuous: bool) -> dict:
+def request_timings(
+    t0: float, end: float, events: list[tuple[float, dict]], continuous: bool
+) -> dict:
     """TTFT, ITL and TPOT of one streamed completion from its chunks ``(arrival time, chunk)``,
     timed by tokens, not text.
 
@@ -226,27 +244,51 @@ def request_timings(t0: float, end: float, events: list[tuple[float, dict]],
             count = u["completion_tokens"]
         else:
             usage = u or usage
-            k = int(any(c.get("text") or (c.get("delta") or {}).get("content")
-                        for c in chunk["choices"]))
+            k = int(
+                any(
+                    c.get("text") or (c.get("delta") or {}).get("content") for c in chunk["choices"]
+                )
+            )
         if k > 0:
             times.append(t)
             n_seen += k
     n_out = usage["completion_tokens"] if usage else (count or n_seen)
     if not times:
-        return {"ttft": None, "e2e": end - t0, "out": n_out, "tpot": None, "itl": [],
-                "signal": signal, "token_chunks": 0}
-    return {"ttft": times[0] - t0, "e2e": end - t0, "out": n_out,
-            "tpot": (times[-1] - times[0]) / (n_out - 1) if n_out > 1 else None,
-            "itl": list(np.diff(times)), "signal": signal, "token_chunks": len(times)}
+        return {
+            "ttft": None,
+            "e2e": end - t0,
+            "out": n_out,
+            "tpot": None,
+            "itl": [],
+            "signal": signal,
+            "token_chunks": 0,
+        }
+    return {
+        "ttft": times[0] - t0,
+        "e2e": end - t0,
+        "out": n_out,
+        "tpot": (times[-1] - times[0]) / (n_out - 1) if n_out > 1 else None,
+        "itl": list(np.diff(times)),
+        "signal": signal,
+        "token_chunks": len(times),
+    }
 
 
 async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
     # continuous_usage_stats (vLLM's, and jaxinfer's): every chunk says how many tokens so far,
     # so a token that decodes to no text is still timed; asked of the servers that honour it.
-    opts = {"include_usage": True, **({"continuous_usage_stats": True}
-                                      if server.continuous_usage else {})}
-    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": opts}
+    opts = {
+        "include_usage": True,
+        **({"continuous_usage_stats": True} if server.continuous_usage else {}),
+    }
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": opts,
+    }
     if server.vllm_extras:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
@@ -277,15 +319,28 @@ async def _one(client, server: Server, prompt: str, max_tokens: int) -> dict:
     res = request_timings(t0, end, events, server.continuous_usage)
     # A request none of whose chunks showed a token (with the text signal: tokens that decode
     # to no text) completed if the usage counts tokens; it has no TTFT, TPOT or ITL.
-    if err or not (done or finished) or not (res["ttft"] is not None or (
-            usage and usage["completion_tokens"])):
-        return {"ok": False, "error": err or ("no tokens" if (done or finished) else
-                                              "neither [DONE] nor a finish_reason")}
+    if (
+        err
+        or not (done or finished)
+        or not (res["ttft"] is not None or (usage and usage["completion_tokens"]))
+    ):
+        return {
+            "ok": False,
+            "error": err
+            or ("no tokens" if (done or finished) else "neither [DONE] nor a finish_reason"),
+        }
     return {"ok": True, **res}
 
 
-async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
-                    concurrency: int, seed: int, probe=None, probe_every: int = 0) -> dict:
+async def _run_rate(
+    server: Server,
+    work: list[tuple[str, int]],
+    rate: float,
+    concurrency: int,
+    seed: int,
+    probe=None,
+    probe_every: int = 0,
+) -> dict:
     """One pass of ``work`` at ``rate``. ``probe(client, completed, t)`` (async) runs before,
     after every ``probe_every`` finished requests and after; its results are ``samples``.
     ``server_cpu_ms_per_token``: the server process's CPU time (all threads, and its main
@@ -308,15 +363,23 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
             async with sem:
                 res = await _one(client, server, prompt, max_tokens)
             finished += 1
-            if probe is not None and probe_every and finished % probe_every == 0 \
-                    and finished < len(work):
-                probes.append(asyncio.create_task(
-                    probe(client, finished, time.perf_counter() - t0)))
+            if (
+                probe is not None
+                and probe_every
+                and finished % probe_every == 0
+                and finished < len(work)
+            ):
+                probes.append(
+                    asyncio.create_task(probe(client, finished, time.perf_counter() - t0))
+                )
             return res
 
         comp = "jaxinfer:num_compilations"
-        comp0 = (await _scrape(client, server.url, (comp,))).get(comp) \
-            if server.name == "jaxinfer" else None
+        comp0 = (
+            (await _scrape(client, server.url, (comp,))).get(comp)
+            if server.name == "jaxinfer"
+            else None
+        )
         t0 = time.perf_counter()
         if probe is not None:
             samples.append(await probe(client, 0, 0.0))
@@ -330,8 +393,9 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
             samples += await asyncio.gather(*probes)
             samples.append(await probe(client, len(work), dur))
         if comp0 is not None:  # step shapes compiled during the pass (they stall every request)
-            extra0 = {"compilations": [comp0, (await _scrape(client, server.url, (comp,)))
-                                       .get(comp)]}
+            extra0 = {
+                "compilations": [comp0, (await _scrape(client, server.url, (comp,))).get(comp)]
+            }
         else:
             extra0 = {}
     ok = [r for r in results if r["ok"]]
@@ -341,15 +405,22 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
     if cpu0 and cpu1 and out_tokens:
         extra["server_cpu_ms_per_token"] = {
             "all_threads": round(1e3 * (cpu1[0] - cpu0[0]) / out_tokens, 4),
-            "main_thread": round(1e3 * (cpu1[1] - cpu0[1]) / out_tokens, 4)}
+            "main_thread": round(1e3 * (cpu1[1] - cpu0[1]) / out_tokens, 4),
+        }
     return {
-        "rate": "inf" if math.isinf(rate) else rate, "load_before": load0,
-        "load_after": _load(), **extra, "completed": len(ok),
+        "rate": "inf" if math.isinf(rate) else rate,
+        "load_before": load0,
+        "load_after": _load(),
+        **extra,
+        "completed": len(ok),
         "failures": len(results) - len(ok),
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:3],
-        "duration_s": round(dur, 3), "request_throughput": round(len(ok) / dur, 3),
-        "output_tok_s": round(out_tokens / dur, 2), "output_tokens": out_tokens,
-        "ttft_s": stats([r["ttft"] for r in ok]), "tpot_s": stats([r["tpot"] for r in ok]),
+        "duration_s": round(dur, 3),
+        "request_throughput": round(len(ok) / dur, 3),
+        "output_tok_s": round(out_tokens / dur, 2),
+        "output_tokens": out_tokens,
+        "ttft_s": stats([r["ttft"] for r in ok]),
+        "tpot_s": stats([r["tpot"] for r in ok]),
         "itl_s": stats([x for r in ok for x in r["itl"]]),
         "e2e_s": stats([r["e2e"] for r in ok]),
         "no_token_chunk": sum(r["ttft"] is None for r in ok),  # completed, no token seen
@@ -357,15 +428,22 @@ async def _run_rate(server: Server, work: list[tuple[str, int]], rate: float,
         "token_signal": {s: sum(r["signal"] == s for r in ok) for s in ("usage", "text")},
         # token-bearing chunks per output token (< 1: chunks of several tokens)
         "chunks_per_token": round(sum(r["token_chunks"] for r in ok) / out_tokens, 4)
-        if out_tokens else None,
+        if out_tokens
+        else None,
     }
 
 
 def _servers(args) -> tuple[list[Server], dict]:
     skipped: dict[str, str] = {}
     if args.base_url:
-        srv = Server("jaxinfer", None, args.base_url.rstrip("/"), args.served_model, True,
-                     continuous_usage=not args.no_continuous_usage)
+        srv = Server(
+            "jaxinfer",
+            None,
+            args.base_url.rstrip("/"),
+            args.served_model,
+            True,
+            continuous_usage=not args.no_continuous_usage,
+        )
         srv.pid = args.server_pid
         return [srv], {}
     servers = []
@@ -374,10 +452,25 @@ def _servers(args) -> tuple[list[Server], dict]:
     full_vocab = args.model in RANDOM_LLAMAS and not args.tok512
     if full_vocab:  # the same directory, tokenizer included, for every server
         engine_path = full_vocab_dir(args.model)
-    cmd = [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(engine_path), "--port",
-           str(port), "--warmup", "--max-num-seqs", str(args.max_num_seqs), "--log-level",
-           "warning", "--served-model-name", "bench", "--max-model-len",
-           str(args.max_model_len)] + args.jaxinfer_args.split()
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxinfer.cli.main",
+        "serve",
+        "--model",
+        str(engine_path),
+        "--port",
+        str(port),
+        "--warmup",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--log-level",
+        "warning",
+        "--served-model-name",
+        "bench",
+        "--max-model-len",
+        str(args.max_model_len),
+    ] + args.jaxinfer_args.split()
     servers.append(Server("jaxinfer", cmd, f"http://127.0.0.1:{port}", "bench", True))
     if "transformers" in args.peers:
         exe = shutil.which("transformers")
@@ -388,17 +481,38 @@ def _servers(args) -> tuple[list[Server], dict]:
                 hf = engine_path if full_vocab else hf_serve_dir(args.model)
                 port = _free_port()
                 env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-                servers.append(Server(
-                    "transformers", [exe, "serve", str(hf), "--port", str(port),
-                                     "--continuous-batching", "--device", "cpu",
-                                     "--dtype", "float32"] + (
-                                         args.transformers_args.split()
-                                         if args.transformers_args is not None else
-                                         ["--cb-block-size", "32", "--cb-num-blocks",
-                                          str(-(-args.max_num_seqs * args.max_model_len
-                                                // 32))]),
-                    f"http://127.0.0.1:{port}", str(hf), False, env=env,
-                    continuous_usage=False))
+                servers.append(
+                    Server(
+                        "transformers",
+                        [
+                            exe,
+                            "serve",
+                            str(hf),
+                            "--port",
+                            str(port),
+                            "--continuous-batching",
+                            "--device",
+                            "cpu",
+                            "--dtype",
+                            "float32",
+                        ]
+                        + (
+                            args.transformers_args.split()
+                            if args.transformers_args is not None
+                            else [
+                                "--cb-block-size",
+                                "32",
+                                "--cb-num-blocks",
+                                str(-(-args.max_num_seqs * args.max_model_len // 32)),
+                            ]
+                        ),
+                        f"http://127.0.0.1:{port}",
+                        str(hf),
+                        False,
+                        env=env,
+                        continuous_usage=False,
+                    )
+                )
             except Exception as e:  # noqa: BLE001 - the peer is optional
                 skipped["transformers"] = f"cannot prepare the HF directory: {e}"[:300]
     if "llamacpp" in args.peers:
@@ -408,10 +522,26 @@ def _servers(args) -> tuple[list[Server], dict]:
             skipped["llamacpp"] = "no --gguf file of the same weights"
         else:
             port = _free_port()
-            servers.append(Server(
-                "llamacpp", [sys.executable, "-m", "llama_cpp.server", "--model", args.gguf,
-                             "--port", str(port), "--host", "127.0.0.1"],
-                f"http://127.0.0.1:{port}", args.gguf, False, continuous_usage=False))
+            servers.append(
+                Server(
+                    "llamacpp",
+                    [
+                        sys.executable,
+                        "-m",
+                        "llama_cpp.server",
+                        "--model",
+                        args.gguf,
+                        "--port",
+                        str(port),
+                        "--host",
+                        "127.0.0.1",
+                    ],
+                    f"http://127.0.0.1:{port}",
+                    args.gguf,
+                    False,
+                    continuous_usage=False,
+                )
+            )
     return servers, skipped
 
 
@@ -453,7 +583,8 @@ async def _idle_metrics(srv: Server, timeout: float = 30.0) -> dict:
         while True:
             got = await _scrape(client, srv.url, JAX_GAUGES)
             busy = got.get("jaxinfer:num_requests_running", 0) + got.get(
-                "jaxinfer:num_requests_waiting", 0)
+                "jaxinfer:num_requests_waiting", 0
+            )
             if not got or not busy or time.monotonic() > deadline:
                 return {k.split(":")[1]: v for k, v in got.items()}
             await asyncio.sleep(0.2)
@@ -464,62 +595,117 @@ def _texts(model: str, n: int, seed: int, args) -> list[tuple[str, int]]:
 
     tok = load_tokenizer(STORIES / "tok512.model", vocab_size=512)
     _, vocab, _ = resolve_model(model)
-    return [(tok.decode(ids[1:]), mt) for ids, mt in make_workload(
-        n, max_model_len=args.max_model_len, vocab=vocab, seed=seed,
-        mean_input=args.mean_input, mean_output=args.mean_output)]
+    return [
+        (tok.decode(ids[1:]), mt)
+        for ids, mt in make_workload(
+            n,
+            max_model_len=args.max_model_len,
+            vocab=vocab,
+            seed=seed,
+            mean_input=args.mean_input,
+            mean_output=args.mean_output,
+        )
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap)
-    ap.add_argument("--model", default="stories260K",
-                    help="stories260K, llama110m (random ~110M Llama) or a checkpoint path")
+    ap.add_argument(
+        "--model",
+        default="stories260K",
+        help="stories260K, llama110m (random ~110M Llama) or a checkpoint path",
+    )
     ap.add_argument("--base-url", default=None, help="benchmark a server already running")
     ap.add_argument("--served-model", default=None, help="its model name (with --base-url)")
-    ap.add_argument("--no-continuous-usage", action="store_true",
-                    help="with --base-url: the server lacks vLLM's stream_options."
-                    "continuous_usage_stats (tokens then timed by text chunks)")
-    ap.add_argument("--server-pid", type=int, default=None,
-                    help="its process id (with --base-url): CPU time and RSS from /proc")
-    ap.add_argument("--peers", default="transformers,llamacpp",
-                    help="comma list: transformers, llamacpp ('' for none)")
+    ap.add_argument(
+        "--no-continuous-usage",
+        action="store_true",
+        help="with --base-url: the server lacks vLLM's stream_options."
+        "continuous_usage_stats (tokens then timed by text chunks)",
+    )
+    ap.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="its process id (with --base-url): CPU time and RSS from /proc",
+    )
+    ap.add_argument(
+        "--peers",
+        default="transformers,llamacpp",
+        help="comma list: transformers, llamacpp ('' for none)",
+    )
     ap.add_argument("--gguf", default=None, help="the same weights as GGUF, for llama.cpp")
-    ap.add_argument("--request-rates", default="1,4,16,inf",
-                    help="comma list of requests/s ('inf': all at once; 'none': no rates)")
+    ap.add_argument(
+        "--request-rates",
+        default="1,4,16,inf",
+        help="comma list of requests/s ('inf': all at once; 'none': no rates)",
+    )
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=512,
-                    help="jaxinfer's --max-model-len; lengths are drawn up to half of it")
-    ap.add_argument("--tok512", action="store_true",
-                    help="random Llamas (llama110m): serve them with the 512-piece tokenizer "
-                    "alone (their sampled ids then decode to almost no text) instead of one "
-                    "extended to their vocabulary")
-    ap.add_argument("--jaxinfer-args", default="",
-                    help="more flags for jaxinfer serve (one string, split on spaces)")
-    ap.add_argument("--transformers-args", default=None,
-                    help="flags for transformers serve in place of the KV sizing (one string, "
-                    "e.g. '--cb-max-memory-percent 0.2')")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=512,
+        help="jaxinfer's --max-model-len; lengths are drawn up to half of it",
+    )
+    ap.add_argument(
+        "--tok512",
+        action="store_true",
+        help="random Llamas (llama110m): serve them with the 512-piece tokenizer "
+        "alone (their sampled ids then decode to almost no text) instead of one "
+        "extended to their vocabulary",
+    )
+    ap.add_argument(
+        "--jaxinfer-args",
+        default="",
+        help="more flags for jaxinfer serve (one string, split on spaces)",
+    )
+    ap.add_argument(
+        "--transformers-args",
+        default=None,
+        help="flags for transformers serve in place of the KV sizing (one string, "
+        "e.g. '--cb-max-memory-percent 0.2')",
+    )
     ap.add_argument("--mean-input", type=float, default=48)
     ap.add_argument("--mean-output", type=float, default=64)
-    ap.add_argument("--soak", type=int, default=0, metavar="N",
-                    help="after the rates, N requests at rate inf with RSS samples (0: none)")
-    ap.add_argument("--soak-sample-every", type=int, default=100, metavar="K",
-                    help="RSS sampled every K finished soak requests")
-    ap.add_argument("--no-warm-pass", action="store_true",
-                    help="measure from a cold server (by default one pass of the workload at "
-                    "rate inf runs first, so step shapes are compiled; reported as cold_pass)")
+    ap.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the rates, N requests at rate inf with RSS samples (0: none)",
+    )
+    ap.add_argument(
+        "--soak-sample-every",
+        type=int,
+        default=100,
+        metavar="K",
+        help="RSS sampled every K finished soak requests",
+    )
+    ap.add_argument(
+        "--no-warm-pass",
+        action="store_true",
+        help="measure from a cold server (by default one pass of the workload at "
+        "rate inf runs first, so step shapes are compiled; reported as cold_pass)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.request_rates, args.mean_output = 16, "8,inf", 24
         args.soak = min(args.soak, 24)
         args.soak_sample_every = min(args.soak_sample_every, 8)
     try:
-        rates = ([] if args.request_rates.strip() in ("", "none") else
-                 [float(r) for r in args.request_rates.split(",")])
+        rates = (
+            []
+            if args.request_rates.strip() in ("", "none")
+            else [float(r) for r in args.request_rates.split(",")]
+        )
     except ValueError:
-        ap.error(f"--request-rates: expected comma-separated numbers, inf or none, got "
-                 f"{args.request_rates!r}")
+        ap.error(
+            f"--request-rates: expected comma-separated numbers, inf or none, got "
+            f"{args.request_rates!r}"
+        )
     if any(not r > 0 for r in rates):  # NaN, 0 and negatives: no Poisson process
         ap.error(f"--request-rates: every rate must be > 0 (or inf), got {args.request_rates!r}")
     args.peers = [p for p in args.peers.split(",") if p]
@@ -539,34 +725,49 @@ def main() -> None:
             log(f"{srv.name} skipped: {why}")
             continue
         pid = srv.proc.pid if srv.proc else srv.pid
-        entry = {"startup_s": round(time.perf_counter() - t_start, 2),
-                 "rss_mb_start": _rss_mb(pid) if pid else None, "rates": []}
+        entry = {
+            "startup_s": round(time.perf_counter() - t_start, 2),
+            "rss_mb_start": _rss_mb(pid) if pid else None,
+            "rates": [],
+        }
         if not args.no_warm_pass:  # compiles (jaxinfer) and first-use costs, reported apart
             cold = asyncio.run(_run_rate(srv, work, math.inf, args.max_concurrency, args.seed))
-            entry["cold_pass"] = {k: cold[k] for k in ("duration_s", "failures",
-                                                      "output_tok_s", "load_before",
-                                                      "load_after")}
+            entry["cold_pass"] = {
+                k: cold[k]
+                for k in ("duration_s", "failures", "output_tok_s", "load_before", "load_after")
+            }
             entry["rss_mb_after_cold"] = _rss_mb(pid) if pid else None
         for i, rate in enumerate(rates):
             r = asyncio.run(_run_rate(srv, work, rate, args.max_concurrency, args.seed + i))
-            log(f"{srv.name} rate {r['rate']}: {r['output_tok_s']} tok/s, TTFT p50 "
+            log(
+                f"{srv.name} rate {r['rate']}: {r['output_tok_s']} tok/s, TTFT p50 "
                 f"{r['ttft_s']['p50']} p99 {r['ttft_s']['p99']} s, {r['failures']} failures, "
                 f"load {r['load_before']} -> {r['load_after']}, server CPU ms/token "
-                f"{r.get('server_cpu_ms_per_token')}, compilations {r.get('compilations')}")
+                f"{r.get('server_cpu_ms_per_token')}, compilations {r.get('compilations')}"
+            )
             entry["rates"].append(r)
         if rates:
             entry["ttft_p99_rates"] = ttft_p99_rates(entry["rates"])
         if args.soak:
-            r = asyncio.run(_run_rate(srv, soak_work, math.inf, args.max_concurrency,
-                                      args.seed + 1000, probe=_probe_for(srv),
-                                      probe_every=args.soak_sample_every))
+            r = asyncio.run(
+                _run_rate(
+                    srv,
+                    soak_work,
+                    math.inf,
+                    args.max_concurrency,
+                    args.seed + 1000,
+                    probe=_probe_for(srv),
+                    probe_every=args.soak_sample_every,
+                )
+            )
             r.pop("rate")
-            r["idle_metrics"] = asyncio.run(_idle_metrics(srv)) if srv.name == "jaxinfer" \
-                else None
+            r["idle_metrics"] = asyncio.run(_idle_metrics(srv)) if srv.name == "jaxinfer" else None
             rss = [x["rss_mb"] for x in r["samples"]]
-            log(f"{srv.name} soak: {r['completed']} done, {r['failures']} failures, "
+            log(
+                f"{srv.name} soak: {r['completed']} done, {r['failures']} failures, "
                 f"{r['output_tok_s']} tok/s, RSS {rss[0]} -> {rss[-1]} MB, "
-                f"idle {r['idle_metrics']}")
+                f"idle {r['idle_metrics']}"
+            )
             entry["soak"] = r
         entry["rss_mb_end"] = _rss_mb(pid) if pid else None
         entry["exit_status"] = srv.stop()
@@ -576,21 +777,44 @@ def main() -> None:
     for peer, res in results.items():
         if peer == "jaxinfer" or base is None:
             continue
-        ratios[peer] = [{"rate": a["rate"],
-                         "output_tok_s": ratio(a["output_tok_s"], b["output_tok_s"]),
-                         "ttft_p50": ratio(a["ttft_s"]["p50"], b["ttft_s"]["p50"]),
-                         "ttft_p99": ratio(a["ttft_s"]["p99"], b["ttft_s"]["p99"])}
-                        for a, b in zip(base["rates"], res["rates"], strict=True)]
+        ratios[peer] = [
+            {
+                "rate": a["rate"],
+                "output_tok_s": ratio(a["output_tok_s"], b["output_tok_s"]),
+                "ttft_p50": ratio(a["ttft_s"]["p50"], b["ttft_s"]["p50"]),
+                "ttft_p99": ratio(a["ttft_s"]["p99"], b["ttft_s"]["p99"]),
+            }
+            for a, b in zip(base["rates"], res["rates"], strict=True)
+        ]
         if "soak" in base and "soak" in res:
-            ratios[peer].append({"rate": "soak", "output_tok_s": ratio(
-                base["soak"]["output_tok_s"], res["soak"]["output_tok_s"])})
-    emit({"bench": "bench_serve", **host_info(), "model": args.model,
-          "num_prompts": args.num_prompts, "soak": args.soak,
-          "max_concurrency": args.max_concurrency, "max_num_seqs": args.max_num_seqs,
-          "mean_input": args.mean_input, "mean_output": args.mean_output,
-          "jaxinfer_args": args.jaxinfer_args, "transformers_args": args.transformers_args,
-          "servers": results, "skipped": skipped,
-          "jaxinfer_over_peer": ratios}, "bench_serve", args.results_dir)
+            ratios[peer].append(
+                {
+                    "rate": "soak",
+                    "output_tok_s": ratio(
+                        base["soak"]["output_tok_s"], res["soak"]["output_tok_s"]
+                    ),
+                }
+            )
+    emit(
+        {
+            "bench": "bench_serve",
+            **host_info(),
+            "model": args.model,
+            "num_prompts": args.num_prompts,
+            "soak": args.soak,
+            "max_concurrency": args.max_concurrency,
+            "max_num_seqs": args.max_num_seqs,
+            "mean_input": args.mean_input,
+            "mean_output": args.mean_output,
+            "jaxinfer_args": args.jaxinfer_args,
+            "transformers_args": args.transformers_args,
+            "servers": results,
+            "skipped": skipped,
+            "jaxinfer_over_peer": ratios,
+        },
+        "bench_serve",
+        args.results_dir,
+    )
 
 
 if __name__ == "__main__":

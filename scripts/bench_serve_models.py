@@ -19,8 +19,11 @@ def hf_serve_dir(model: str) -> Path:
     _, _, src = resolve_model(model, hf=True)
     if src is None:
         raise FileNotFoundError(f"{model} is not a Hugging Face directory (no config.json)")
-    return _linked_dir(src, src.with_name(src.name + "-hf-serve3"),
-                       lambda dst: shutil.copy(STORIES / "tok512.model", dst))
+    return _linked_dir(
+        src,
+        src.with_name(src.name + "-hf-serve3"),
+        lambda dst: shutil.copy(STORIES / "tok512.model", dst),
+    )
 
 
 def _linked_dir(src: Path, path: Path, write_tokenizer) -> Path:
@@ -33,9 +36,17 @@ def _linked_dir(src: Path, path: Path, write_tokenizer) -> Path:
             if f.is_file() and f.name not in ("tokenizer.model", "tokenizer_config.json"):
                 (tmp / f.name).symlink_to(f.resolve())
         write_tokenizer(tmp / "tokenizer.model")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-             "unk_token": "<unk>", "add_bos_token": True}))
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "LlamaTokenizer",
+                    "bos_token": "<s>",
+                    "eos_token": "</s>",
+                    "unk_token": "<unk>",
+                    "add_bos_token": True,
+                }
+            )
+        )
         tmp.rename(path)
     return path
 
@@ -66,5 +77,8 @@ def full_vocab_dir(model: str) -> Path:
     (``full_vocab_tokenizer``) with a LlamaTokenizer config, so every id it samples decodes to
     text (with the 512 pieces alone, almost none does)."""
     src, vocab, _ = resolve_model(model)
-    return _linked_dir(src, src.with_name(src.name + "-serve-fullvocab"),
-                       lambda dst: full_vocab_tokenizer(STORIES / "tok512.model", vocab, dst))
+    return _linked_dir(
+        src,
+        src.with_name(src.name + "-serve-fullvocab"),
+        lambda dst: full_vocab_tokenizer(STORIES / "tok512.model", vocab, dst),
+    )

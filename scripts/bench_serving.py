@@ -27,7 +27,8 @@ transformers' own continuous batching (``model.generate_batch``, one call over a
 ``max_new_tokens`` the largest request's; throughput only), reported as ``<dtype>_generate_batch``.
 
 With ``--batch-invariant`` the engine also runs the same workload with
-``LLM(batch_invariant=True)`` (``jaxinfer.models.batch_invariant``), reported as ``engine_batch_invariant``
+``LLM(batch_invariant=True)`` (``jaxinfer.models.batch_invariant``), reported as
+``engine_batch_invariant``
 with ``batch_invariant_cost``: its throughput and latencies over the default engine's, and the
 fraction of requests whose greedy tokens are the same in both modes.
 
@@ -59,14 +60,25 @@ DEFAULT_PROMPTS = {"stories260K": 64, "llama110m": 64, "llama1b": 8}
 
 
 def run_engine(
-    path, reqs, *, dtype: str, max_model_len: int, max_num_seqs: int, warmup: bool,
+    path,
+    reqs,
+    *,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    warmup: bool,
     batch_invariant: bool = False,
 ) -> dict:
     from jaxinfer import LLM
 
     t = time.perf_counter()
-    llm = LLM(path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              batch_invariant=batch_invariant)
+    llm = LLM(
+        path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        batch_invariant=batch_invariant,
+    )
     load_s = time.perf_counter() - t
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     sps = [greedy(o) for _, o in reqs]
@@ -101,8 +113,9 @@ def run_engine(
     return res, token_ids
 
 
-def run_hf(hf_dir, reqs, *, dtype: str, batch_size: int, threads: int,
-           device: str = "cpu") -> tuple[dict, list]:
+def run_hf(
+    hf_dir, reqs, *, dtype: str, batch_size: int, threads: int, device: str = "cpu"
+) -> tuple[dict, list]:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.streamers import BaseStreamer
@@ -144,8 +157,10 @@ def run_hf(hf_dir, reqs, *, dtype: str, batch_size: int, threads: int,
         )
         with torch.inference_mode():
             return model.generate(
-                input_ids.to(device), attention_mask=mask.to(device), generation_config=cfg,
-                streamer=streamer
+                input_ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=cfg,
+                streamer=streamer,
             )[:, width:]
 
     gen(reqs[:1], 2)  # warm-up (allocator, thread pool); transformers compiles nothing
@@ -191,11 +206,17 @@ def run_hf_continuous(hf_dir, reqs, *, dtype: str, device: str) -> tuple[dict, l
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
     model = model.to(device)
     load_s = time.perf_counter() - t
-    cfg = GenerationConfig(max_new_tokens=max(o for _, o in reqs), do_sample=False,
-                           pad_token_id=0, eos_token_id=None, bos_token_id=1)
+    cfg = GenerationConfig(
+        max_new_tokens=max(o for _, o in reqs),
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=1,
+    )
     with torch.inference_mode():
-        warm = GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0,
-                                eos_token_id=None)
+        warm = GenerationConfig(
+            max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
         model.generate_batch([reqs[0][0]], generation_config=warm)  # warm-up
         t0 = time.perf_counter()
         outs = model.generate_batch([ids for ids, _ in reqs], generation_config=cfg)
@@ -205,10 +226,17 @@ def run_hf_continuous(hf_dir, reqs, *, dtype: str, device: str) -> tuple[dict, l
         raise RuntimeError(f"generate_batch returned {len(got)} results for {len(reqs)} requests")
     token_ids = [list(g.generated_tokens)[:o] for g, (_, o) in zip(got, reqs, strict=True)]
     n_out = sum(len(x) for x in token_ids)
-    res = {"dtype": dtype, "device": device, "mode": "generate_batch",
-           "wall_s": round(wall, 3), "requests_s": round(len(reqs) / wall, 3),
-           "output_tok_s": round(n_out / wall, 2), "output_tokens": n_out,
-           "max_new_tokens_all": cfg.max_new_tokens, "load_s": round(load_s, 3)}
+    res = {
+        "dtype": dtype,
+        "device": device,
+        "mode": "generate_batch",
+        "wall_s": round(wall, 3),
+        "requests_s": round(len(reqs) / wall, 3),
+        "output_tok_s": round(n_out / wall, 2),
+        "output_tokens": n_out,
+        "max_new_tokens_all": cfg.max_new_tokens,
+        "load_s": round(load_s, 3),
+    }
     del model
     gc.collect()
     return res, token_ids
@@ -250,8 +278,11 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=8, help="transformers static batch size")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--hf-device", default="cpu", help="torch device of transformers (cuda on GPU)")
-    ap.add_argument("--hf-generate-batch", action="store_true",
-                    help="also transformers' continuous batching (model.generate_batch)")
+    ap.add_argument(
+        "--hf-generate-batch",
+        action="store_true",
+        help="also transformers' continuous batching (model.generate_batch)",
+    )
     ap.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -324,7 +355,11 @@ def main() -> None:
             entry["hf_skipped"] = f"{path} is not a Hugging Face directory"
         for dt in [d for d in args.hf_dtypes.split(",") if d and hf_dir is not None]:
             hf, hf_ids = run_hf(
-                hf_dir, reqs, dtype=dt, batch_size=args.hf_batch_size, threads=args.torch_threads,
+                hf_dir,
+                reqs,
+                dtype=dt,
+                batch_size=args.hf_batch_size,
+                threads=args.torch_threads,
                 device=args.hf_device,
             )
             # Greedy agreement (informational: random weights have near-tied logits).
@@ -338,12 +373,16 @@ def main() -> None:
                 try:
                     cb, cb_ids = run_hf_continuous(hf_dir, reqs, dtype=dt, device=args.hf_device)
                     cb["same_tokens_as_engine"] = round(
-                        float(np.mean([a == b for a, b in zip(eng_ids, cb_ids, strict=True)])), 3)
+                        float(np.mean([a == b for a, b in zip(eng_ids, cb_ids, strict=True)])), 3
+                    )
                     entry["hf"][dt + "_generate_batch"] = cb
                     entry["ratio"][dt + "_generate_batch"] = {
-                        "output_tok_s": ratio(eng["output_tok_s"], cb["output_tok_s"])}
-                    log(f"[serving] {name} transformers generate_batch {dt}: "
-                        f"{cb['output_tok_s']} tok/s")
+                        "output_tok_s": ratio(eng["output_tok_s"], cb["output_tok_s"])
+                    }
+                    log(
+                        f"[serving] {name} transformers generate_batch {dt}: "
+                        f"{cb['output_tok_s']} tok/s"
+                    )
                 except Exception as e:  # reported in the JSON, the run goes on
                     entry["hf"][dt + "_generate_batch"] = {"error": f"{type(e).__name__}: {e}"}
         results.append(entry)

@@ -40,14 +40,23 @@ def main() -> None:
 
     path = random_llama_dir(args.model)
     rng = np.random.default_rng(0)
-    prompts = [[1] + rng.integers(3, 512, args.prompt_len - 1).tolist()
-               for _ in range(args.prompts)]
+    prompts = [
+        [1] + rng.integers(3, 512, args.prompt_len - 1).tolist() for _ in range(args.prompts)
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, ref = [], None
     for tp in args.tp:
         t0 = time.perf_counter()
-        llm = LLM(path, tensor_parallel_size=tp, data_parallel_size=1, max_model_len=256,
-                  max_num_seqs=args.prompts, kv_pages=64, page_size=16, compilation_cache=False)
+        llm = LLM(
+            path,
+            tensor_parallel_size=tp,
+            data_parallel_size=1,
+            max_model_len=256,
+            max_num_seqs=args.prompts,
+            kv_pages=64,
+            page_size=16,
+            compilation_cache=False,
+        )
         load_s = time.perf_counter() - t0
         runs = []
         for _ in range(2):
@@ -57,17 +66,35 @@ def main() -> None:
         toks = [o.token_ids for o in outs]
         ref = toks if ref is None else ref
         n = sum(len(t) for t in toks)
-        rows.append({"tp": tp, "load_s": round(load_s, 2), "cold_s": round(runs[0], 2),
-                     "warm_s": round(runs[1], 2), "warm_tok_s": round(n / runs[1], 1),
-                     "same_tokens_as_first": toks == ref})
+        rows.append(
+            {
+                "tp": tp,
+                "load_s": round(load_s, 2),
+                "cold_s": round(runs[0], 2),
+                "warm_s": round(runs[1], 2),
+                "warm_tok_s": round(n / runs[1], 1),
+                "same_tokens_as_first": toks == ref,
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         del llm
-    print(json.dumps({
-        "bench": "sharding", "model": args.model, "devices": jax.device_count(),
-        "backend": jax.default_backend(), "cpus": os.cpu_count(), "machine": platform.machine(),
-        "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-        "note": "fake CPU devices share the cores: overhead, not speed-up", "runs": rows,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "sharding",
+                "model": args.model,
+                "devices": jax.device_count(),
+                "backend": jax.default_backend(),
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+                "prompts": args.prompts,
+                "prompt_len": args.prompt_len,
+                "max_tokens": args.max_tokens,
+                "note": "fake CPU devices share the cores: overhead, not speed-up",
+                "runs": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,22 @@ from jaxinfer.speculative.engine import make_spec_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
-    "Once upon a time", "Lily", "The cat sat on the mat and looked at the big red ball.", "Once",
-    "Tom had a toy car.", "One day, a little bird flew into the garden and saw a shiny",
-    "Sam and Ben", "The sun", "There was a big tree in the park.", "Mia liked to paint", "A dog",
-    "Once upon a time, in a small town, there lived a kind old man", "The girl", "Ben saw a frog.",
-    "Max wanted to fly", "It was a rainy day.",
+    "Once upon a time",
+    "Lily",
+    "The cat sat on the mat and looked at the big red ball.",
+    "Once",
+    "Tom had a toy car.",
+    "One day, a little bird flew into the garden and saw a shiny",
+    "Sam and Ben",
+    "The sun",
+    "There was a big tree in the park.",
+    "Mia liked to paint",
+    "A dog",
+    "Once upon a time, in a small town, there lived a kind old man",
+    "The girl",
+    "Ben saw a frog.",
+    "Max wanted to fly",
+    "It was a rainy day.",
 ]
 
 
@@ -42,8 +53,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT.parent / "shared/models/stories260K"))
     ap.add_argument("--heads", default=str(ROOT / "results/heads_stories260K"))
-    ap.add_argument("--drafts", nargs="+", default=["layers:4", "self"],
-                    help="draft models of the draft-model drafter (one row set each)")
+    ap.add_argument(
+        "--drafts",
+        nargs="+",
+        default=["layers:4", "self"],
+        help="draft models of the draft-model drafter (one row set each)",
+    )
     ap.add_argument("--rs", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--methods", nargs="+", default=["ngram", "draft-model", "heads"])
@@ -61,21 +76,33 @@ def main():
         for method in args.methods:
             if method == "heads" and not (Path(args.heads) / "heads").exists():
                 continue
-            for draft, r in [(d, r) for d in (args.drafts if method == "draft-model" else [None])
-                             for r in args.rs]:
+            for draft, r in [
+                (d, r)
+                for d in (args.drafts if method == "draft-model" else [None])
+                for r in args.rs
+            ]:
                 eng = make_spec_engine(base, method, r, draft, args.heads)
                 t, outs = timed(llm, eng, prompts, sp)
                 rounds = sum(o.metrics.spec_rounds for o in outs)
                 acc = [o.metrics.acceptance_rate for o in outs]
                 rec = {
-                    "model": Path(args.model).name, "method": method,
-                    "draft": draft if method == "draft-model" else (
-                        args.heads if method == "heads" else "ngram(3..1)"),
-                    "R": r, "batch": bsz, "tokens": n_tok,
+                    "model": Path(args.model).name,
+                    "method": method,
+                    "draft": draft
+                    if method == "draft-model"
+                    else (args.heads if method == "heads" else "ngram(3..1)"),
+                    "R": r,
+                    "batch": bsz,
+                    "tokens": n_tok,
                     "acceptance_rate": float(np.mean(acc)),
-                    "mean_tokens_per_round": (n_tok - len(outs)) / max(rounds, 1),  # first token: prefill
-                    "mean_accepted_per_round": float(np.mean([o.metrics.mean_accepted_tokens for o in outs])),
-                    "plain_s": t_plain, "spec_s": t, "speedup": t_plain / t,
+                    "mean_tokens_per_round": (n_tok - len(outs))
+                    / max(rounds, 1),  # first token: prefill
+                    "mean_accepted_per_round": float(
+                        np.mean([o.metrics.mean_accepted_tokens for o in outs])
+                    ),
+                    "plain_s": t_plain,
+                    "spec_s": t,
+                    "speedup": t_plain / t,
                     "greedy_identical": [o.token_ids for o in outs] == [o.token_ids for o in ref],
                 }
                 print(json.dumps(rec), flush=True)

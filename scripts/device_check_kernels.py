@@ -46,20 +46,33 @@ PEAK_BF16_TFLOP_S = 790.0  # H200 dense bf16, measured (the issue's figure)
 def run_tests(backend: str) -> list[dict]:
     """Kernel tests compiled for ``backend``, in subprocesses (before this process takes the
     device): ours whole, FlashAttention's device tests (``-k device``) when that folder exists."""
-    env = {**os.environ, "JAXINFER_KERNEL_DEVICE": backend,
-           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env = {
+        **os.environ,
+        "JAXINFER_KERNEL_DEVICE": backend,
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    }
     runs = [(["tests/test_ragged_paged_attention.py"], 200)]
     fa = "tests/test_flash_attention.py"
     if (ROOT / fa).exists():
         runs.append(([fa, "-k", "device"], TEST_TIMEOUT_S - 200))
     results = []
     for files, timeout in runs:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               *files]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            *files,
+        ]
         t0 = time.time()
         try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                               timeout=timeout)
+            p = subprocess.run(
+                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            )
             out, rc = p.stdout + p.stderr, p.returncode
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -110,9 +123,15 @@ def make_case(rng, rows, *, n=32, kh=8, h=128, z=16, dtype="bfloat16"):
     cu = np.concatenate([[0], np.cumsum([ql for _, ql in rows])]).astype(np.int32)
     t = int(cu[-1])
     nd = sum(1 for _, ql in rows if ql == 1)
-    md = AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.zeros(t, jnp.int32), jnp.asarray(bt),
-                           jnp.asarray(kv_lens), jnp.asarray(cu), jnp.asarray(seq, jnp.int32),
-                           num_decode=nd)
+    md = AttentionMetadata(
+        jnp.asarray(pos, jnp.int32),
+        jnp.zeros(t, jnp.int32),
+        jnp.asarray(bt),
+        jnp.asarray(kv_lens),
+        jnp.asarray(cu),
+        jnp.asarray(seq, jnp.int32),
+        num_decode=nd,
+    )
     dt = jnp.dtype(dtype)
     kp = jnp.asarray(rng.standard_normal((kh, num_pages, z, h), np.float32), dt)
     vp = jnp.asarray(rng.standard_normal((kh, num_pages, z, h), np.float32), dt)
@@ -144,13 +163,27 @@ def timings(backend: str, iters: int, quick: bool, smoke: bool = False) -> list[
     for name, rows in shapes.items():
         q, kp, vp, md = make_case(rng, rows, **heads)
         impls = {
-            "xla": jax.jit(lambda q, kp, vp, md: ragged_paged_attention_xla(
-                q, kp, vp, md, jnp.int32(0), scale=scale)),
+            "xla": jax.jit(
+                lambda q, kp, vp, md: ragged_paged_attention_xla(
+                    q, kp, vp, md, jnp.int32(0), scale=scale
+                )
+            ),
             f"ours_pallas_{backend}" + ("_interpret" if smoke else ""): jax.jit(
                 lambda q, kp, vp, md: ragged_paged_attention(
-                    q, kp, vp, md.kv_lens, md.block_tables, md.cu_q_lens, jnp.int32(0),
-                    jnp.int32(0), num_decode=md.num_decode, scale=scale, backend=backend,
-                    interpret=smoke)),
+                    q,
+                    kp,
+                    vp,
+                    md.kv_lens,
+                    md.block_tables,
+                    md.cu_q_lens,
+                    jnp.int32(0),
+                    jnp.int32(0),
+                    num_decode=md.num_decode,
+                    scale=scale,
+                    backend=backend,
+                    interpret=smoke,
+                )
+            ),
         }
         if not smoke:
             impls.update(shipped_ops(backend, name, q, kp, vp, md, scale))
@@ -164,8 +197,12 @@ def timings(backend: str, iters: int, quick: bool, smoke: bool = False) -> list[
         isz = q.dtype.itemsize
         nbytes = 2 * q.size * isz + 2 * int(np.asarray(md.kv_lens).sum()) * kh * h * isz
         for impl, fn in impls.items():
-            entry = {"shape": name, "impl": impl, "tokens": int(q.shape[0]),
-                     "kv_tokens": int(np.asarray(md.kv_lens).sum())}
+            entry = {
+                "shape": name,
+                "impl": impl,
+                "tokens": int(q.shape[0]),
+                "kv_tokens": int(np.asarray(md.kv_lens).sum()),
+            }
             try:
                 if getattr(fn, "torch_ms", None):  # PyTorch: timed with CUDA events
                     out, ms = fn.torch_ms(iters)
@@ -202,12 +239,16 @@ def dense_prefill_peers(backend, q, kp, vp, md, scale, smoke) -> dict:
     out = {}
     if backend == "gpu" and not smoke:
         kb, vb = kd.transpose(1, 0, 2)[None], vd.transpose(1, 0, 2)[None]  # [1, S, K, H]
-        f = jax.jit(lambda q: jax.nn.dot_product_attention(
-            q[None], kb, vb, scale=scale, is_causal=True, implementation="cudnn")[0])
+        f = jax.jit(
+            lambda q: jax.nn.dot_product_attention(
+                q[None], kb, vb, scale=scale, is_causal=True, implementation="cudnn"
+            )[0]
+        )
         out["jax_cudnn_dot_product_attention(dense)"] = lambda q, kp, vp, md: f(q)
     else:
         out["jax_cudnn_dot_product_attention(dense)"] = _raiser(
-            RuntimeError(f"skipped: cuDNN needs a GPU (backend {backend!r}, smoke={smoke})"))
+            RuntimeError(f"skipped: cuDNN needs a GPU (backend {backend!r}, smoke={smoke})")
+        )
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -270,15 +311,28 @@ def flash_fwd_bwd(backend: str, iters: int, smoke: bool) -> dict:
     mk = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
     q, k, v, ct = mk(b, n, t, h), mk(b, kh, t, h), mk(b, kh, t, h), mk(b, n, t, h)
     scale = h**-0.5
-    ours = lambda q, k, v: flash_attention(q, k, v, causal=True, sm_scale=scale, backend=backend,
-                                           block_sizes=BlockSizes(block_q=64, block_k=64),
-                                           interpret=smoke)
-    ref = lambda q, k, v: mha_reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                                        v.astype(jnp.float32), causal=True, sm_scale=scale)
+    ours = lambda q, k, v: flash_attention(
+        q,
+        k,
+        v,
+        causal=True,
+        sm_scale=scale,
+        backend=backend,
+        block_sizes=BlockSizes(block_q=64, block_k=64),
+        interpret=smoke,
+    )
+    ref = lambda q, k, v: mha_reference(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        causal=True,
+        sm_scale=scale,
+    )
 
     def fwd_bwd(f):
-        return jax.jit(lambda q, k, v: (lambda o, vjp: (o, *vjp(ct.astype(o.dtype))))(
-            *jax.vjp(f, q, k, v)))
+        return jax.jit(
+            lambda q, k, v: (lambda o, vjp: (o, *vjp(ct.astype(o.dtype))))(*jax.vjp(f, q, k, v))
+        )
 
     res = {"shape": {"B": b, "N": n, "K": kh, "T": t, "H": h, "dtype": "bfloat16"}}
     try:
@@ -306,13 +360,19 @@ def shipped_ops(backend, name, q, kp, vp, md, scale) -> dict:
         if backend == "tpu":
             from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-            out["jax_tpu_paged_attention"] = jax.jit(lambda q, kp, vp, md: paged_attention(
-                q * scale, kp, vp, md.kv_lens, md.block_tables, pages_per_compute_block=8))
+            out["jax_tpu_paged_attention"] = jax.jit(
+                lambda q, kp, vp, md: paged_attention(
+                    q * scale, kp, vp, md.kv_lens, md.block_tables, pages_per_compute_block=8
+                )
+            )
         else:
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-            out["jax_gpu_paged_attention"] = jax.jit(lambda q, kp, vp, md: paged_attention(
-                q * scale, kp, vp, md.block_tables, md.kv_lens, pages_per_compute_block=8))
+            out["jax_gpu_paged_attention"] = jax.jit(
+                lambda q, kp, vp, md: paged_attention(
+                    q * scale, kp, vp, md.block_tables, md.kv_lens, pages_per_compute_block=8
+                )
+            )
     if backend == "tpu":
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
@@ -320,12 +380,19 @@ def shipped_ops(backend, name, q, kp, vp, md, scale) -> dict:
             # jax's layout: [P, Z, 2K, H], K and V interleaved per head (built outside timing
             # would be fairer; the interleave is a copy of the live pool, reported as is).
             kv = jnp.stack([kp, vp], axis=1).reshape(2 * kh, *kp.shape[1:]).transpose(1, 2, 0, 3)
-            return ragged_paged_attention(q, kv, md.kv_lens, md.block_tables, md.cu_q_lens,
-                                          jnp.array([md.kv_lens.shape[0]], jnp.int32),
-                                          sm_scale=scale)
+            return ragged_paged_attention(
+                q,
+                kv,
+                md.kv_lens,
+                md.block_tables,
+                md.cu_q_lens,
+                jnp.array([md.kv_lens.shape[0]], jnp.int32),
+                sm_scale=scale,
+            )
 
         out["jax_tpu_ragged_paged_attention(incl_kv_interleave)"] = jax.jit(rpa)
     if name.startswith("prefill"):
+
         def dense_kv(kp, md):  # [K, P, Z, H] -> [1, K, S, H], one sequence
             return kp[:, md.block_tables[0]].reshape(kh, -1, kp.shape[-1])[None]
 
@@ -334,25 +401,41 @@ def shipped_ops(backend, name, q, kp, vp, md, scale) -> dict:
 
             out["ours_flash_attention(incl_page_gather)"] = jax.jit(
                 lambda q, kp, vp, md: flash_attention(
-                    q.transpose(1, 0, 2)[None], dense_kv(kp, md), dense_kv(vp, md), causal=True,
-                    sm_scale=scale, backend=backend)[0].transpose(1, 0, 2))
+                    q.transpose(1, 0, 2)[None],
+                    dense_kv(kp, md),
+                    dense_kv(vp, md),
+                    causal=True,
+                    sm_scale=scale,
+                    backend=backend,
+                )[0].transpose(1, 0, 2)
+            )
         except ImportError as e:
             out["ours_flash_attention"] = _raiser(e)
         if backend == "gpu":
             from jax.experimental.pallas.ops.gpu.attention import mha
 
-            out["jax_gpu_mha(incl_page_gather)"] = jax.jit(lambda q, kp, vp, md: mha(
-                q[None], jnp.repeat(dense_kv(kp, md)[0].transpose(1, 0, 2), g, axis=1)[None],
-                jnp.repeat(dense_kv(vp, md)[0].transpose(1, 0, 2), g, axis=1)[None], None,
-                sm_scale=scale, causal=True)[0])
+            out["jax_gpu_mha(incl_page_gather)"] = jax.jit(
+                lambda q, kp, vp, md: mha(
+                    q[None],
+                    jnp.repeat(dense_kv(kp, md)[0].transpose(1, 0, 2), g, axis=1)[None],
+                    jnp.repeat(dense_kv(vp, md)[0].transpose(1, 0, 2), g, axis=1)[None],
+                    None,
+                    sm_scale=scale,
+                    causal=True,
+                )[0]
+            )
         else:
             from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention as tfa
 
             out["jax_tpu_flash_attention(incl_page_gather)"] = jax.jit(
                 lambda q, kp, vp, md: tfa(
-                    q.transpose(1, 0, 2)[None], jnp.repeat(dense_kv(kp, md), g, axis=1),
-                    jnp.repeat(dense_kv(vp, md), g, axis=1), causal=True,
-                    sm_scale=scale)[0].transpose(1, 0, 2))
+                    q.transpose(1, 0, 2)[None],
+                    jnp.repeat(dense_kv(kp, md), g, axis=1),
+                    jnp.repeat(dense_kv(vp, md), g, axis=1),
+                    causal=True,
+                    sm_scale=scale,
+                )[0].transpose(1, 0, 2)
+            )
     return out
 
 
@@ -368,16 +451,25 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="short contexts (smoke run)")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="CPU: interpreted kernels, tiny shapes, no tests (checks the script)")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="CPU: interpreted kernels, tiny shapes, no tests (checks the script)",
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     t0 = time.time()
     import jax  # noqa: F401  (backend query only; the tests run in a subprocess first)
 
     backend = "gpu" if args.cpu_smoke else _backend()
-    report = {"device": backend, "cpu_smoke": args.cpu_smoke, "tests": None, "timings": [],
-              "peak_hbm_tb_s": PEAK_HBM_TB_S, "peak_bf16_tflop_s": PEAK_BF16_TFLOP_S}
+    report = {
+        "device": backend,
+        "cpu_smoke": args.cpu_smoke,
+        "tests": None,
+        "timings": [],
+        "peak_hbm_tb_s": PEAK_HBM_TB_S,
+        "peak_bf16_tflop_s": PEAK_BF16_TFLOP_S,
+    }
     if backend not in ("tpu", "gpu"):
         report["error"] = f"jax backend is {backend!r}: this script needs a TPU or GPU"
         print(json.dumps(report, indent=1))
@@ -392,15 +484,22 @@ def main(argv=None) -> int:
     report["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(report, indent=1))
     ok = args.skip_tests or args.cpu_smoke or all(r["rc"] == 0 for r in report["tests"])
-    bad = [t for t in report["timings"] if "error" in t and not t["error"].startswith(
-        "RuntimeError: skipped")]
+    bad = [
+        t
+        for t in report["timings"]
+        if "error" in t and not t["error"].startswith("RuntimeError: skipped")
+    ]
     return 0 if ok and not bad and "error" not in report["flash_fwd_bwd"] else 1
 
 
 def _backend() -> str:
     # Ask in a subprocess so this process does not take the device before the tests run.
-    p = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.default_backend())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "unknown"
 
 

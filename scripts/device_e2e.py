@@ -56,8 +56,13 @@ def main(argv=None) -> int:
             for c in cases:
                 ids = tok.encode(c["prompt"])
                 prompts.append(ids)
-                params.append(SamplingParams(temperature=0.0, stop_token_ids=(1,),
-                                             max_tokens=c["max_steps"] - (len(ids) - 1)))
+                params.append(
+                    SamplingParams(
+                        temperature=0.0,
+                        stop_token_ids=(1,),
+                        max_tokens=c["max_steps"] - (len(ids) - 1),
+                    )
+                )
             outs = llm.generate(prompts, params)
             mism = []
             for c, ids, o in zip(cases, prompts, outs, strict=True):
@@ -65,11 +70,20 @@ def main(argv=None) -> int:
                 if got != c["expected"]:
                     m = min(len(got), len(c["expected"]))
                     n = next((i for i in range(m) if got[i] != c["expected"][i]), m)
-                    mism.append({"prompt": c["prompt"], "first_diff_char": n,
-                                 "got": got[max(0, n - 20): n + 40],
-                                 "expected": c["expected"][max(0, n - 20): n + 40]})
-            res.update(cases=len(cases), matched=len(cases) - len(mism), mismatches=mism,
-                       compilations=llm.num_compilations)
+                    mism.append(
+                        {
+                            "prompt": c["prompt"],
+                            "first_diff_char": n,
+                            "got": got[max(0, n - 20) : n + 40],
+                            "expected": c["expected"][max(0, n - 20) : n + 40],
+                        }
+                    )
+            res.update(
+                cases=len(cases),
+                matched=len(cases) - len(mism),
+                mismatches=mism,
+                compilations=llm.num_compilations,
+            )
             ok &= not mism
             del llm
         except Exception as e:  # reported, the next impl still runs

@@ -39,8 +39,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("JAXINFER_SHARED", REPO.parent / "shared"))
 COPY_IGNORE = shutil.ignore_patterns(
-    ".git", ".venv", "venv", "results", ".cache", "__pycache__", ".hypothesis", ".pytest_cache",
-    ".ruff_cache", "*.egg-info", "out*.jsonl", "build", "dist")
+    ".git",
+    ".venv",
+    "venv",
+    "results",
+    ".cache",
+    "__pycache__",
+    ".hypothesis",
+    ".pytest_cache",
+    ".ruff_cache",
+    "*.egg-info",
+    "out*.jsonl",
+    "build",
+    "dist",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,352 +76,839 @@ PS = "tests/test_parallel_sampling.py"
 PC = "tests/test_prefix_cache.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
-    M("kv_scale_63", "jaxinfer/quant/kv.py",
-      "s = jnp.max(jnp.abs(xf), axis=-1) / 127.0", "s = jnp.max(jnp.abs(xf), axis=-1) / 63.0",
-      ("tests/test_quant.py",), "kv"),
-    M("weight_scale_63", "jaxinfer/quant/tensor.py",
-      "scales = jnp.max(jnp.abs(wt), axis=red) / 127.0",
-      "scales = jnp.max(jnp.abs(wt), axis=red) / 63.0", ("tests/test_quant.py",), "scales"),
-    M("activation_scale_63", "jaxinfer/quant/matmul.py",
-      "sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0",
-      "sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 63.0",
-      ("tests/test_quant.py",), "activation_bound or integer_dot_bound"),
+    M(
+        "kv_scale_63",
+        "jaxinfer/quant/kv.py",
+        "s = jnp.max(jnp.abs(xf), axis=-1) / 127.0",
+        "s = jnp.max(jnp.abs(xf), axis=-1) / 63.0",
+        ("tests/test_quant.py",),
+        "kv",
+    ),
+    M(
+        "weight_scale_63",
+        "jaxinfer/quant/tensor.py",
+        "scales = jnp.max(jnp.abs(wt), axis=red) / 127.0",
+        "scales = jnp.max(jnp.abs(wt), axis=red) / 63.0",
+        ("tests/test_quant.py",),
+        "scales",
+    ),
+    M(
+        "activation_scale_63",
+        "jaxinfer/quant/matmul.py",
+        "sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0",
+        "sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 63.0",
+        ("tests/test_quant.py",),
+        "activation_bound or integer_dot_bound",
+    ),
     # ---- KV writes
-    M("int8_v_scales_from_k", "jaxinfer/models/kv_cache.py",
-      "v_scales=cache.v_scales.at[at].set(vs)", "v_scales=cache.v_scales.at[at].set(ks)",
-      ("tests/test_quant.py",), "kv_scales"),
-    M("float_v_written_from_k", "jaxinfer/models/kv_cache.py",
-      "v_pages=cache.v_pages.at[at].set(v.astype(cache.v_pages.dtype))",
-      "v_pages=cache.v_pages.at[at].set(k.astype(cache.v_pages.dtype))",
-      ("tests/test_quant.py",), "kv_float"),
+    M(
+        "int8_v_scales_from_k",
+        "jaxinfer/models/kv_cache.py",
+        "v_scales=cache.v_scales.at[at].set(vs)",
+        "v_scales=cache.v_scales.at[at].set(ks)",
+        ("tests/test_quant.py",),
+        "kv_scales",
+    ),
+    M(
+        "float_v_written_from_k",
+        "jaxinfer/models/kv_cache.py",
+        "v_pages=cache.v_pages.at[at].set(v.astype(cache.v_pages.dtype))",
+        "v_pages=cache.v_pages.at[at].set(k.astype(cache.v_pages.dtype))",
+        ("tests/test_quant.py",),
+        "kv_float",
+    ),
     # ---- scheduler, pages
-    M("preempt_oldest", "jaxinfer/engine/scheduler.py",
-      "victim = next(s for s in reversed(self.running) if id(s) not in scheduled)",
-      "victim = next(s for s in self.running if id(s) not in scheduled)",
-      ("tests/test_scheduler.py",)),
-    M("admission_without_reserve", "jaxinfer/engine/scheduler.py",
-      "reserve = len(self.running)", "reserve = 0", ("tests/test_scheduler.py",)),
-    M("admitted_prefill_ignores_budget", "jaxinfer/engine/scheduler.py",
-      "            n = min(remaining, budget)\n            # Admission",
-      "            n = remaining\n            # Admission", ("tests/test_scheduler.py",)),
-    M("free_drops_every_reference", "jaxinfer/models/kv_cache.py",
-      "self.refcounts[p] -= 1", "self.refcounts[p] = 0", ("tests/test_scheduler.py",)),
-    M("allocate_off_by_one", "jaxinfer/models/kv_cache.py",
-      "if n > len(self._free):", "if n >= len(self._free):", ("tests/test_scheduler.py",)),
+    M(
+        "preempt_oldest",
+        "jaxinfer/engine/scheduler.py",
+        "victim = next(s for s in reversed(self.running) if id(s) not in scheduled)",
+        "victim = next(s for s in self.running if id(s) not in scheduled)",
+        ("tests/test_scheduler.py",),
+    ),
+    M(
+        "admission_without_reserve",
+        "jaxinfer/engine/scheduler.py",
+        "reserve = len(self.running)",
+        "reserve = 0",
+        ("tests/test_scheduler.py",),
+    ),
+    M(
+        "admitted_prefill_ignores_budget",
+        "jaxinfer/engine/scheduler.py",
+        "            n = min(remaining, budget)\n            # Admission",
+        "            n = remaining\n            # Admission",
+        ("tests/test_scheduler.py",),
+    ),
+    M(
+        "free_drops_every_reference",
+        "jaxinfer/models/kv_cache.py",
+        "self.refcounts[p] -= 1",
+        "self.refcounts[p] = 0",
+        ("tests/test_scheduler.py",),
+    ),
+    M(
+        "allocate_off_by_one",
+        "jaxinfer/models/kv_cache.py",
+        "if n > len(self._free):",
+        "if n >= len(self._free):",
+        ("tests/test_scheduler.py",),
+    ),
     # ---- attention, RoPE, norms, logits
-    M("window_off_by_one", "jaxinfer/models/attention.py",
-      "q_pos - kv_pos < window)", "q_pos - kv_pos <= window)",
-      ("tests/test_paged_attention.py",), "paged_equals_dense"),
-    M("decode_chunk_offset_in_pages", "jaxinfer/models/paged_attention.py",
-      "chunks[rows, cks], cks * (chunk * z), lens,", "chunks[rows, cks], cks * chunk, lens,",
-      ("tests/test_paged_attention.py",), "walk_pages_in_chunks"),
-    M("rope_sign", "jaxinfer/models/forward.py",
-      "x2 * c + x1 * s", "x2 * c - x1 * s", ("tests/test_greedy_reference.py",), "tok512.bin"),
-    M("local_rope_global_theta", "jaxinfer/models/forward.py",
-      "inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None)",
-      "inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)",
-      ("tests/test_hf_parity.py",), "logits_f32 and gemma3"),
-    M("k_norm_uses_q_norm", "jaxinfer/models/forward.py",
-      "k = rms_norm(k, lp.k_norm, eps, off)", "k = rms_norm(k, lp.q_norm, eps, off)",
-      ("tests/test_hf_parity.py",), "logits_f32 and qwen3"),
-    M("gemma_norm_offset_dropped", "jaxinfer/models/forward.py",
-      "return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)",
-      "return (xf * w.astype(jnp.float32)).astype(x.dtype)",
-      ("tests/test_hf_parity.py",), "logits_f32 and gemma2"),
-    M("final_softcap_unscaled", "jaxinfer/models/forward.py",
-      "logits = jnp.tanh(logits / cap) * cap", "logits = jnp.tanh(logits) * cap",
-      ("tests/test_hf_parity.py",), "logits_f32 and gemma2"),
+    M(
+        "window_off_by_one",
+        "jaxinfer/models/attention.py",
+        "q_pos - kv_pos < window)",
+        "q_pos - kv_pos <= window)",
+        ("tests/test_paged_attention.py",),
+        "paged_equals_dense",
+    ),
+    M(
+        "decode_chunk_offset_in_pages",
+        "jaxinfer/models/paged_attention.py",
+        "chunks[rows, cks], cks * (chunk * z), lens,",
+        "chunks[rows, cks], cks * chunk, lens,",
+        ("tests/test_paged_attention.py",),
+        "walk_pages_in_chunks",
+    ),
+    M(
+        "rope_sign",
+        "jaxinfer/models/forward.py",
+        "x2 * c + x1 * s",
+        "x2 * c - x1 * s",
+        ("tests/test_greedy_reference.py",),
+        "tok512.bin",
+    ),
+    M(
+        "local_rope_global_theta",
+        "jaxinfer/models/forward.py",
+        "inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None)",
+        "inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)",
+        ("tests/test_hf_parity.py",),
+        "logits_f32 and gemma3",
+    ),
+    M(
+        "k_norm_uses_q_norm",
+        "jaxinfer/models/forward.py",
+        "k = rms_norm(k, lp.k_norm, eps, off)",
+        "k = rms_norm(k, lp.q_norm, eps, off)",
+        ("tests/test_hf_parity.py",),
+        "logits_f32 and qwen3",
+    ),
+    M(
+        "gemma_norm_offset_dropped",
+        "jaxinfer/models/forward.py",
+        "return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)",
+        "return (xf * w.astype(jnp.float32)).astype(x.dtype)",
+        ("tests/test_hf_parity.py",),
+        "logits_f32 and gemma2",
+    ),
+    M(
+        "final_softcap_unscaled",
+        "jaxinfer/models/forward.py",
+        "logits = jnp.tanh(logits / cap) * cap",
+        "logits = jnp.tanh(logits) * cap",
+        ("tests/test_hf_parity.py",),
+        "logits_f32 and gemma2",
+    ),
     # ---- sampling
-    M("top_k_keeps_one_more", "jaxinfer/sampling/sampler.py",
-      "return jnp.sum((keys >= t[:, None]).astype(jnp.float32), axis=-1) >= k",
-      "return jnp.sum((keys >= t[:, None]).astype(jnp.float32), axis=-1) > k",
-      ("tests/test_sampling.py",), "filter_support"),
-    M("top_p_strict", "jaxinfer/sampling/sampler.py",
-      "return jnp.sum(jnp.where(keys >= t[:, None], ps, 0.0), axis=-1) >= st.top_p",
-      "return jnp.sum(jnp.where(keys >= t[:, None], ps, 0.0), axis=-1) > st.top_p",
-      ("tests/test_sampling.py",), "filter_support"),
-    M("min_p_absolute", "jaxinfer/sampling/sampler.py",
-      "return jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)",
-      "return jnp.where(probs < st.min_p[:, None], neg_inf, x)",
-      ("tests/test_sampling.py",), "filter_support"),
-    M("min_p_drops_boundary", "jaxinfer/sampling/sampler.py",
-      "return jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)",
-      "return jnp.where(probs <= st.min_p[:, None] * p_max, neg_inf, x)",
-      ("tests/test_sampling.py",), "filter_support"),
-    M("seed_step_ignores_pending", "jaxinfer/engine/core.py",
-      "steps[r] = len(row.seq.output_ids) + len(row.seq.pending)",
-      "steps[r] = len(row.seq.output_ids)",
-      ("tests/test_async_scheduling.py",), "equal_sync"),
+    M(
+        "top_k_keeps_one_more",
+        "jaxinfer/sampling/sampler.py",
+        "return jnp.sum((keys >= t[:, None]).astype(jnp.float32), axis=-1) >= k",
+        "return jnp.sum((keys >= t[:, None]).astype(jnp.float32), axis=-1) > k",
+        ("tests/test_sampling.py",),
+        "filter_support",
+    ),
+    M(
+        "top_p_strict",
+        "jaxinfer/sampling/sampler.py",
+        "return jnp.sum(jnp.where(keys >= t[:, None], ps, 0.0), axis=-1) >= st.top_p",
+        "return jnp.sum(jnp.where(keys >= t[:, None], ps, 0.0), axis=-1) > st.top_p",
+        ("tests/test_sampling.py",),
+        "filter_support",
+    ),
+    M(
+        "min_p_absolute",
+        "jaxinfer/sampling/sampler.py",
+        "return jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)",
+        "return jnp.where(probs < st.min_p[:, None], neg_inf, x)",
+        ("tests/test_sampling.py",),
+        "filter_support",
+    ),
+    M(
+        "min_p_drops_boundary",
+        "jaxinfer/sampling/sampler.py",
+        "return jnp.where(probs < st.min_p[:, None] * p_max, neg_inf, x)",
+        "return jnp.where(probs <= st.min_p[:, None] * p_max, neg_inf, x)",
+        ("tests/test_sampling.py",),
+        "filter_support",
+    ),
+    M(
+        "seed_step_ignores_pending",
+        "jaxinfer/engine/core.py",
+        "steps[r] = len(row.seq.output_ids) + len(row.seq.pending)",
+        "steps[r] = len(row.seq.output_ids)",
+        ("tests/test_async_scheduling.py",),
+        "equal_sync",
+    ),
     # ---- penalties, min_tokens, stop strings, logprobs
-    M("repetition_ignores_prompt", "jaxinfer/sampling/sampler.py",
-      "rep = jnp.where(prompt_mask | in_output,", "rep = jnp.where(in_output,",
-      ("tests/test_sampling.py",), "penalties"),
-    M("repetition_inverted", "jaxinfer/sampling/sampler.py",
-      "logits = jnp.where(logits > 0, logits / rep, logits * rep)",
-      "logits = jnp.where(logits > 0, logits * rep, logits / rep)",
-      ("tests/test_sampling.py",), "penalties or repetition"),
-    M("presence_scaled_by_count", "jaxinfer/sampling/sampler.py",
-      "logits = logits - st.presence_penalty[:, None] * in_output.astype(jnp.float32)",
-      "logits = logits - st.presence_penalty[:, None] * output_counts.astype(jnp.float32)",
-      ("tests/test_sampling.py",), "penalties"),
-    M("penalties_count_prompt", "jaxinfer/engine/step_controls.py",
-      "np.add.at(counts[r], np.asarray(seq.output_ids, np.int64), 1)",
-      "np.add.at(counts[r], np.asarray(seq.prompt_ids + seq.output_ids, np.int64), 1)",
-      (OUT_REF,), "logprobs or controls"),
-    M("min_tokens_ban_ends_early", "jaxinfer/engine/step_controls.py",
-      "        if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens:",
-      "        if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens - 1:",
-      (OUT_REF,), "min_tokens"),
-    M("min_tokens_ignores_pending", "jaxinfer/engine/step_controls.py",
-      "        if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens:",
-      "        if len(seq.output_ids) < seq.params.min_tokens:",
-      (OUT_REF,), "controls"),
-    M("eos_not_banned", "jaxinfer/engine/step_controls.py",
-      "            if not seq.params.ignore_eos:\n"
-      "                stops += list(stop_ids)",
-      "            if seq.params.ignore_eos:\n                stops += list(stop_ids)",
-      (OUT_REF,), "min_tokens"),
-    M("spec_min_tokens_ends_early", "jaxinfer/speculative/engine.py",
-      "            last_pos[i] = start\n"
-      "            min_left[i] = seq.params.min_tokens - len(seq.output_ids)",
-      "            last_pos[i] = start\n"
-      "            min_left[i] = seq.params.min_tokens - len(seq.output_ids) - 1",
-      (OUT_REF,), "min_tokens_boundary and ngram"),
-    M("stop_string_after_min_tokens", "jaxinfer/engine/request_output.py",
-      "if p.stop and len(seq.output_ids) >= p.min_tokens:",
-      "if p.stop and len(seq.output_ids) > p.min_tokens:", (OUT_REF,), "stop_string"),
-    M("stream_ignores_stop_buffer", "jaxinfer/engine/request_output.py",
-      "max(req.emitted, len(req.text) - held)",
-      "max(req.emitted, len(req.text))", ("tests/test_engine.py",), "streaming"),
-    M("logprobs_from_penalised", "jaxinfer/engine/step.py",
-      "logprob_logits=raw_logits,", "logprob_logits=logits,", (OUT_REF,), "logprobs"),
+    M(
+        "repetition_ignores_prompt",
+        "jaxinfer/sampling/sampler.py",
+        "rep = jnp.where(prompt_mask | in_output,",
+        "rep = jnp.where(in_output,",
+        ("tests/test_sampling.py",),
+        "penalties",
+    ),
+    M(
+        "repetition_inverted",
+        "jaxinfer/sampling/sampler.py",
+        "logits = jnp.where(logits > 0, logits / rep, logits * rep)",
+        "logits = jnp.where(logits > 0, logits * rep, logits / rep)",
+        ("tests/test_sampling.py",),
+        "penalties or repetition",
+    ),
+    M(
+        "presence_scaled_by_count",
+        "jaxinfer/sampling/sampler.py",
+        "logits = logits - st.presence_penalty[:, None] * in_output.astype(jnp.float32)",
+        "logits = logits - st.presence_penalty[:, None] * output_counts.astype(jnp.float32)",
+        ("tests/test_sampling.py",),
+        "penalties",
+    ),
+    M(
+        "penalties_count_prompt",
+        "jaxinfer/engine/step_controls.py",
+        "np.add.at(counts[r], np.asarray(seq.output_ids, np.int64), 1)",
+        "np.add.at(counts[r], np.asarray(seq.prompt_ids + seq.output_ids, np.int64), 1)",
+        (OUT_REF,),
+        "logprobs or controls",
+    ),
+    M(
+        "min_tokens_ban_ends_early",
+        "jaxinfer/engine/step_controls.py",
+        "        if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens:",
+        "        if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens - 1:",
+        (OUT_REF,),
+        "min_tokens",
+    ),
+    M(
+        "min_tokens_ignores_pending",
+        "jaxinfer/engine/step_controls.py",
+        "        if len(seq.output_ids) + len(seq.pending) < seq.params.min_tokens:",
+        "        if len(seq.output_ids) < seq.params.min_tokens:",
+        (OUT_REF,),
+        "controls",
+    ),
+    M(
+        "eos_not_banned",
+        "jaxinfer/engine/step_controls.py",
+        "            if not seq.params.ignore_eos:\n                stops += list(stop_ids)",
+        "            if seq.params.ignore_eos:\n                stops += list(stop_ids)",
+        (OUT_REF,),
+        "min_tokens",
+    ),
+    M(
+        "spec_min_tokens_ends_early",
+        "jaxinfer/speculative/engine.py",
+        "            last_pos[i] = start\n"
+        "            min_left[i] = seq.params.min_tokens - len(seq.output_ids)",
+        "            last_pos[i] = start\n"
+        "            min_left[i] = seq.params.min_tokens - len(seq.output_ids) - 1",
+        (OUT_REF,),
+        "min_tokens_boundary and ngram",
+    ),
+    M(
+        "stop_string_after_min_tokens",
+        "jaxinfer/engine/request_output.py",
+        "if p.stop and len(seq.output_ids) >= p.min_tokens:",
+        "if p.stop and len(seq.output_ids) > p.min_tokens:",
+        (OUT_REF,),
+        "stop_string",
+    ),
+    M(
+        "stream_ignores_stop_buffer",
+        "jaxinfer/engine/request_output.py",
+        "max(req.emitted, len(req.text) - held)",
+        "max(req.emitted, len(req.text))",
+        ("tests/test_engine.py",),
+        "streaming",
+    ),
+    M(
+        "logprobs_from_penalised",
+        "jaxinfer/engine/step.py",
+        "logprob_logits=raw_logits,",
+        "logprob_logits=logits,",
+        (OUT_REF,),
+        "logprobs",
+    ),
     # ---- the all-greedy sampling variant (issue 21)
-    M("greedy_tie_highest_id", "jaxinfer/sampling/sampler.py",
-      "return jnp.min(jnp.where(hit, ids, x.shape[-1]), axis=-1)",
-      "return jnp.max(jnp.where(hit, ids, -1), axis=-1)", ("tests/test_sample_variants.py",)),
-    M("greedy_variant_if_any_row_greedy", "jaxinfer/sampling/sampler.py",
-      "and all(p.greedy for p in params):", "and any(p.greedy for p in params):",
-      ("tests/test_engine.py",), "reference_alone_and_in_batch"),
-    M("greedy_variant_ignores_controls", "jaxinfer/sampling/sampler.py",
-      "if not controls and num_logprobs == 0 and all(", "if num_logprobs == 0 and all(",
-      ("tests/test_engine.py",), "streaming_stop_strings"),
-    M("greedy_variant_never_run", "jaxinfer/engine/core.py",
-      "greedy=flags == GREEDY_FLAGS,", "greedy=False,", ("tests/test_bucket_reuse.py",), "tail"),
-    M("spec_logprobs_from_penalised", "jaxinfer/speculative/round.py",
-      "lp = jax.nn.log_softmax(logits, axis=-1)", "lp = jax.nn.log_softmax(pen, axis=-1)",
-      (OUT_REF,), "logprobs and ngram"),
+    M(
+        "greedy_tie_highest_id",
+        "jaxinfer/sampling/sampler.py",
+        "return jnp.min(jnp.where(hit, ids, x.shape[-1]), axis=-1)",
+        "return jnp.max(jnp.where(hit, ids, -1), axis=-1)",
+        ("tests/test_sample_variants.py",),
+    ),
+    M(
+        "greedy_variant_if_any_row_greedy",
+        "jaxinfer/sampling/sampler.py",
+        "and all(p.greedy for p in params):",
+        "and any(p.greedy for p in params):",
+        ("tests/test_engine.py",),
+        "reference_alone_and_in_batch",
+    ),
+    M(
+        "greedy_variant_ignores_controls",
+        "jaxinfer/sampling/sampler.py",
+        "if not controls and num_logprobs == 0 and all(",
+        "if num_logprobs == 0 and all(",
+        ("tests/test_engine.py",),
+        "streaming_stop_strings",
+    ),
+    M(
+        "greedy_variant_never_run",
+        "jaxinfer/engine/core.py",
+        "greedy=flags == GREEDY_FLAGS,",
+        "greedy=False,",
+        ("tests/test_bucket_reuse.py",),
+        "tail",
+    ),
+    M(
+        "spec_logprobs_from_penalised",
+        "jaxinfer/speculative/round.py",
+        "lp = jax.nn.log_softmax(logits, axis=-1)",
+        "lp = jax.nn.log_softmax(pen, axis=-1)",
+        (OUT_REF,),
+        "logprobs and ngram",
+    ),
     # ---- speculative decoding
-    M("accept_ratio_inverted", "jaxinfer/speculative/rejection.py",
-      "accept = (u * q_d < p_d) | accept_always", "accept = (u * p_d < q_d) | accept_always",
-      ("tests/test_speculative.py",), "rejection_sampling_matches"),
-    M("bonus_from_residual", "jaxinfer/speculative/rejection.py",
-      "use_p = (n >= num_drafts) | (jnp.sum(resid, axis=-1) <= 0)",
-      "use_p = jnp.sum(resid, axis=-1) <= 0", ("tests/test_speculative.py",), "bonus"),
-    M("bonus_from_previous_position", "jaxinfer/speculative/rejection.py",
-      "p_n = p[rows, n]", "p_n = p[rows, jnp.minimum(n, r - 1)]",
-      ("tests/test_speculative.py",), "bonus"),
-    M("greedy_accept_not_a_prefix", "jaxinfer/speculative/rejection.py",
-      "n_greedy = jnp.sum(jnp.cumprod(valid & (drafts == greedy_tok[:, :r]), axis=1), axis=1)",
-      "n_greedy = jnp.sum(valid & (drafts == greedy_tok[:, :r]), axis=1)",
-      ("tests/test_speculative.py",), "greedy_rows"),
+    M(
+        "accept_ratio_inverted",
+        "jaxinfer/speculative/rejection.py",
+        "accept = (u * q_d < p_d) | accept_always",
+        "accept = (u * p_d < q_d) | accept_always",
+        ("tests/test_speculative.py",),
+        "rejection_sampling_matches",
+    ),
+    M(
+        "bonus_from_residual",
+        "jaxinfer/speculative/rejection.py",
+        "use_p = (n >= num_drafts) | (jnp.sum(resid, axis=-1) <= 0)",
+        "use_p = jnp.sum(resid, axis=-1) <= 0",
+        ("tests/test_speculative.py",),
+        "bonus",
+    ),
+    M(
+        "bonus_from_previous_position",
+        "jaxinfer/speculative/rejection.py",
+        "p_n = p[rows, n]",
+        "p_n = p[rows, jnp.minimum(n, r - 1)]",
+        ("tests/test_speculative.py",),
+        "bonus",
+    ),
+    M(
+        "greedy_accept_not_a_prefix",
+        "jaxinfer/speculative/rejection.py",
+        "n_greedy = jnp.sum(jnp.cumprod(valid & (drafts == greedy_tok[:, :r]), axis=1), axis=1)",
+        "n_greedy = jnp.sum(valid & (drafts == greedy_tok[:, :r]), axis=1)",
+        ("tests/test_speculative.py",),
+        "greedy_rows",
+    ),
     # ---- detokenizer, resume, recovery
-    M("detok_no_utf8_hold_back", "jaxinfer/tokenizers/detokenizer.py",
-      "        end = len(text) - held\n", "        end = len(text)\n",
-      ("tests/test_detokenizer_stream.py", "tests/test_tokenizer.py"), "incremental or stream"),
-    M("detok_no_prompt_context", "jaxinfer/tokenizers/detokenizer.py",
-      "self._window = [int(i) for i in prompt_ids if not self._drops(i)][-_KEEP:]",
-      "self._window = []",
-      ("tests/test_detokenizer_stream.py", "tests/test_tokenizer.py"), "incremental or stream"),
-    M("resume_rewrites_error_records", "jaxinfer/cli/prompts_file.py",
-      "        if job.id in done_ids:\n",
-      "        if job.id in done_ids and job.error is None:\n",
-      ("tests/test_cli_inputs.py",), "collide"),
-    M("resume_keeps_partial_line", "jaxinfer/cli/output_file.py",
-      "os.ftruncate(self.fd, start)", "os.ftruncate(self.fd, start + len(raw))",
-      ("tests/test_cli_outputs.py",), "resume"),
-    M("recover_keeps_consumed_pool", "jaxinfer/engine/core.py",
-      "        self._reset_device_state()\n", "", ("tests/test_step_recovery.py",),
-      "consumed_the_pool"),
-    M("recover_keeps_pending_tokens", "jaxinfer/engine/core.py",
-      "            seq.pending.clear()\n            seq.pending_final = False",
-      "            seq.pending_final = False", ("tests/test_recovery_in_flight.py",)),
-    M("abandoned_stream_not_aborted", "jaxinfer/engine/loop.py",
-      "                            for eng in self.engines:\n"
-      "                                eng.abort_request(eid)",
-      "                            for eng in self.engines:\n                                pass",
-      ("tests/test_step_recovery.py",), "abandoned"),
+    M(
+        "detok_no_utf8_hold_back",
+        "jaxinfer/tokenizers/detokenizer.py",
+        "        end = len(text) - held\n",
+        "        end = len(text)\n",
+        ("tests/test_detokenizer_stream.py", "tests/test_tokenizer.py"),
+        "incremental or stream",
+    ),
+    M(
+        "detok_no_prompt_context",
+        "jaxinfer/tokenizers/detokenizer.py",
+        "self._window = [int(i) for i in prompt_ids if not self._drops(i)][-_KEEP:]",
+        "self._window = []",
+        ("tests/test_detokenizer_stream.py", "tests/test_tokenizer.py"),
+        "incremental or stream",
+    ),
+    M(
+        "resume_rewrites_error_records",
+        "jaxinfer/cli/prompts_file.py",
+        "        if job.id in done_ids:\n",
+        "        if job.id in done_ids and job.error is None:\n",
+        ("tests/test_cli_inputs.py",),
+        "collide",
+    ),
+    M(
+        "resume_keeps_partial_line",
+        "jaxinfer/cli/output_file.py",
+        "os.ftruncate(self.fd, start)",
+        "os.ftruncate(self.fd, start + len(raw))",
+        ("tests/test_cli_outputs.py",),
+        "resume",
+    ),
+    M(
+        "recover_keeps_consumed_pool",
+        "jaxinfer/engine/core.py",
+        "        self._reset_device_state()\n",
+        "",
+        ("tests/test_step_recovery.py",),
+        "consumed_the_pool",
+    ),
+    M(
+        "recover_keeps_pending_tokens",
+        "jaxinfer/engine/core.py",
+        "            seq.pending.clear()\n            seq.pending_final = False",
+        "            seq.pending_final = False",
+        ("tests/test_recovery_in_flight.py",),
+    ),
+    M(
+        "abandoned_stream_not_aborted",
+        "jaxinfer/engine/loop.py",
+        "                            for eng in self.engines:\n"
+        "                                eng.abort_request(eid)",
+        "                            for eng in self.engines:\n                                pass",  # noqa: E501
+        ("tests/test_step_recovery.py",),
+        "abandoned",
+    ),
     # Parallel sampling (SamplingParams.n, jaxinfer.engine.parallel_sampling).
-    M("n_child_seed_not_offset", "jaxinfer/engine/parallel_sampling.py",
-      "            seed += i\n", "            seed += 0\n", (PS,), "seed_plus"),
-    M("n_last_child_dropped", "jaxinfer/engine/parallel_sampling.py",
-      "self.running = set(range(n))", "self.running = set(range(n - 1))", (PS,),
-      "greedy_n3 or seed_plus"),
-    M("n_final_index_order", "jaxinfer/engine/parallel_sampling.py",
-      "for i, o in enumerate(self.latest):", "for i, o in enumerate(reversed(self.latest)):",
-      (PS,), "seed_plus"),
-    M("n_streamed_index_0", "jaxinfer/engine/parallel_sampling.py",
-      "outputs=[_completion(index, out)]", "outputs=[_completion(0, out)]", (PS,),
-      "streaming"),
-    M("n_last_child_stream_dropped", "jaxinfer/engine/parallel_sampling.py",
-      "[streamed, self._final()]", "[self._final()]", (PS,), "streaming"),
-    M("n_siblings_not_aborted", "jaxinfer/engine/parallel_sampling.py",
-      "abort, self.running = sorted(self.running), set()", "abort, self.running = [], set()",
-      (PS,), "failed_completion"),
-    M("n_completion_tokens_not_summed", "jaxinfer/engine/parallel_sampling.py",
-      "completion_tokens=sum(m.completion_tokens for m in parts)",
-      "completion_tokens=parts[0].completion_tokens", (PS,), "seed_plus"),
-    M("n_close_aborts_one_child", "jaxinfer/engine/loop.py",
-      "                        for eid in eids:\n",
-      "                        for eid in eids[:1]:\n", (PS,), "closing"),
-    M("n_child_ids_not_checked", "jaxinfer/engine/loop.py",
-      "taken = [e for e in eids + [rid] if", "taken = [e for e in [rid] if", (PS,),
-      "colliding"),
-    M("n_record_flat", "jaxinfer/outputs.py", "if len(self.outputs) > 1:",
-      "if len(self.outputs) > 2:", (PS,), "cli_records"),
-    M("n_cached_tokens_summed", "jaxinfer/engine/parallel_sampling.py",
-      "num_cached_tokens=min(m.num_cached_tokens for m in parts)",
-      "num_cached_tokens=sum(m.num_cached_tokens for m in parts)", (PS,), "parent_output"),
-    M("n_record_drops_logprobs", "jaxinfer/outputs.py",
-      "               \"stop_reason\": self.stop_reason}\n        if self.logprobs is not None:",
-      "               \"stop_reason\": self.stop_reason}\n        if False:", (PS,),
-      "parent_output"),
-    M("n_resume_children_share_a_seed", "jaxinfer/cli/partial.py",
-      "states = [ResumeState(next(flat)) for _ in cps]",
-      "states = [ResumeState(next(flat))] * len(cps)", (PS,), "cli_records"),
-    M("n_partial_keeps_finished_last_token", "jaxinfer/cli/partial.py",
-      "toks, lps = toks[:-1], None if lps is None else lps[:-1]", "pass", (PS,), "cli_records"),
+    M(
+        "n_child_seed_not_offset",
+        "jaxinfer/engine/parallel_sampling.py",
+        "            seed += i\n",
+        "            seed += 0\n",
+        (PS,),
+        "seed_plus",
+    ),
+    M(
+        "n_last_child_dropped",
+        "jaxinfer/engine/parallel_sampling.py",
+        "self.running = set(range(n))",
+        "self.running = set(range(n - 1))",
+        (PS,),
+        "greedy_n3 or seed_plus",
+    ),
+    M(
+        "n_final_index_order",
+        "jaxinfer/engine/parallel_sampling.py",
+        "for i, o in enumerate(self.latest):",
+        "for i, o in enumerate(reversed(self.latest)):",
+        (PS,),
+        "seed_plus",
+    ),
+    M(
+        "n_streamed_index_0",
+        "jaxinfer/engine/parallel_sampling.py",
+        "outputs=[_completion(index, out)]",
+        "outputs=[_completion(0, out)]",
+        (PS,),
+        "streaming",
+    ),
+    M(
+        "n_last_child_stream_dropped",
+        "jaxinfer/engine/parallel_sampling.py",
+        "[streamed, self._final()]",
+        "[self._final()]",
+        (PS,),
+        "streaming",
+    ),
+    M(
+        "n_siblings_not_aborted",
+        "jaxinfer/engine/parallel_sampling.py",
+        "abort, self.running = sorted(self.running), set()",
+        "abort, self.running = [], set()",
+        (PS,),
+        "failed_completion",
+    ),
+    M(
+        "n_completion_tokens_not_summed",
+        "jaxinfer/engine/parallel_sampling.py",
+        "completion_tokens=sum(m.completion_tokens for m in parts)",
+        "completion_tokens=parts[0].completion_tokens",
+        (PS,),
+        "seed_plus",
+    ),
+    M(
+        "n_close_aborts_one_child",
+        "jaxinfer/engine/loop.py",
+        "                        for eid in eids:\n",
+        "                        for eid in eids[:1]:\n",
+        (PS,),
+        "closing",
+    ),
+    M(
+        "n_child_ids_not_checked",
+        "jaxinfer/engine/loop.py",
+        "taken = [e for e in eids + [rid] if",
+        "taken = [e for e in [rid] if",
+        (PS,),
+        "colliding",
+    ),
+    M(
+        "n_record_flat",
+        "jaxinfer/outputs.py",
+        "if len(self.outputs) > 1:",
+        "if len(self.outputs) > 2:",
+        (PS,),
+        "cli_records",
+    ),
+    M(
+        "n_cached_tokens_summed",
+        "jaxinfer/engine/parallel_sampling.py",
+        "num_cached_tokens=min(m.num_cached_tokens for m in parts)",
+        "num_cached_tokens=sum(m.num_cached_tokens for m in parts)",
+        (PS,),
+        "parent_output",
+    ),
+    M(
+        "n_record_drops_logprobs",
+        "jaxinfer/outputs.py",
+        '            "stop_reason": self.stop_reason,\n        }\n        if self.logprobs is not None:',
+        '            "stop_reason": self.stop_reason,\n        }\n        if False:',
+        (PS,),
+        "parent_output",
+    ),
+    M(
+        "n_resume_children_share_a_seed",
+        "jaxinfer/cli/partial.py",
+        "states = [ResumeState(next(flat)) for _ in cps]",
+        "states = [ResumeState(next(flat))] * len(cps)",
+        (PS,),
+        "cli_records",
+    ),
+    M(
+        "n_partial_keeps_finished_last_token",
+        "jaxinfer/cli/partial.py",
+        "toks, lps = toks[:-1], None if lps is None else lps[:-1]",
+        "pass",
+        (PS,),
+        "cli_records",
+    ),
     # Prefix caching (jaxinfer.engine.prefix_cache, the scheduler's use of it).
-    M("pc_no_token_check_on_hit", "jaxinfer/engine/prefix_cache.py",
-      "if stored_parent != parent or stored_tokens != _token_bytes(tokens[i * z:(i + 1) * z]):",
-      "if False:", (PC,), "collision"),
-    M("pc_evicted_page_stays_cached", "jaxinfer/engine/prefix_cache.py",
-      "                self._uncache(p)\n", "", (PC,), "host_pool"),
-    M("pc_head_pages_evicted_first", "jaxinfer/engine/prefix_cache.py", "for p in reversed(pages):",
-      "for p in pages:", (PC,), "host_pool_shares"),
-    M("pc_last_token_not_computed", "jaxinfer/engine/scheduler.py",
-      "max_tokens = min(seq.num_tokens - 1, seq.num_known)",
-      "max_tokens = seq.num_known", (PC,), "host_pool or logprobs"),
-    M("pc_pending_tokens_cached", "jaxinfer/engine/scheduler.py",
-      "limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z",
-      "limit = min(num_computed, len(seq.pages) * z) // z", (PC,), "host_pool or shared or tiny"),
-    M("pc_not_cached_at_admission", "jaxinfer/engine/scheduler.py",
-      "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))\n"
-      "            self.cache_full_pages(seq, seq.num_computed + n)",
-      "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))", (PC,),
-      "n_samples or shared"),
+    M(
+        "pc_no_token_check_on_hit",
+        "jaxinfer/engine/prefix_cache.py",
+        "if stored_parent != parent or stored_tokens != _token_bytes(",
+        "if False and _token_bytes(",
+        (PC,),
+        "collision",
+    ),
+    M(
+        "pc_evicted_page_stays_cached",
+        "jaxinfer/engine/prefix_cache.py",
+        "                self._uncache(p)\n",
+        "",
+        (PC,),
+        "host_pool",
+    ),
+    M(
+        "pc_head_pages_evicted_first",
+        "jaxinfer/engine/prefix_cache.py",
+        "for p in reversed(pages):",
+        "for p in pages:",
+        (PC,),
+        "host_pool_shares",
+    ),
+    M(
+        "pc_last_token_not_computed",
+        "jaxinfer/engine/scheduler.py",
+        "max_tokens = min(seq.num_tokens - 1, seq.num_known)",
+        "max_tokens = seq.num_known",
+        (PC,),
+        "host_pool or logprobs",
+    ),
+    M(
+        "pc_pending_tokens_cached",
+        "jaxinfer/engine/scheduler.py",
+        "limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z",
+        "limit = min(num_computed, len(seq.pages) * z) // z",
+        (PC,),
+        "host_pool or shared or tiny",
+    ),
+    M(
+        "pc_not_cached_at_admission",
+        "jaxinfer/engine/scheduler.py",
+        "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))\n"
+        "            self.cache_full_pages(seq, seq.num_computed + n)",
+        "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))",
+        (PC,),
+        "n_samples or shared",
+    ),
     # Prefix caching on every engine path and data-parallel routing (test_prefix_cache_paths).
-    M("pc_recover_keeps_cache", "jaxinfer/engine/core.py",
-      "self.allocator.clear_cache()  # pages", "pass  # pages", (PCP,), "failed_step"),
-    M("pc_acquire_leaves_page_evictable", "jaxinfer/engine/prefix_cache.py",
-      "            if self.refcounts[p] == 0:\n                del self._evictable[p]\n", "",
-      (PCP,), "preemption or page_major"),
-    M("pc_cached_before_written", "jaxinfer/engine/scheduler.py",
-      "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
-      "            self.cache_full_pages(seq, seq.num_computed + n)",
-      "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
-      "            self.cache_full_pages(seq, seq.num_tokens)", (PCP,), "abort"),
-    M("pc_last_token_page_cached", "jaxinfer/engine/scheduler.py",
-      "        self.cache_full_pages(seq, seq.num_computed)\n",
-      "        self.cache_full_pages(seq, seq.num_computed + 1)\n", (PCP,), "page_major"),
-    M("pc_spec_rejected_slot_cached", "jaxinfer/speculative/engine.py",
-      "        return results\n\n    def _reset_device_state",
-      "        for i, (seq, _, r) in enumerate(verify):  # old num_computed + 1 + r\n"
-      "            if seq.finish_reason is None:\n"
-      "                self.scheduler.cache_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"
-      "        return results\n\n    def _reset_device_state", (PCP,), "speculative"),
-    M("dp_route_ignores_cache", "jaxinfer/engine/loop.py",
-      "return order[hits.index(best)] if best > 0 else home", "return home", (PCP,), "parallel"),
-    M("dp_seed_follows_route", "jaxinfer/engine/loop.py",
-      "                            crs = ResumeState(home.draw_seed(csp))",
-      "                            pass", (PCP,), "parallel"),
+    M(
+        "pc_recover_keeps_cache",
+        "jaxinfer/engine/core.py",
+        "self.allocator.clear_cache()  # pages",
+        "pass  # pages",
+        (PCP,),
+        "failed_step",
+    ),
+    M(
+        "pc_acquire_leaves_page_evictable",
+        "jaxinfer/engine/prefix_cache.py",
+        "            if self.refcounts[p] == 0:\n                del self._evictable[p]\n",
+        "",
+        (PCP,),
+        "preemption or page_major",
+    ),
+    M(
+        "pc_cached_before_written",
+        "jaxinfer/engine/scheduler.py",
+        "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
+        "            self.cache_full_pages(seq, seq.num_computed + n)",
+        "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
+        "            self.cache_full_pages(seq, seq.num_tokens)",
+        (PCP,),
+        "abort",
+    ),
+    M(
+        "pc_last_token_page_cached",
+        "jaxinfer/engine/scheduler.py",
+        "        self.cache_full_pages(seq, seq.num_computed)\n",
+        "        self.cache_full_pages(seq, seq.num_computed + 1)\n",
+        (PCP,),
+        "page_major",
+    ),
+    M(
+        "pc_spec_rejected_slot_cached",
+        "jaxinfer/speculative/engine.py",
+        "        return results\n\n    def _reset_device_state",
+        "        for i, (seq, _, r) in enumerate(verify):  # old num_computed + 1 + r\n"
+        "            if seq.finish_reason is None:\n"
+        "                self.scheduler.cache_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"  # noqa: E501
+        "        return results\n\n    def _reset_device_state",
+        (PCP,),
+        "speculative",
+    ),
+    M(
+        "dp_route_ignores_cache",
+        "jaxinfer/engine/loop.py",
+        "return order[hits.index(best)] if best > 0 else home",
+        "return home",
+        (PCP,),
+        "parallel",
+    ),
+    M(
+        "dp_seed_follows_route",
+        "jaxinfer/engine/loop.py",
+        "                            crs = ResumeState(home.draw_seed(csp))",
+        "                            pass",
+        (PCP,),
+        "parallel",
+    ),
     # ---- prompt logprobs and scoring (issue 20)
-    M("plp_slot_off_by_one", "jaxinfer/engine/prompt_logprobs.py",
-      "int(logits_indices[r]) - row.num_new + 1", "int(logits_indices[r]) - row.num_new",
-      ("tests/test_prompt_logprobs.py",), "equal_transformers"),
-    M("plp_chunk_last_dropped", "jaxinfer/engine/prompt_logprobs.py",
-      "min(start + row.num_new, len(seq.prompt_ids) - 1)",
-      "min(start + row.num_new - 1, len(seq.prompt_ids) - 1)",
-      ("tests/test_prompt_logprobs.py",), "equal_transformers"),
-    M("plp_reads_prefix_cache", "jaxinfer/engine/scheduler.py",
-      "max_tokens = min(max_tokens, seq.params.prompt_logprobs_from - 1)",
-      "max_tokens = max_tokens", ("tests/test_prompt_logprobs.py",), "equal_transformers"),
-    M("plp_recompute_duplicates", "jaxinfer/engine/prompt_logprobs.py",
-      "if lst is None or i < len(lst):", "if lst is None:",
-      ("tests/test_prompt_logprobs.py",), "preempted"),
-    M("plp_tile_targets_shifted", "jaxinfer/engine/prompt_logprobs.py",
-      "tg = jnp.pad(targets, (0, pad)).reshape(-1, tile)",
-      "tg = jnp.pad(targets, (pad, 0)).reshape(-1, tile)",
-      ("tests/test_prompt_logprobs.py",), "tiles"),
-    M("score_greedy_inverted", "jaxinfer/scoring.py",
-      "all(e.top[0][0] == e.token_id for e in entries)",
-      "not all(e.top[0][0] == e.token_id for e in entries)",
-      ("tests/test_scoring.py",), "score_equals"),
-    M("score_context_position_off_by_one", "jaxinfer/scoring.py",
-      "entries = out.prompt_logprobs[len(ctx):]", "entries = out.prompt_logprobs[len(ctx) - 1:][:len(cont)]",
-      ("tests/test_scoring.py",), "score_equals"),
-    M("rolling_stride_overlap", "jaxinfer/scoring.py",
-      "ctx = tokens[max(0, end - max_seq_len - 1):end - 1]",
-      "ctx = tokens[max(0, end - max_seq_len):end - 1]",
-      ("tests/test_scoring.py",), "rolling"),
-    M("encode_pair_spaces_kept", "jaxinfer/scoring.py",
-      "    if n_spaces > 0:\n        continuation",
-      "    if n_spaces < 0:\n        continuation",
-      ("tests/test_scoring.py",), "lm_eval or spaces"),
+    M(
+        "plp_slot_off_by_one",
+        "jaxinfer/engine/prompt_logprobs.py",
+        "int(logits_indices[r]) - row.num_new + 1",
+        "int(logits_indices[r]) - row.num_new",
+        ("tests/test_prompt_logprobs.py",),
+        "equal_transformers",
+    ),
+    M(
+        "plp_chunk_last_dropped",
+        "jaxinfer/engine/prompt_logprobs.py",
+        "min(start + row.num_new, len(seq.prompt_ids) - 1)",
+        "min(start + row.num_new - 1, len(seq.prompt_ids) - 1)",
+        ("tests/test_prompt_logprobs.py",),
+        "equal_transformers",
+    ),
+    M(
+        "plp_reads_prefix_cache",
+        "jaxinfer/engine/scheduler.py",
+        "max_tokens = min(max_tokens, seq.params.prompt_logprobs_from - 1)",
+        "max_tokens = max_tokens",
+        ("tests/test_prompt_logprobs.py",),
+        "equal_transformers",
+    ),
+    M(
+        "plp_recompute_duplicates",
+        "jaxinfer/engine/prompt_logprobs.py",
+        "if lst is None or i < len(lst):",
+        "if lst is None:",
+        ("tests/test_prompt_logprobs.py",),
+        "preempted",
+    ),
+    M(
+        "plp_tile_targets_shifted",
+        "jaxinfer/engine/prompt_logprobs.py",
+        "tg = jnp.pad(targets, (0, pad)).reshape(-1, tile)",
+        "tg = jnp.pad(targets, (pad, 0)).reshape(-1, tile)",
+        ("tests/test_prompt_logprobs.py",),
+        "tiles",
+    ),
+    M(
+        "score_greedy_inverted",
+        "jaxinfer/scoring.py",
+        "all(e.top[0][0] == e.token_id for e in entries)",
+        "not all(e.top[0][0] == e.token_id for e in entries)",
+        ("tests/test_scoring.py",),
+        "score_equals",
+    ),
+    M(
+        "score_context_position_off_by_one",
+        "jaxinfer/scoring.py",
+        "entries = out.prompt_logprobs[len(ctx) :]",
+        "entries = out.prompt_logprobs[len(ctx) - 1 :][: len(cont)]",
+        ("tests/test_scoring.py",),
+        "score_equals",
+    ),
+    M(
+        "rolling_stride_overlap",
+        "jaxinfer/scoring.py",
+        "ctx = tokens[max(0, end - max_seq_len - 1) : end - 1]",
+        "ctx = tokens[max(0, end - max_seq_len) : end - 1]",
+        ("tests/test_scoring.py",),
+        "rolling",
+    ),
+    M(
+        "encode_pair_spaces_kept",
+        "jaxinfer/scoring.py",
+        "    if n_spaces > 0:\n        continuation",
+        "    if n_spaces < 0:\n        continuation",
+        ("tests/test_scoring.py",),
+        "lm_eval or spaces",
+    ),
     # ---- the lm-eval model and the notebook (issue 20)
-    M("lm_eval_greedy_inverted", LME_MODEL,
-      "out.append((r.logprob, bool(r.is_greedy)))",
-      "out.append((r.logprob, not bool(r.is_greedy)))", (LME,), "multiple_choice"),
-    M("lm_eval_loglikelihood_reordered", LME_MODEL,
-      "for i, r in enumerate(self.llm.score(pairs)):",
-      "for i, r in enumerate(self.llm.score(sorted(pairs, key=lambda p: len(p[0]) + len(p[1])))):",
-      (LME,), "multiple_choice"),
-    M("lm_eval_rolling_drops_last_window", "jaxinfer/scoring.py",
-      "    while done < len(tokens):", "    while done + stride < len(tokens):", (LME,), "rolling"),
-    M("lm_eval_rolling_without_bos", LME_MODEL,
-      "docs = [self.tok_encode(req.args[0]) for req in requests]",
-      "docs = [self.tok_encode(req.args[0], add_special_tokens=False) for req in requests]",
-      (LME,), "rolling"),
-    M("lm_eval_until_ignored", LME_MODEL,
-      "return SamplingParams(max_tokens=max_gen_toks, stop=[s for s in until if s], **kw), until",
-      "return SamplingParams(max_tokens=max_gen_toks, **kw), []", (LME,), "generate_until"),
-    M("lm_eval_generate_samples", LME_MODEL,
-      'kw["temperature"] = float(kw.get("temperature", 0.0))',
-      'kw["temperature"] = float(kw.get("temperature", 1.0)) or 1.0', (LME,), "generate_until"),
-    M("notebook_score_context_off_by_one", "jaxinfer/scoring.py",
-      "entries = out.prompt_logprobs[len(ctx):]",
-      "entries = out.prompt_logprobs[len(ctx) - 1:-1] if len(ctx) > 1 else "
-      "out.prompt_logprobs[len(ctx):]", ("tests/test_notebook.py",)),
-    M("score_context_not_from_cache", "jaxinfer/scoring.py", "prompt_logprobs_from=len(c)",
-      "prompt_logprobs_from=1", ("tests/test_scoring.py",), "sharing"),
+    M(
+        "lm_eval_greedy_inverted",
+        LME_MODEL,
+        "out.append((r.logprob, bool(r.is_greedy)))",
+        "out.append((r.logprob, not bool(r.is_greedy)))",
+        (LME,),
+        "multiple_choice",
+    ),
+    M(
+        "lm_eval_loglikelihood_reordered",
+        LME_MODEL,
+        "for i, r in enumerate(self.llm.score(pairs)):",
+        "for i, r in enumerate(self.llm.score(sorted(pairs, key=lambda p: len(p[0]) + len(p[1])))):",  # noqa: E501
+        (LME,),
+        "multiple_choice",
+    ),
+    M(
+        "lm_eval_rolling_drops_last_window",
+        "jaxinfer/scoring.py",
+        "    while done < len(tokens):",
+        "    while done + stride < len(tokens):",
+        (LME,),
+        "rolling",
+    ),
+    M(
+        "lm_eval_rolling_without_bos",
+        LME_MODEL,
+        "docs = [self.tok_encode(req.args[0]) for req in requests]",
+        "docs = [self.tok_encode(req.args[0], add_special_tokens=False) for req in requests]",
+        (LME,),
+        "rolling",
+    ),
+    M(
+        "lm_eval_until_ignored",
+        LME_MODEL,
+        "return SamplingParams(max_tokens=max_gen_toks, stop=[s for s in until if s], **kw), until",
+        "return SamplingParams(max_tokens=max_gen_toks, **kw), []",
+        (LME,),
+        "generate_until",
+    ),
+    M(
+        "lm_eval_generate_samples",
+        LME_MODEL,
+        'kw["temperature"] = float(kw.get("temperature", 0.0))',
+        'kw["temperature"] = float(kw.get("temperature", 1.0)) or 1.0',
+        (LME,),
+        "generate_until",
+    ),
+    M(
+        "notebook_score_context_off_by_one",
+        "jaxinfer/scoring.py",
+        "entries = out.prompt_logprobs[len(ctx) :]",
+        "entries = out.prompt_logprobs[len(ctx) - 1 : -1] if len(ctx) > 1 else "
+        "out.prompt_logprobs[len(ctx) :]",
+        ("tests/test_notebook.py",),
+    ),
+    M(
+        "score_context_not_from_cache",
+        "jaxinfer/scoring.py",
+        "prompt_logprobs_from=len(c)",
+        "prompt_logprobs_from=1",
+        ("tests/test_scoring.py",),
+        "sharing",
+    ),
     # Issue 21: async scheduling reads the step in flight before dispatching a new shape.
-    M("collect_first_keeps_finished_rows", "jaxinfer/engine/core.py",
-      "decode=[r for r in sched.decode if r.seq.status is not SeqStatus.FINISHED]",
-      "decode=list(sched.decode)", ("tests/test_async_scheduling.py",), "collect_first"),
-    M("new_shape_dispatched_before_collect", "jaxinfer/engine/core.py",
-      'return ("forward", self._buckets(sched).key) not in self.compile_keys', "return False",
-      ("tests/test_async_scheduling.py",), "first_token"),
-    M("always_collect_before_dispatch", "jaxinfer/engine/core.py",
-      'return ("forward", self._buckets(sched).key) not in self.compile_keys', "return True",
-      ("tests/test_async_scheduling.py",), "first_token"),
+    M(
+        "collect_first_keeps_finished_rows",
+        "jaxinfer/engine/core.py",
+        "decode=[r for r in sched.decode if r.seq.status is not SeqStatus.FINISHED]",
+        "decode=list(sched.decode)",
+        ("tests/test_async_scheduling.py",),
+        "collect_first",
+    ),
+    M(
+        "new_shape_dispatched_before_collect",
+        "jaxinfer/engine/core.py",
+        'return ("forward", self._buckets(sched).key) not in self.compile_keys',
+        "return False",
+        ("tests/test_async_scheduling.py",),
+        "first_token",
+    ),
+    M(
+        "always_collect_before_dispatch",
+        "jaxinfer/engine/core.py",
+        'return ("forward", self._buckets(sched).key) not in self.compile_keys',
+        "return True",
+        ("tests/test_async_scheduling.py",),
+        "first_token",
+    ),
     # Issue 21: a step of an uncompiled shape runs padded to a compiled one one bucket up.
-    M("reuse_two_buckets_up", "jaxinfer/engine/batch.py", "else 2 * value", "else 4 * value",
-      ("tests/test_bucket_reuse.py",), "hand_worked"),
-    M("reuse_ignores_sampling_variant", "jaxinfer/compile/buckets.py",
-      "sample_missing = (\"sample\", next_pow2(td + bp), *sample_flags) not in compiled",
-      "sample_missing = False",
-      ("tests/test_bucket_reuse.py",), "hand_worked or flags"),
-    M("reuse_never", "jaxinfer/engine/core.py",
-      "chosen = bucket_reuse.choose_buckets(need, usable, flags)", "chosen = need",
-      ("tests/test_bucket_reuse.py",), "tail"),
-    M("batch_ignores_chosen_buckets", "jaxinfer/engine/batch.py",
-      "bk = need if buckets is None else buckets", "bk = need",
-      ("tests/test_bucket_reuse.py",), "tail"),
-    M("background_compile_never_ready", "jaxinfer/compile/buckets.py",
-      "self.pending.difference_update(keys)", "pass",
-      ("tests/test_bucket_reuse.py",), "background"),
-    M("background_compile_never_started", "jaxinfer/engine/core.py",
-      "self.compile_keys.update(self._compiler.submit(need, flags, self.compile_keys))", "pass",
-      ("tests/test_bucket_reuse.py",), "background"),
+    M(
+        "reuse_two_buckets_up",
+        "jaxinfer/engine/batch.py",
+        "else 2 * value",
+        "else 4 * value",
+        ("tests/test_bucket_reuse.py",),
+        "hand_worked",
+    ),
+    M(
+        "reuse_ignores_sampling_variant",
+        "jaxinfer/compile/buckets.py",
+        'sample_missing = ("sample", next_pow2(td + bp), *sample_flags) not in compiled',
+        "sample_missing = False",
+        ("tests/test_bucket_reuse.py",),
+        "hand_worked or flags",
+    ),
+    M(
+        "reuse_never",
+        "jaxinfer/engine/core.py",
+        "chosen = bucket_reuse.choose_buckets(need, usable, flags)",
+        "chosen = need",
+        ("tests/test_bucket_reuse.py",),
+        "tail",
+    ),
+    M(
+        "batch_ignores_chosen_buckets",
+        "jaxinfer/engine/batch.py",
+        "bk = need if buckets is None else buckets",
+        "bk = need",
+        ("tests/test_bucket_reuse.py",),
+        "tail",
+    ),
+    M(
+        "background_compile_never_ready",
+        "jaxinfer/compile/buckets.py",
+        "self.pending.difference_update(keys)",
+        "pass",
+        ("tests/test_bucket_reuse.py",),
+        "background",
+    ),
+    M(
+        "background_compile_never_started",
+        "jaxinfer/engine/core.py",
+        "self.compile_keys.update(self._compiler.submit(need, flags, self.compile_keys))",
+        "pass",
+        ("tests/test_bucket_reuse.py",),
+        "background",
+    ),
 ]
 
 
@@ -427,12 +926,15 @@ def check_list(mutations=MUTATIONS, root: Path = REPO) -> list[str]:
             continue
         n = path.read_text().count(m.old)
         if n != 1:
-            problems.append(f"{m.name}: old text found {n} times in {m.file} (the code moved: "
-                            "update the mutation)")
+            problems.append(
+                f"{m.name}: old text found {n} times in {m.file} (the code moved: "
+                "update the mutation)"
+            )
         if m.old == m.new:
             problems.append(f"{m.name}: old == new")
-        problems += [f"{m.name}: test file {t} not found" for t in m.tests
-                     if not (root / t).is_file()]
+        problems += [
+            f"{m.name}: test file {t} not found" for t in m.tests if not (root / t).is_file()
+        ]
     return problems
 
 
@@ -455,13 +957,23 @@ def env_for(root: Path) -> dict:
 def check_imports_from_copy(root: Path) -> None:
     """Raises SystemExit when the copy's ``jaxinfer`` is not the one imported there (an editable
     install shadowing PYTHONPATH would make every mutation survive)."""
-    code = ("import jaxinfer, kernels_pallas; print(jaxinfer.__file__); "
-            "print(kernels_pallas.__file__)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env_for(root),
-                         capture_output=True, text=True, timeout=300)
+    code = (
+        "import jaxinfer, kernels_pallas; print(jaxinfer.__file__); print(kernels_pallas.__file__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=env_for(root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     files = out.stdout.split()
-    if out.returncode or len(files) != 2 or not all(
-            Path(f).resolve().is_relative_to(root.resolve()) for f in files):
+    if (
+        out.returncode
+        or len(files) != 2
+        or not all(Path(f).resolve().is_relative_to(root.resolve()) for f in files)
+    ):
         raise SystemExit(f"the copy's modules are not the ones imported: {out.stdout}{out.stderr}")
 
 
@@ -483,28 +995,51 @@ def run_one(m: Mutation, timeout: float, snapshot: Path, mutate: bool = True) ->
         if mutate:
             path.write_text(text.replace(m.old, m.new))
         try:
-            p = subprocess.run(pytest_cmd(m), cwd=root, env=env_for(root), capture_output=True,
-                               text=True, timeout=timeout)
+            p = subprocess.run(
+                pytest_cmd(m),
+                cwd=root,
+                env=env_for(root),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
             rc, tail = p.returncode, (p.stdout + p.stderr)[-1500:]
         except subprocess.TimeoutExpired as e:
             rc, tail = None, f"timeout after {timeout:.0f} s: {str(e.stdout or '')[-500:]}"
     result = {0: "survived", 1: "caught"}.get(rc, "timeout" if rc is None else "error")
-    return {"name": m.name, "result": result, "rc": rc,
-            "seconds": round(time.perf_counter() - t0, 1), "tail": tail}
+    return {
+        "name": m.name,
+        "result": result,
+        "rc": rc,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "tail": tail,
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--list", action="store_true", help="list the mutations, check their old "
-                    "texts against the tree, run nothing")
-    ap.add_argument("--only", action="append", default=[], metavar="NAME",
-                    help="run only this mutation (repeatable, or comma-separated)")
+    ap.add_argument(
+        "--list",
+        action="store_true",
+        help="list the mutations, check their old texts against the tree, run nothing",
+    )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this mutation (repeatable, or comma-separated)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="mutations run at once (default 1)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per mutation's tests")
-    ap.add_argument("--baseline", action="store_true",
-                    help="first run each selected mutation's tests unmutated: they must pass")
-    ap.add_argument("--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR",
-                                                            str(REPO / "results")))
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="first run each selected mutation's tests unmutated: they must pass",
+    )
+    ap.add_argument(
+        "--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR", str(REPO / "results"))
+    )
     args = ap.parse_args(argv)
 
     problems = check_list()
@@ -540,11 +1075,16 @@ def run(args, chosen: list[Mutation], snapshot: Path) -> int:
         for m in chosen:
             groups.setdefault((m.tests, m.k), m)
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as ex:
-            for r in ex.map(lambda m: run_one(m, args.timeout, snapshot, mutate=False),
-                            groups.values()):
+            for r in ex.map(
+                lambda m: run_one(m, args.timeout, snapshot, mutate=False), groups.values()
+            ):
                 ok = r["result"] == "survived"  # unmutated: the tests pass
-                print(f"baseline {r['name']:34s} {'ok' if ok else r['result']:9s} "
-                      f"{r['seconds']:7.1f} s", file=sys.stderr, flush=True)
+                print(
+                    f"baseline {r['name']:34s} {'ok' if ok else r['result']:9s} "
+                    f"{r['seconds']:7.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if not ok:
                     baseline_failed.append({k: r[k] for k in ("name", "result", "rc", "tail")})
         bad = {(m.tests, m.k) for m in chosen if m.name in {b["name"] for b in baseline_failed}}
@@ -553,8 +1093,11 @@ def run(args, chosen: list[Mutation], snapshot: Path) -> int:
     results = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as ex:
         for r in ex.map(lambda m: run_one(m, args.timeout, snapshot), chosen):
-            print(f"{r['name']:34s} {r['result']:9s} {r['seconds']:7.1f} s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{r['name']:34s} {r['result']:9s} {r['seconds']:7.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             results.append(r)
 
     def names(kind):
@@ -564,14 +1107,20 @@ def run(args, chosen: list[Mutation], snapshot: Path) -> int:
     from benchlib import emit, host_info
 
     summary = {
-        "script": "mutation_check", **host_info(),
-        "tried": len(results), "caught": len(names("caught")), "survived": names("survived"),
-        "errors": names("error"), "timeouts": names("timeout"),
+        "script": "mutation_check",
+        **host_info(),
+        "tried": len(results),
+        "caught": len(names("caught")),
+        "survived": names("survived"),
+        "errors": names("error"),
+        "timeouts": names("timeout"),
         "baseline_failed": baseline_failed,
         "seconds": round(time.perf_counter() - t0, 1),
-        "results": [{k: r[k] for k in ("name", "result", "rc", "seconds")}
-                    | ({"tail": r["tail"]} if r["result"] not in ("caught",) else {})
-                    for r in results],
+        "results": [
+            {k: r[k] for k in ("name", "result", "rc", "seconds")}
+            | ({"tail": r["tail"]} if r["result"] not in ("caught",) else {})
+            for r in results
+        ],
     }
     emit(summary, "mutation_check", args.results_dir)
     return 0 if len(names("caught")) == len(results) and not baseline_failed else 1

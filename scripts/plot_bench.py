@@ -135,19 +135,36 @@ def plot_serve(records: list[dict], out: Path, plt) -> bool:
                 continue
             xs = list(range(len(rates)))
             color = f"C{k}"
-            row[0].plot(xs, [r["ttft_s"]["p50"] for r in rates], marker="o", color=color,
-                        label=f"{name} p50")
-            row[0].plot(xs, [r["ttft_s"]["p99"] for r in rates], marker="^", ls="--",
-                        color=color, label=f"{name} p99")
-            row[1].plot(xs, [r["output_tok_s"] for r in rates], marker="o", color=color,
-                        label=name)
+            row[0].plot(
+                xs,
+                [r["ttft_s"]["p50"] for r in rates],
+                marker="o",
+                color=color,
+                label=f"{name} p50",
+            )
+            row[0].plot(
+                xs,
+                [r["ttft_s"]["p99"] for r in rates],
+                marker="^",
+                ls="--",
+                color=color,
+                label=f"{name} p99",
+            )
+            row[1].plot(xs, [r["output_tok_s"] for r in rates], marker="o", color=color, label=name)
             for ax in row:
                 ax.set_xticks(xs, [str(r["rate"]).removesuffix(".0") for r in rates])
         row[0].axhline(1.0, color="grey", lw=0.8, ls=":")
-        row[0].set(yscale="log", xlabel="request rate (req/s)", ylabel="TTFT (s)",
-                   title=f"{model}: time to first token")
-        row[1].set(xlabel="request rate (req/s)", ylabel="output tokens/s",
-                   title=f"{model}: output throughput")
+        row[0].set(
+            yscale="log",
+            xlabel="request rate (req/s)",
+            ylabel="TTFT (s)",
+            title=f"{model}: time to first token",
+        )
+        row[1].set(
+            xlabel="request rate (req/s)",
+            ylabel="output tokens/s",
+            title=f"{model}: output throughput",
+        )
         for ax in row:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
@@ -162,10 +179,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_args(ap)
-    ap.add_argument("--serve-png", default=None, metavar="PATH",
-                    help="also draw bench_serve's latency-vs-rate figure to PATH")
-    ap.add_argument("--serve-models", default=None,
-                    help="comma list of models for --serve-png (default: every model measured)")
+    ap.add_argument(
+        "--serve-png",
+        default=None,
+        metavar="PATH",
+        help="also draw bench_serve's latency-vs-rate figure to PATH",
+    )
+    ap.add_argument(
+        "--serve-models",
+        default=None,
+        help="comma list of models for --serve-png (default: every model measured)",
+    )
     args = ap.parse_args()
     import matplotlib
 

@@ -62,24 +62,47 @@ def main() -> None:
     ap.add_argument("--mean-output", type=float, default=32.0, help="llama110m job only")
     ap.add_argument("--max-model-len", type=int, default=512, help="llama110m job only")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--unroll-layers", choices=("auto", "0", "1"), default="auto",
-                    help="EngineConfig.unroll_layers (auto: the engine's default, on for CPU)")
-    ap.add_argument("--scan-from-tokens", type=int, default=None, metavar="N",
-                    help="EngineConfig.scan_layers_from_tokens (default: the engine's; 0 = "
-                         "never: every step unrolled when the layers are)")
-    ap.add_argument("--reuse-steps", type=int, default=None,
-                    help="bucket_reuse.REUSE_STEPS for the job (default: the engine's)")
-    ap.add_argument("--no-bucket-reuse", action="store_true",
-                    help="never pad a step up to a compiled bucket (as reuse_compiled_buckets="
-                         "False)")
+    ap.add_argument(
+        "--unroll-layers",
+        choices=("auto", "0", "1"),
+        default="auto",
+        help="EngineConfig.unroll_layers (auto: the engine's default, on for CPU)",
+    )
+    ap.add_argument(
+        "--scan-from-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="EngineConfig.scan_layers_from_tokens (default: the engine's; 0 = "
+        "never: every step unrolled when the layers are)",
+    )
+    ap.add_argument(
+        "--reuse-steps",
+        type=int,
+        default=None,
+        help="bucket_reuse.REUSE_STEPS for the job (default: the engine's)",
+    )
+    ap.add_argument(
+        "--no-bucket-reuse",
+        action="store_true",
+        help="never pad a step up to a compiled bucket (as reuse_compiled_buckets=False)",
+    )
     ap.add_argument("--no-hlo", action="store_true", help="skip the HLO sizes")
-    ap.add_argument("--persistent-cache", metavar="DIR", default=None,
-                    help="keep JAX's persistent compilation cache on, in DIR (run twice for a "
-                         "warm run: its steady state without compilations)")
-    ap.add_argument("--cli-args", default="",
-                    help="more `jaxinfer generate` flags, e.g. '--no-async-scheduling'")
-    ap.add_argument("--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR",
-                                                            str(REPO / "results")))
+    ap.add_argument(
+        "--persistent-cache",
+        metavar="DIR",
+        default=None,
+        help="keep JAX's persistent compilation cache on, in DIR (run twice for a "
+        "warm run: its steady state without compilations)",
+    )
+    ap.add_argument(
+        "--cli-args",
+        default="",
+        help="more `jaxinfer generate` flags, e.g. '--no-async-scheduling'",
+    )
+    ap.add_argument(
+        "--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR", str(REPO / "results"))
+    )
     args = ap.parse_args()
 
     # Resolve the model first (its build cache lives under JAXINFER_CACHE_DIR), then turn the
@@ -96,9 +119,8 @@ def main() -> None:
     import jax
     from jax import monitoring
 
-    from jaxinfer.compile import buckets as bucket_reuse
-
     from jaxinfer.cli import main as cli
+    from jaxinfer.compile import buckets as bucket_reuse
 
     if args.reuse_steps is not None:
         bucket_reuse.REUSE_STEPS = args.reuse_steps
@@ -109,11 +131,16 @@ def main() -> None:
     t_imports = time.time() - T0
     state = {"engine": None, "snap": set(), "on": True, "first_token": None}
     rows: dict[str, dict] = {}
-    kinds = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-             "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-             "/jax/core/compile/backend_compile_duration": "compile_s"}
-    fun_kind = {"forward_step": "forward", "sample_step_padded": "sample",
-                "forward_step_prompt_logprobs": "forward_prompt_logprobs"}
+    kinds = {
+        "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+        "/jax/core/compile/backend_compile_duration": "compile_s",
+    }
+    fun_kind = {
+        "forward_step": "forward",
+        "sample_step_padded": "sample",
+        "forward_step_prompt_logprobs": "forward_prompt_logprobs",
+    }
 
     def label_of(fun_name: str) -> str:
         if fun_name.startswith("jit(") and fun_name.endswith(")"):  # lower/compile events' name
@@ -130,8 +157,17 @@ def main() -> None:
         if not state["on"] or event not in kinds:
             return
         lab = label_of(kw.get("fun_name", "?"))
-        r = rows.setdefault(lab, {"key": lab, "trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0,
-                                  "compiles": 0, "first_at_s": round(time.time() - T0, 2)})
+        r = rows.setdefault(
+            lab,
+            {
+                "key": lab,
+                "trace_s": 0.0,
+                "lower_s": 0.0,
+                "compile_s": 0.0,
+                "compiles": 0,
+                "first_at_s": round(time.time() - T0, 2),
+            },
+        )
         r[kinds[event]] += duration
         r["compiles"] += event == "/jax/core/compile/backend_compile_duration"
 
@@ -144,8 +180,14 @@ def main() -> None:
     unroll = None if args.unroll_layers == "auto" else args.unroll_layers == "1"
 
     def shapes(tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                            if hasattr(x, "shape") and hasattr(x, "dtype") else x, tree)
+        return jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype)
+                if hasattr(x, "shape") and hasattr(x, "dtype")
+                else x
+            ),
+            tree,
+        )
 
     def recording(eng, name, fn):
         def call(*a, **kw):
@@ -153,6 +195,7 @@ def main() -> None:
             if lab.startswith("(") and lab not in calls:
                 calls[lab] = (fn, shapes(a), kw)
             return fn(*a, **kw)
+
         call.__name__ = getattr(fn, "__name__", name)
         if hasattr(fn, "lower"):  # the background compiler (bucket_reuse) lowers through it
             call.lower = fn.lower
@@ -175,34 +218,74 @@ def main() -> None:
     engine_mod.Engine._dispatch, engine_mod.Engine._collect = dispatch, collect
     if unroll is not None or args.scan_from_tokens is not None:
         orig_init = engine_mod.Engine.__init__
-        layer_kw = {k: v for k, v in (("unroll_layers", unroll),
-                                      ("scan_layers_from_tokens", args.scan_from_tokens))
-                    if v is not None}
+        layer_kw = {
+            k: v
+            for k, v in (
+                ("unroll_layers", unroll),
+                ("scan_layers_from_tokens", args.scan_from_tokens),
+            )
+            if v is not None
+        }
 
         def init(self, cfg, params, tokenizer, ecfg, *a, **kw):
             import dataclasses
 
-            orig_init(self, cfg, params, tokenizer, dataclasses.replace(ecfg, **layer_kw),
-                      *a, **kw)
+            orig_init(self, cfg, params, tokenizer, dataclasses.replace(ecfg, **layer_kw), *a, **kw)
+
         engine_mod.Engine.__init__ = init
 
     tmp = Path(tempfile.mkdtemp(prefix="profile_compile_"))
     if args.job == "demo":
         prompts = REPO / "examples" / "prompts.jsonl"
-        argv = ["generate", "--model", str(path), "--prompts", str(prompts), "--out",
-                str(tmp / "out.jsonl"), "--temperature", "0", "--no-progress"]
+        argv = [
+            "generate",
+            "--model",
+            str(path),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp / "out.jsonl"),
+            "--temperature",
+            "0",
+            "--no-progress",
+        ]
     else:
-        reqs = make_workload(args.num_prompts, max_model_len=args.max_model_len, vocab=vocab,
-                             seed=args.seed, mean_input=args.mean_input,
-                             mean_output=args.mean_output)
+        reqs = make_workload(
+            args.num_prompts,
+            max_model_len=args.max_model_len,
+            vocab=vocab,
+            seed=args.seed,
+            mean_input=args.mean_input,
+            mean_output=args.mean_output,
+        )
         prompts = tmp / "prompts.jsonl"
         with open(prompts, "w") as f:
             for i, (ids, n) in enumerate(reqs):
-                f.write(json.dumps({"id": f"p{i}", "prompt_token_ids": ids, "max_tokens": n,
-                                    "ignore_eos": True}) + "\n")
-        argv = ["generate", "--model", str(path), "--prompts", str(prompts), "--out",
-                str(tmp / "out.jsonl"), "--temperature", "0", "--no-progress",
-                "--max-model-len", str(args.max_model_len)]
+                f.write(
+                    json.dumps(
+                        {
+                            "id": f"p{i}",
+                            "prompt_token_ids": ids,
+                            "max_tokens": n,
+                            "ignore_eos": True,
+                        }
+                    )
+                    + "\n"
+                )
+        argv = [
+            "generate",
+            "--model",
+            str(path),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp / "out.jsonl"),
+            "--temperature",
+            "0",
+            "--no-progress",
+            "--max-model-len",
+            str(args.max_model_len),
+        ]
     argv += args.cli_args.split()
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -226,34 +309,50 @@ def main() -> None:
             r[k] = round(r[k], 3)
     tot = {k: round(sum(r[k] for r in table), 2) for k in ("trace_s", "lower_s", "compile_s")}
     summary = {
-        "bench": "profile_compile", **host_info(), "job": args.job, "model": str(path),
-        "unroll_layers": args.unroll_layers, "scan_from_tokens": args.scan_from_tokens,
+        "bench": "profile_compile",
+        **host_info(),
+        "job": args.job,
+        "model": str(path),
+        "unroll_layers": args.unroll_layers,
+        "scan_from_tokens": args.scan_from_tokens,
         "cli_args": args.cli_args,
-        "reuse_steps": bucket_reuse.REUSE_STEPS, "bucket_reuse": not args.no_bucket_reuse,
-        "persistent_cache": args.persistent_cache, "exit_code": rc,
+        "reuse_steps": bucket_reuse.REUSE_STEPS,
+        "bucket_reuse": not args.no_bucket_reuse,
+        "persistent_cache": args.persistent_cache,
+        "exit_code": rc,
         "num_prompts": cli_summary.get("prompts"),
         "completion_tokens": cli_summary.get("completion_tokens"),
-        "wall_from_process_start_s": round(wall, 2), "imports_s": round(t_imports, 2),
-        "first_token_from_process_start_s": (round(state["first_token"], 2)
-                                             if state["first_token"] else None),
+        "wall_from_process_start_s": round(wall, 2),
+        "imports_s": round(t_imports, 2),
+        "first_token_from_process_start_s": (
+            round(state["first_token"], 2) if state["first_token"] else None
+        ),
         "engine_compilations": cli_summary.get("compilations"),
         "xla_compilations": sum(r["compiles"] for r in table),
-        "xla_compilations_engine_steps": sum(r["compiles"] for r in table
-                                             if r["key"].startswith("(")),
+        "xla_compilations_engine_steps": sum(
+            r["compiles"] for r in table if r["key"].startswith("(")
+        ),
         **{f"total_{k}": v for k, v in tot.items()},
-        "cli_wall_s": cli_summary.get("wall_s"), "cli_generate_s": cli_summary.get("generate_s"),
+        "cli_wall_s": cli_summary.get("wall_s"),
+        "cli_generate_s": cli_summary.get("generate_s"),
         "items": table,
     }
-    log(f"{'key':58s} {'trace':>7s} {'lower':>7s} {'compile':>8s} {'n':>3s} {'at_s':>6s} "
-        f"{'hlo_chars':>10s} {'ops':>6s}")
+    log(
+        f"{'key':58s} {'trace':>7s} {'lower':>7s} {'compile':>8s} {'n':>3s} {'at_s':>6s} "
+        f"{'hlo_chars':>10s} {'ops':>6s}"
+    )
     for r in table:
-        log(f"{r['key'][:58]:58s} {r['trace_s']:7.2f} {r['lower_s']:7.2f} {r['compile_s']:8.2f} "
+        log(
+            f"{r['key'][:58]:58s} {r['trace_s']:7.2f} {r['lower_s']:7.2f} {r['compile_s']:8.2f} "
             f"{r['compiles']:3d} {r['first_at_s']:6.1f} {r.get('hlo_chars', ''):>10} "
-            f"{r.get('hlo_op_lines', ''):>6}")
-    log(f"total: trace {tot['trace_s']} s, lower {tot['lower_s']} s, XLA compile "
+            f"{r.get('hlo_op_lines', ''):>6}"
+        )
+    log(
+        f"total: trace {tot['trace_s']} s, lower {tot['lower_s']} s, XLA compile "
         f"{tot['compile_s']} s over {summary['xla_compilations']} compilations; wall "
         f"{summary['wall_from_process_start_s']} s, first token at "
-        f"{summary['first_token_from_process_start_s']} s from process start")
+        f"{summary['first_token_from_process_start_s']} s from process start"
+    )
     emit(summary, "profile_compile", args.results_dir)
     sys.exit(rc)
 

@@ -8,7 +8,8 @@ device phases, host phases and gaps, measured. Results: docs/performance_cold_st
 
 The job is ``profile_compile``'s ``llama110m`` job (``benchlib``'s random ~110M Llama, f32, greedy,
 ``ignore_eos``, ``benchlib.make_workload`` prompts; default 64 prompts, mean output 96) run
-through ``jaxinfer.cli.main.main`` in this process, once per entry of ``--runs``. Engine internals are
+through ``jaxinfer.cli.main.main`` in this process, once per entry of ``--runs``. Engine internals
+are
 wrapped from here (``Engine._dispatch``, ``_collect``, ``step``, ``_forward``, ``_sample``,
 ``Scheduler.schedule``, ``build_step_batch``, ``to_host``, ``IncrementalDetokenizer.add``);
 jaxinfer itself is not changed.
@@ -64,14 +65,17 @@ def checkout() -> dict:
 
     def git(*a):
         try:
-            return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
     dirty = git("status", "--short", "--", "jaxinfer")
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "uncommitted_jaxinfer": dirty.splitlines() if dirty else []}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted_jaxinfer": dirty.splitlines() if dirty else [],
+    }
 
 
 def load_avg() -> list[float]:
@@ -111,10 +115,16 @@ def install_hooks(state: dict) -> None:
     from jaxinfer.engine import scheduler as sm
     from jaxinfer.tokenizers import detokenizer as dm
 
-    orig = {"dispatch": em.Engine._dispatch, "collect": em.Engine._collect,
-            "step": em.Engine.step, "schedule": sm.Scheduler.schedule,
-            "bsb": em.build_step_batch, "to_host": em.to_host,
-            "detok": dm.IncrementalDetokenizer.add, "init": em.Engine.__init__}
+    orig = {
+        "dispatch": em.Engine._dispatch,
+        "collect": em.Engine._collect,
+        "step": em.Engine.step,
+        "schedule": sm.Scheduler.schedule,
+        "bsb": em.build_step_batch,
+        "to_host": em.to_host,
+        "detok": dm.IncrementalDetokenizer.add,
+        "init": em.Engine.__init__,
+    }
 
     def timed(label, fn):
         def call(*a, **kw):
@@ -123,6 +133,7 @@ def install_hooks(state: dict) -> None:
                 return fn(*a, **kw)
             finally:
                 state["t"].add(label, time.perf_counter() - t)
+
         return call
 
     def init(self, *a, **kw):
@@ -143,10 +154,11 @@ def install_hooks(state: dict) -> None:
             state["t"].add("forward " + step_kind(key), dt)
             state["fwd_keys"].add(repr(key), dt)
             if key[1] == 0:  # decode-only: live rows (kv_len > 0) of the Td bucket
-                live = int(np.count_nonzero(np.asarray(fa[2].md.kv_lens)[:key[0]]))
+                live = int(np.count_nonzero(np.asarray(fa[2].md.kv_lens)[: key[0]]))
                 state["live_rows"][f"Td={key[0]}"][live] += 1
-            if state["capture"] and (key[1] == 0 and key[0] in (8, 16, 32, 64)
-                                     or key[:2] == (64, 512)):
+            if state["capture"] and (
+                key[1] == 0 and key[0] in (8, 16, 32, 64) or key[:2] == (64, 512)
+            ):
                 state["captured"][step_kind(key)] = (fa[2], fa[3], key)
             return out
 
@@ -187,8 +199,20 @@ def run_job(args, path, prompts: Path, out: Path, mode: str, state: dict) -> dic
     state["sync"] = mode == "sync"
     mon = Timers()
     state["mon"] = mon
-    argv = ["generate", "--model", str(path), "--prompts", str(prompts), "--out", str(out),
-            "--temperature", "0", "--no-progress", "--max-model-len", str(args.max_model_len)]
+    argv = [
+        "generate",
+        "--model",
+        str(path),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--temperature",
+        "0",
+        "--no-progress",
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
     if mode == "sync":
         argv.append("--no-async-scheduling")
     argv += args.cli_args.split()
@@ -206,22 +230,33 @@ def run_job(args, path, prompts: Path, out: Path, mode: str, state: dict) -> dic
     step = s("engine_step")
     dev = s("forward") + s("sample")
     host_in_step = step - (dev if mode == "sync" else 0.0)
-    r = {"mode": mode, "rc": rc, "wall_s": round(wall, 2), "load_before": load0,
-         "load_after": load1, "cli_generate_s": summ.get("generate_s"),
-         "completion_tokens": summ.get("completion_tokens"), "steps": t.n.get("engine_step", 0),
-         "engine_step_s": round(step, 2), "outside_step_s": round(wall - step, 2),
-         "engine_init_s": round(s("engine_init"), 2),
-         "trace_s": round(mon.s.get("trace", 0.0), 2), "lower_s": round(mon.s.get("lower", 0.0), 2),
-         "compile_or_cache_load_s": round(mon.s.get("compile", 0.0), 2),
-         "xla_compiles": mon.n.get("compile", 0), "timers": t.table(),
-         "decode_live_rows": {k: dict(sorted(v.items())) for k, v in state["live_rows"].items()}}
+    r = {
+        "mode": mode,
+        "rc": rc,
+        "wall_s": round(wall, 2),
+        "load_before": load0,
+        "load_after": load1,
+        "cli_generate_s": summ.get("generate_s"),
+        "completion_tokens": summ.get("completion_tokens"),
+        "steps": t.n.get("engine_step", 0),
+        "engine_step_s": round(step, 2),
+        "outside_step_s": round(wall - step, 2),
+        "engine_init_s": round(s("engine_init"), 2),
+        "trace_s": round(mon.s.get("trace", 0.0), 2),
+        "lower_s": round(mon.s.get("lower", 0.0), 2),
+        "compile_or_cache_load_s": round(mon.s.get("compile", 0.0), 2),
+        "xla_compiles": mon.n.get("compile", 0),
+        "timers": t.table(),
+        "decode_live_rows": {k: dict(sorted(v.items())) for k, v in state["live_rows"].items()},
+    }
     if mode == "sync":
         phases = {k: round(v, 2) for k, v in t.s.items() if k.startswith("forward ")}
         phases["sample"] = round(s("sample"), 2)
         phases["schedule"] = round(s("schedule"), 2)
         phases["build_step_batch"] = round(s("build_step_batch"), 2)
-        phases["dispatch_other_host"] = round(s("dispatch") - s("forward") - s("sample")
-                                              - s("build_step_batch"), 2)
+        phases["dispatch_other_host"] = round(
+            s("dispatch") - s("forward") - s("sample") - s("build_step_batch"), 2
+        )
         phases["collect_detokenize"] = round(s("detokenize"), 2)
         phases["collect_to_host"] = round(s("to_host"), 2)
         phases["collect_other"] = round(s("collect") - s("detokenize") - s("to_host"), 2)
@@ -230,8 +265,9 @@ def run_job(args, path, prompts: Path, out: Path, mode: str, state: dict) -> dic
         r["phases"] = phases
         r["device_busy_s"] = round(dev, 2)
         r["host_in_step_s"] = round(host_in_step, 2)
-        r["forward_by_key"] = {k: v for k, v in sorted(state["fwd_keys"].table().items(),
-                                                       key=lambda kv: -kv[1]["s"])}
+        r["forward_by_key"] = {
+            k: v for k, v in sorted(state["fwd_keys"].table().items(), key=lambda kv: -kv[1]["s"])
+        }
     else:
         r["readback_wait_s"] = round(s("to_host"), 2)
         r["host_in_step_s"] = round(step - s("to_host"), 2)
@@ -251,8 +287,10 @@ def rss_guard(limit_gb: float) -> None:
             with open("/proc/self/status") as f:
                 kb = int(next(ln for ln in f if ln.startswith("VmRSS")).split()[1])
             if kb / 2**20 > limit_gb:
-                log(f"[micro] RSS {kb / 2**20:.1f} GiB > {limit_gb} GiB at stage {STAGE[0]!r}: "
-                    "exiting")
+                log(
+                    f"[micro] RSS {kb / 2**20:.1f} GiB > {limit_gb} GiB at stage {STAGE[0]!r}: "
+                    "exiting"
+                )
                 os._exit(3)
             time.sleep(0.2)
 
@@ -290,8 +328,8 @@ def micro(engine, captured: dict, repeats: int, full_pieces: bool = True) -> dic
     import numpy as np
     from bench_roofline import measure_bandwidth
 
-    from jaxinfer.models.forward import compute_logits, forward, linear, linear_parts
     from jaxinfer.engine.step import forward_step, resolve_tokens
+    from jaxinfer.models.forward import compute_logits, forward, linear, linear_parts
 
     cfg, params = engine.cfg, engine.params
     layers = params.layers
@@ -319,13 +357,18 @@ def micro(engine, captured: dict, repeats: int, full_pieces: bool = True) -> dic
     box = [engine._new_kv_cache()]  # one pool, donated and threaded through every timed call
     log(f"[micro] KV pool {nbytes(box[0]) / 2**20:.0f} MiB")
     kv_token_bytes = nbytes(box[0]) / (engine.ecfg.num_pages * engine.ecfg.page_size)
+
     def one(td, batch, prev, key) -> dict:  # td: the step's kind, "decode Td=16" or "mixed"
         md = batch.md
         rows = int(batch.logits_indices.shape[0])
         T = int(batch.tokens.shape[0])
 
-        fwd_full = jax.jit(lambda p, kv, b, pv: forward_step(
-            p, kv, b, pv, cfg=cfg, attn_impl=engine.ecfg.attn_impl), donate_argnums=1)
+        fwd_full = jax.jit(
+            lambda p, kv, b, pv: forward_step(
+                p, kv, b, pv, cfg=cfg, attn_impl=engine.ecfg.attn_impl
+            ),
+            donate_argnums=1,
+        )
 
         def forward_full():
             box[0], lg = fwd_full(params, box[0], batch, prev)
@@ -356,41 +399,62 @@ def micro(engine, captured: dict, repeats: int, full_pieces: bool = True) -> dic
                     acc = acc + sum(part.sum() for part in ys) * 1e-9
                     h = h + acc
                 return h
+
             h = jnp.full((T, width_in), 0.01, jnp.float32)
             f.__name__ = f"gemm_{name}"
             return best(f, ws, h), nbytes([w.values if hasattr(w, "values") else w for w in ws])
 
         live = int(np.asarray(md.kv_lens).sum())
         kv_mb = live * kv_token_bytes / 2**20
-        res = {"key": list(key), "T": T, "rows": rows, "kv_live_tokens": live,
-               "kv_read_mb": round(kv_mb, 1),
-               "kv_roofline_ms": round(kv_mb * 2**20 / bw["bytes_s"] * 1e3, 3)}
+        res = {
+            "key": list(key),
+            "T": T,
+            "rows": rows,
+            "kv_live_tokens": live,
+            "kv_read_mb": round(kv_mb, 1),
+            "kv_roofline_ms": round(kv_mb * 2**20 / bw["bytes_s"] * 1e3, 3),
+        }
         STAGE[0] = f"Td={td}"
         res["forward_full"] = best(forward_full)
         res["forward_no_attention"] = best(lambda: noattn(params, box[0], batch, prev))
-        res["attention_and_kv_write_ms"] = round(res["forward_full"]["p50_ms"]
-                                                 - res["forward_no_attention"]["p50_ms"], 3)
+        res["attention_and_kv_write_ms"] = round(
+            res["forward_full"]["p50_ms"] - res["forward_no_attention"]["p50_ms"], 3
+        )
         if not full_pieces:
             return res
         F = cfg.intermediate_size
-        for name, parts, win in (("wqkv", True, cfg.hidden_size), ("wo", False, N * H),
-                                 ("w_gate_up", True, cfg.hidden_size), ("w_down", False, F)):
+        for name, parts, win in (
+            ("wqkv", True, cfg.hidden_size),
+            ("wo", False, N * H),
+            ("w_gate_up", True, cfg.hidden_size),
+            ("w_down", False, F),
+        ):
             tm, wb = chain(name, parts, win)
-            res[f"gemm_{name}"] = {**tm, "weight_mb": round(wb / 2**20, 1),
-                                   "roofline_ms": round(wb / bw["bytes_s"] * 1e3, 3)}
+            res[f"gemm_{name}"] = {
+                **tm,
+                "weight_mb": round(wb / 2**20, 1),
+                "roofline_ms": round(wb / bw["bytes_s"] * 1e3, 3),
+            }
         lm = jax.jit(lambda p, h: compute_logits(p, cfg, h))
         hb = jnp.full((rows, cfg.hidden_size), 0.01, jnp.float32)
         lm_bytes = nbytes(params.embed if params.lm_head is None else params.lm_head)
-        res["lm_head"] = {**best(lm, params, hb), "weight_mb": round(lm_bytes / 2**20, 1),
-                          "roofline_ms": round(lm_bytes / bw["bytes_s"] * 1e3, 3)}
+        res["lm_head"] = {
+            **best(lm, params, hb),
+            "weight_mb": round(lm_bytes / 2**20, 1),
+            "roofline_ms": round(lm_bytes / bw["bytes_s"] * 1e3, 3),
+        }
         # torch (2 threads) on the same GEMM shapes: x [T, I] @ W [I, O], 12 layers
         import torch
 
         torch.set_num_threads(min(2, os.cpu_count() or 1))
         tres = {}
         D = cfg.hidden_size
-        for name, (i, o) in {"wqkv": (D, (N + 2 * K) * H), "wo": (N * H, D),
-                             "w_gate_up": (D, 2 * F), "w_down": (F, D)}.items():
+        for name, (i, o) in {
+            "wqkv": (D, (N + 2 * K) * H),
+            "wo": (N * H, D),
+            "w_gate_up": (D, 2 * F),
+            "w_down": (F, D),
+        }.items():
             ws = [torch.randn(i, o) for _ in range(cfg.num_layers)]
             xa = torch.randn(T, i)
             ts = []
@@ -400,8 +464,10 @@ def micro(engine, captured: dict, repeats: int, full_pieces: bool = True) -> dic
                     xa @ w
                 ts.append(time.perf_counter() - t)
             ts = ts[1:]
-            tres[name] = {"p50_ms": round(float(np.median(ts)) * 1e3, 3),
-                          "best_ms": round(min(ts) * 1e3, 3)}
+            tres[name] = {
+                "p50_ms": round(float(np.median(ts)) * 1e3, 3),
+                "best_ms": round(min(ts) * 1e3, 3),
+            }
         res["torch_gemm_12_layers"] = tres
         flops = 2 * T * cfg.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
         res["layer_gemm_gflop"] = round(flops / 1e9, 3)
@@ -420,41 +486,81 @@ def main() -> None:
     ap.add_argument("--mean-output", type=float, default=96.0)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--runs", default="async,sync",
-                    help="comma list of async / sync, each optionally @N: bucket_reuse.REUSE_STEPS "
-                         "for that run (0: never pad a step up to a compiled bucket)")
-    ap.add_argument("--micro", action="store_true",
-                    help="save the sync runs' last decode batches of Td 8/16/32/64 and the last "
-                         "mixed one to --batches (for --micro-only)")
+    ap.add_argument(
+        "--runs",
+        default="async,sync",
+        help="comma list of async / sync, each optionally @N: bucket_reuse.REUSE_STEPS "
+        "for that run (0: never pad a step up to a compiled bucket)",
+    )
+    ap.add_argument(
+        "--micro",
+        action="store_true",
+        help="save the sync runs' last decode batches of Td 8/16/32/64 and the last "
+        "mixed one to --batches (for --micro-only)",
+    )
     ap.add_argument("--micro-repeats", type=int, default=7)
-    ap.add_argument("--batches", default="/tmp/profile_steady_batches.pkl",
-                    help="where --micro saves the captured decode batches (pickle)")
-    ap.add_argument("--cli-args", default="",
-                    help="more `jaxinfer generate` flags for every run, e.g. "
-                         "'--kv-cache-dtype int8'")
+    ap.add_argument(
+        "--batches",
+        default="/tmp/profile_steady_batches.pkl",
+        help="where --micro saves the captured decode batches (pickle)",
+    )
+    ap.add_argument(
+        "--cli-args",
+        default="",
+        help="more `jaxinfer generate` flags for every run, e.g. '--kv-cache-dtype int8'",
+    )
     ap.add_argument("--kv-cache-dtype", default="auto", help="--micro-only: the engine's KV dtype")
-    ap.add_argument("--decode-pages-per-chunk", type=int, default=None,
-                    help="--micro-only: paged_attention.DECODE_PAGES_PER_CHUNK for the pieces")
-    ap.add_argument("--decode-items-per-group", type=int, default=None,
-                    help="--micro-only: paged_attention.DECODE_ITEMS_PER_GROUP for the pieces")
-    ap.add_argument("--decode-dots", choices=("einsum", "elementwise"), default="einsum",
-                    help="--micro-only: 'elementwise' computes the decode attention's two tiny "
-                         "batched dots (KTGH,KTSH->KTGS and KTGS,KTSH->KTGH) as a broadcast "
-                         "multiply and sum instead of dot ops (an experiment; the library is "
-                         "not changed: paged_attention's jnp is proxied in this process)")
-    ap.add_argument("--forward-only", action="store_true",
-                    help="--micro-only: the whole forward and the one without attention only")
-    ap.add_argument("--only", default=None,
-                    help="--micro-only: comma list of batch kinds to time (e.g. 'decode Td=64')")
-    ap.add_argument("--rss-limit-gb", type=float, default=9.0,
-                    help="--micro-only exits when its RSS passes this")
-    ap.add_argument("--micro-only", action="store_true",
-                    help="no job: time the pieces on the batches saved in --batches by an "
-                         "earlier --micro run (a fresh engine through jaxinfer.LLM)")
-    ap.add_argument("--cache-dir", default="/tmp/jaxcache_steady",
-                    help="persistent compilation cache (JAXINFER_CACHE_DIR) for the job")
-    ap.add_argument("--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR",
-                                                            str(REPO / "results")))
+    ap.add_argument(
+        "--decode-pages-per-chunk",
+        type=int,
+        default=None,
+        help="--micro-only: paged_attention.DECODE_PAGES_PER_CHUNK for the pieces",
+    )
+    ap.add_argument(
+        "--decode-items-per-group",
+        type=int,
+        default=None,
+        help="--micro-only: paged_attention.DECODE_ITEMS_PER_GROUP for the pieces",
+    )
+    ap.add_argument(
+        "--decode-dots",
+        choices=("einsum", "elementwise"),
+        default="einsum",
+        help="--micro-only: 'elementwise' computes the decode attention's two tiny "
+        "batched dots (KTGH,KTSH->KTGS and KTGS,KTSH->KTGH) as a broadcast "
+        "multiply and sum instead of dot ops (an experiment; the library is "
+        "not changed: paged_attention's jnp is proxied in this process)",
+    )
+    ap.add_argument(
+        "--forward-only",
+        action="store_true",
+        help="--micro-only: the whole forward and the one without attention only",
+    )
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="--micro-only: comma list of batch kinds to time (e.g. 'decode Td=64')",
+    )
+    ap.add_argument(
+        "--rss-limit-gb",
+        type=float,
+        default=9.0,
+        help="--micro-only exits when its RSS passes this",
+    )
+    ap.add_argument(
+        "--micro-only",
+        action="store_true",
+        help="no job: time the pieces on the batches saved in --batches by an "
+        "earlier --micro run (a fresh engine through jaxinfer.LLM)",
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default="/tmp/jaxcache_steady",
+        help="persistent compilation cache (JAXINFER_CACHE_DIR) for the job",
+    )
+    ap.add_argument(
+        "--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR", str(REPO / "results"))
+    )
     args = ap.parse_args()
 
     path, vocab, _ = resolve_model("llama110m")  # its build cache: the caller's JAXINFER_CACHE_DIR
@@ -464,12 +570,21 @@ def main() -> None:
 
     from jax import monitoring
 
-    state = {"engine": None, "key": None, "capture": args.micro, "captured": {}, "t": Timers(),
-             "fwd_keys": Timers(), "sync": False,
-             "live_rows": collections.defaultdict(collections.Counter)}
-    kinds = {"/jax/core/compile/jaxpr_trace_duration": "trace",
-             "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-             "/jax/core/compile/backend_compile_duration": "compile"}
+    state = {
+        "engine": None,
+        "key": None,
+        "capture": args.micro,
+        "captured": {},
+        "t": Timers(),
+        "fwd_keys": Timers(),
+        "sync": False,
+        "live_rows": collections.defaultdict(collections.Counter),
+    }
+    kinds = {
+        "/jax/core/compile/jaxpr_trace_duration": "trace",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+        "/jax/core/compile/backend_compile_duration": "compile",
+    }
 
     def on_duration(event, duration, **kw):
         if event in kinds and "mon" in state:
@@ -495,27 +610,47 @@ def main() -> None:
         if args.decode_dots == "elementwise":
             pa.jnp = ElementwiseDecodeDots(pa.jnp)
         rss_guard(args.rss_limit_gb)
-        llm = jaxinfer.LLM(str(path), max_model_len=args.max_model_len,
-                           kv_cache_dtype=args.kv_cache_dtype)
+        llm = jaxinfer.LLM(
+            str(path), max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype
+        )
         load0 = load_avg()
         res = micro(llm.engine, captured, args.micro_repeats, not args.forward_only)
         res["load_before"], res["load_after"] = load0, load_avg()
-        emit({"bench": "profile_steady", **host_info(), **code, "model": str(path),
-              "kv_cache_dtype": args.kv_cache_dtype,
-              "decode_pages_per_chunk": pa.DECODE_PAGES_PER_CHUNK,
-              "decode_items_per_group": pa.DECODE_ITEMS_PER_GROUP,
-              "decode_dots": args.decode_dots, "micro": res},
-             "profile_steady", args.results_dir)
+        emit(
+            {
+                "bench": "profile_steady",
+                **host_info(),
+                **code,
+                "model": str(path),
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "decode_pages_per_chunk": pa.DECODE_PAGES_PER_CHUNK,
+                "decode_items_per_group": pa.DECODE_ITEMS_PER_GROUP,
+                "decode_dots": args.decode_dots,
+                "micro": res,
+            },
+            "profile_steady",
+            args.results_dir,
+        )
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="profile_steady_"))
-    reqs = make_workload(args.num_prompts, max_model_len=args.max_model_len, vocab=vocab,
-                         seed=args.seed, mean_input=args.mean_input, mean_output=args.mean_output)
+    reqs = make_workload(
+        args.num_prompts,
+        max_model_len=args.max_model_len,
+        vocab=vocab,
+        seed=args.seed,
+        mean_input=args.mean_input,
+        mean_output=args.mean_output,
+    )
     prompts = tmp / "prompts.jsonl"
     with open(prompts, "w") as f:
         for i, (ids, n) in enumerate(reqs):
-            f.write(json.dumps({"id": f"p{i}", "prompt_token_ids": ids, "max_tokens": n,
-                                "ignore_eos": True}) + "\n")
+            f.write(
+                json.dumps(
+                    {"id": f"p{i}", "prompt_token_ids": ids, "max_tokens": n, "ignore_eos": True}
+                )
+                + "\n"
+            )
     runs = []
     modes = [m.strip() for m in args.runs.split(",") if m.strip()]
     if not was_filled:
@@ -535,13 +670,23 @@ def main() -> None:
         r["warm_kind"] = "warm process" if i == 0 and was_filled else "in-memory"
         runs.append(r)
         brief = {k: v for k, v in r.items() if k not in ("timers", "forward_by_key")}
-        log(f"[steady] {mode}: wall {r['wall_s']} s, load {r['load_before']} -> "
-            f"{r['load_after']}; {json.dumps(brief)}")
-    summary = {"bench": "profile_steady", **host_info(), **code, "model": str(path),
-               "num_prompts": args.num_prompts, "mean_input": args.mean_input,
-               "mean_output": args.mean_output, "cache_dir": args.cache_dir,
-               "cli_args": args.cli_args,
-               "cache_was_filled": was_filled, "runs": runs}
+        log(
+            f"[steady] {mode}: wall {r['wall_s']} s, load {r['load_before']} -> "
+            f"{r['load_after']}; {json.dumps(brief)}"
+        )
+    summary = {
+        "bench": "profile_steady",
+        **host_info(),
+        **code,
+        "model": str(path),
+        "num_prompts": args.num_prompts,
+        "mean_input": args.mean_input,
+        "mean_output": args.mean_output,
+        "cache_dir": args.cache_dir,
+        "cli_args": args.cli_args,
+        "cache_was_filled": was_filled,
+        "runs": runs,
+    }
     if args.micro and state["captured"]:
         import pickle
 
@@ -549,8 +694,13 @@ def main() -> None:
         import numpy as np
 
         with open(args.batches, "wb") as f:
-            pickle.dump({td: (jax.tree.map(np.asarray, b), np.asarray(p), k)
-                         for td, (b, p, k) in state["captured"].items()}, f)
+            pickle.dump(
+                {
+                    td: (jax.tree.map(np.asarray, b), np.asarray(p), k)
+                    for td, (b, p, k) in state["captured"].items()
+                },
+                f,
+            )
         log(f"[steady] decode batches Td {sorted(state['captured'])} saved to {args.batches}")
     emit(summary, "profile_steady", args.results_dir)
 

@@ -56,9 +56,9 @@ def live_step_batch(key: tuple[int, int, int, int], page_size: int):
     as fresh prompts; every row owns its own pages (1, 2, ...)."""
     import numpy as np
 
-    from jaxinfer.models.paged_attention import AttentionMetadata
     from jaxinfer.compile.warmup import sample_rows
     from jaxinfer.engine.step import StepBatch
+    from jaxinfer.models.paged_attention import AttentionMetadata
 
     td, tp, bp, m = key
     q_lens = [1] * td + ([tp // bp] * (bp - 1) + [tp - (tp // bp) * (bp - 1)] if bp else [])
@@ -74,13 +74,17 @@ def live_step_batch(key: tuple[int, int, int, int], page_size: int):
             seq.append(r)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     md = AttentionMetadata(
-        positions=np.asarray(pos, np.int32), slot_mapping=np.asarray(slots, np.int32),
-        block_tables=tables, kv_lens=np.asarray(kv_lens, np.int32), cu_q_lens=cu,
-        seq_ids=np.asarray(seq, np.int32), num_decode=td)
+        positions=np.asarray(pos, np.int32),
+        slot_mapping=np.asarray(slots, np.int32),
+        block_tables=tables,
+        kv_lens=np.asarray(kv_lens, np.int32),
+        cu_q_lens=cu,
+        seq_ids=np.asarray(seq, np.int32),
+        num_decode=td,
+    )
     li = np.zeros(sample_rows(td, bp), np.int32)
-    li[:len(q_lens)] = cu[1:] - 1
-    return StepBatch(tokens=np.arange(td + tp, dtype=np.int32) % 500 + 3, md=md,
-                     logits_indices=li)
+    li[: len(q_lens)] = cu[1:] - 1
+    return StepBatch(tokens=np.arange(td + tp, dtype=np.int32) % 500 + 3, md=md, logits_indices=li)
 
 
 def child(spec: dict) -> dict:
@@ -89,9 +93,11 @@ def child(spec: dict) -> dict:
     import jax
 
     from jaxinfer import LLM
+
     t0 = time.perf_counter()
-    kw = dict(max_model_len=spec["max_model_len"], compilation_cache=False,
-              skip_tokenizer_init=True)
+    kw = dict(
+        max_model_len=spec["max_model_len"], compilation_cache=False, skip_tokenizer_init=True
+    )
     from jaxinfer.engine import core as engine_mod
 
     if spec["loop"] == "switch":  # unrolled storage, every step a scan (lax.switch per layer)
@@ -100,8 +106,16 @@ def child(spec: dict) -> dict:
         def init(self, cfg, params, tokenizer, ecfg, *a, **k):
             import dataclasses
 
-            orig_init(self, cfg, params, tokenizer,
-                      dataclasses.replace(ecfg, scan_layers_from_tokens=1), *a, **k)
+            orig_init(
+                self,
+                cfg,
+                params,
+                tokenizer,
+                dataclasses.replace(ecfg, scan_layers_from_tokens=1),
+                *a,
+                **k,
+            )
+
         engine_mod.Engine.__init__ = init
         kw["unroll_layers"] = True
     else:
@@ -112,14 +126,23 @@ def child(spec: dict) -> dict:
             def init(self, cfg, params, tokenizer, ecfg, *a, **k):
                 import dataclasses
 
-                orig_init(self, cfg, params, tokenizer,
-                          dataclasses.replace(ecfg, scan_layers_from_tokens=0), *a, **k)
+                orig_init(
+                    self,
+                    cfg,
+                    params,
+                    tokenizer,
+                    dataclasses.replace(ecfg, scan_layers_from_tokens=0),
+                    *a,
+                    **k,
+                )
+
             engine_mod.Engine.__init__ = init
     llm = LLM(spec["model"], **kw)
     eng = llm.engine
     load_s = time.perf_counter() - t0
-    static = dict(cfg=eng.cfg, attn_impl=eng.ecfg.attn_impl,
-                  batch_invariant=eng.ecfg.batch_invariant)
+    static = dict(
+        cfg=eng.cfg, attn_impl=eng.ecfg.attn_impl, batch_invariant=eng.ecfg.batch_invariant
+    )
     rows = []
     for key in spec["keys"]:
         key = tuple(key)
@@ -137,10 +160,16 @@ def child(spec: dict) -> dict:
             if i:  # the first call is a warm-up
                 walls.append(time.perf_counter() - b)
                 cpus.append(time.process_time() - a)
-        rows.append(dict(key=list(key), trace_lower_cpu_s=round(c1 - c0, 3),
-                         compile_cpu_s=round(c2 - c1, 3), compile_wall_s=round(w2 - w1, 3),
-                         run_ms=round(1e3 * statistics.median(walls), 2),
-                         run_cpu_ms=round(1e3 * statistics.median(cpus), 2)))
+        rows.append(
+            dict(
+                key=list(key),
+                trace_lower_cpu_s=round(c1 - c0, 3),
+                compile_cpu_s=round(c2 - c1, 3),
+                compile_wall_s=round(w2 - w1, 3),
+                run_ms=round(1e3 * statistics.median(walls), 2),
+                run_cpu_ms=round(1e3 * statistics.median(cpus), 2),
+            )
+        )
     return dict(load_s=round(load_s, 2), rows=rows)
 
 
@@ -148,14 +177,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="llama110m")
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--configs", default="base,opt0,opt1,noexp",
-                    help=f"comma-separated names of {sorted(CONFIGS)}")
-    ap.add_argument("--loops", default="unrolled",
-                    help="comma-separated: unrolled, scan, switch")
+    ap.add_argument(
+        "--configs",
+        default="base,opt0,opt1,noexp",
+        help=f"comma-separated names of {sorted(CONFIGS)}",
+    )
+    ap.add_argument("--loops", default="unrolled", help="comma-separated: unrolled, scan, switch")
     ap.add_argument("--keys", action="append", default=None, metavar="TD,TP,BP,M")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR",
-                                                            str(REPO / "results")))
+    ap.add_argument(
+        "--results-dir", default=os.environ.get("JAXINFER_RESULTS_DIR", str(REPO / "results"))
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -172,21 +204,38 @@ def main() -> None:
         for name in args.configs.split(","):
             if name not in CONFIGS:
                 ap.error(f"--configs: unknown {name!r}; known: {sorted(CONFIGS)}")
-            spec = dict(model=model, max_model_len=args.max_model_len, loop=loop,
-                        options=CONFIGS[name], keys=keys, repeats=args.repeats)
+            spec = dict(
+                model=model,
+                max_model_len=args.max_model_len,
+                loop=loop,
+                options=CONFIGS[name],
+                keys=keys,
+                repeats=args.repeats,
+            )
             load0 = os.getloadavg()[0]
-            out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode:
                 log(f"{loop}/{name}: child failed:\n{out.stderr[-3000:]}")
                 continue
             rec = json.loads(out.stdout.strip().splitlines()[-1])
-            rec.update(loop=loop, config=name, options=CONFIGS[name], load_before=load0,
-                       load_after=os.getloadavg()[0], host=host_info())
+            rec.update(
+                loop=loop,
+                config=name,
+                options=CONFIGS[name],
+                load_before=load0,
+                load_after=os.getloadavg()[0],
+                host=host_info(),
+            )
             for r in rec["rows"]:
-                log(f"{loop:8s} {name:10s} {str(tuple(r['key'])):18s} compile cpu "
+                log(
+                    f"{loop:8s} {name:10s} {str(tuple(r['key'])):18s} compile cpu "
                     f"{r['compile_cpu_s']:6.2f} s wall {r['compile_wall_s']:6.2f} s | run "
-                    f"{r['run_ms']:8.1f} ms (cpu {r['run_cpu_ms']:8.1f})")
+                    f"{r['run_ms']:8.1f} ms (cpu {r['run_cpu_ms']:8.1f})"
+                )
             log(f"  load {load0:.1f} -> {rec['load_after']:.1f}")
             emit(rec, "survey_forward_compile", args.results_dir)
 

@@ -16,11 +16,22 @@ from jaxinfer.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = [
-    "--model", str(ROOT.parent / "shared" / "models" / "stories260K"),
-    "--out", str(ROOT / "results" / "heads_stories260K"),
-    "--plot", str(ROOT / "results" / "heads_stories260K_loss.png"),
-    "--num-heads", "8", "--num-sequences", "256", "--gen-tokens", "48",
-    "--steps", "300", "--batch-size", "512",
+    "--model",
+    str(ROOT.parent / "shared" / "models" / "stories260K"),
+    "--out",
+    str(ROOT / "results" / "heads_stories260K"),
+    "--plot",
+    str(ROOT / "results" / "heads_stories260K_loss.png"),
+    "--num-heads",
+    "8",
+    "--num-sequences",
+    "256",
+    "--gen-tokens",
+    "48",
+    "--steps",
+    "300",
+    "--batch-size",
+    "512",
 ]
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+SHARED = Path(
+    os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
+)
 STORIES = SHARED / "models" / "stories260K"
 
 
@@ -16,7 +18,8 @@ def pytest_configure(config):
     if not (STORIES / "greedy_reference.json").is_file():
         raise pytest.UsageError(
             f"{STORIES} not found: the tests need the shared models (set JAXINFER_SHARED to the "
-            "shared/ folder)")
+            "shared/ folder)"
+        )
     # With $JAXINFER_CACHE_DIR set (CI sets a fresh one for the run), every test process uses
     # JAX's persistent compilation cache from its first compilation, not only after its first
     # LLM(compilation_cache=True): step shapes one xdist worker compiled are read back by the
@@ -53,8 +56,12 @@ def assert_reproduces_stories_reference(llm) -> None:
 
     cases = stories_reference()
     ids = [llm.tokenizer.encode(c["prompt"]) for c in cases]
-    params = [SamplingParams(temperature=0.0, max_tokens=c["max_steps"] - (len(i) - 1),
-                             stop_token_ids=(1,)) for c, i in zip(cases, ids, strict=True)]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=c["max_steps"] - (len(i) - 1), stop_token_ids=(1,)
+        )
+        for c, i in zip(cases, ids, strict=True)
+    ]
     for c, i, o in zip(cases, ids, llm.generate(ids, params), strict=True):
         assert llm.tokenizer.decode(i + o.token_ids) == c["expected"], c["prompt"]
 

@@ -259,8 +259,8 @@ def jax_logits(path: str, dtype: str, tokens):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.models.dense import dense_logits
     from jaxinfer.loaders.hf import load_hf
+    from jaxinfer.models.dense import dense_logits
 
     cfg, params = load_hf(path, getattr(jnp, dtype))
     return np.asarray(dense_logits(params, cfg, jnp.asarray(tokens))), cfg, params

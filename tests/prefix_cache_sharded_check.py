@@ -30,18 +30,31 @@ STORIES = SHARED / "models" / "stories260K"
 
 
 def run(caching: bool) -> dict:
-    llm = LLM(STORIES, max_model_len=32, kv_pages=12, page_size=8, max_num_seqs=4,
-              max_num_batched_tokens=32, tensor_parallel_size=2, data_parallel_size=2,
-              unroll_layers=False, enable_prefix_caching=caching, compilation_cache=False)
+    llm = LLM(
+        STORIES,
+        max_model_len=32,
+        kv_pages=12,
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        tensor_parallel_size=2,
+        data_parallel_size=2,
+        unroll_layers=False,
+        enable_prefix_caching=caching,
+        compilation_cache=False,
+    )
     tok = llm.tokenizer
     p = tok.encode("Once upon a time, in a small town, there lived")[:17]
     q = tok.encode("The little dog ran to the park and saw a big red ball")[:17]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     wave1 = llm.generate([p + [20], q + [21]], greedy)
     # Seedless sampled rows draw from replica i % 2's host RNG whatever replica runs them.
-    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True),
-              greedy, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True),
+        greedy,
+        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
+    ]
     prompts = [q + [30, 31], p + [32], q + [33], tok.encode("A dog")]
     state = [e._rng.bit_generator.state for e in llm.engines]
     seeds = llm.draw_seeds(params)

@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from jaxinfer.engine.core import Engine, EngineConfig  # noqa: E402
 from jaxinfer.loaders import load  # noqa: E402
-from jaxinfer.sampling.params import SamplingParams  # noqa: E402
 from jaxinfer.models.sharding import ShardedPlacer, replica_meshes, replica_view  # noqa: E402
+from jaxinfer.sampling.params import SamplingParams  # noqa: E402
 
 SHARED = Path(os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 STORIES = SHARED / "models" / "stories260K"
@@ -54,13 +54,21 @@ def build(path, tp: int, dp: int):
     # TPU/GPU default) on the other meshes: both forms are checked sharded, and scan compiles
     # several times faster.
     unroll = None if (tp * dp == 1 or (tp, dp) == (2, 1)) else False
-    ecfg = EngineConfig(max_model_len=64, page_size=32, num_pages=12, max_num_seqs=4,
-                        max_num_batched_tokens=64, unroll_layers=unroll)
+    ecfg = EngineConfig(
+        max_model_len=64,
+        page_size=32,
+        num_pages=12,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        unroll_layers=unroll,
+    )
     cfg = placer.plan.cfg
     if placer.mesh is None:
         return [Engine(cfg, loaded.params, tok, ecfg)], placer
-    return [Engine(cfg, replica_view(loaded.params, m), tok, ecfg, mesh=m)
-            for m in replica_meshes(placer.mesh)], placer
+    return [
+        Engine(cfg, replica_view(loaded.params, m), tok, ecfg, mesh=m)
+        for m in replica_meshes(placer.mesh)
+    ], placer
 
 
 def run(engines, prompts, max_tokens):
@@ -109,16 +117,20 @@ def shard_problems(engines, placer) -> list[str]:
                     bad.append(f"{name}: on {len(x.sharding.device_set)} devices")
                 continue
             spec = tuple(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else ()
-            want = tuple(n // tp if i < len(spec) and spec[i] == "model" else n
-                         for i, n in enumerate(x.shape))
+            want = tuple(
+                n // tp if i < len(spec) and spec[i] == "model" else n
+                for i, n in enumerate(x.shape)
+            )
             split_axes = [i for i, s in enumerate(spec) if s == "model"]
             is_norm = "norm" in name
             if not split_axes and not is_norm:
                 bad.append(f"{name}: not split (spec {spec})")
             shapes = {tuple(s.data.shape) for s in x.addressable_shards}
             if shapes != {want} or len(x.addressable_shards) != tp:
-                bad.append(f"{name}: shards {sorted(shapes)} on {len(x.addressable_shards)} "
-                           f"devices, expected {want} on {tp}")
+                bad.append(
+                    f"{name}: shards {sorted(shapes)} on {len(x.addressable_shards)} "
+                    f"devices, expected {want} on {tp}"
+                )
     return bad
 
 
@@ -132,23 +144,38 @@ def check_model(name, path, prompts, meshes, max_tokens):
     t0 = time.perf_counter()
     engines, _ = build(path, 1, 1)
     ref_tokens, ref_logits, _ = run(engines, prompts, max_tokens)
-    rows = [{"model": name, "tp": 1, "dp": 1, "tokens": ref_tokens,
-             "seconds": round(time.perf_counter() - t0, 1)}]
+    rows = [
+        {
+            "model": name,
+            "tp": 1,
+            "dp": 1,
+            "tokens": ref_tokens,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+    ]
     for tp, dp in meshes:
         t0 = time.perf_counter()
         engines, placer = build(path, tp, dp)
         tokens, logits, extra = run(engines, prompts, max_tokens)
-        row = {"model": name, "tp": tp, "dp": dp, "same_tokens": tokens == ref_tokens,
-               "extra_forward_compiles": extra,
-               "kv_heads": placer.plan.cfg.num_kv_heads, "ffn": placer.plan.ffn_size,
-               "kv_shard": list(engines[0].kv.k_pages.addressable_shards[0].data.shape),
-               "wq_heads_per_device": _wq(engines[0]).addressable_shards[0].data.shape[-2],
-               "shard_problems": shard_problems(engines, placer)}
+        row = {
+            "model": name,
+            "tp": tp,
+            "dp": dp,
+            "same_tokens": tokens == ref_tokens,
+            "extra_forward_compiles": extra,
+            "kv_heads": placer.plan.cfg.num_kv_heads,
+            "ffn": placer.plan.ffn_size,
+            "kv_shard": list(engines[0].kv.k_pages.addressable_shards[0].data.shape),
+            "wq_heads_per_device": _wq(engines[0]).addressable_shards[0].data.shape[-2],
+            "shard_problems": shard_problems(engines, placer),
+        }
         if dp == 1:  # same steps as one device: compare every step's logits
             assert len(logits) == len(ref_logits)
             scale = max(float(np.abs(r).max()) for r in ref_logits)
-            row["logits_rel_err"] = max(float(np.abs(a - r).max()) for a, r in
-                                        zip(logits, ref_logits, strict=True)) / scale
+            row["logits_rel_err"] = (
+                max(float(np.abs(a - r).max()) for a, r in zip(logits, ref_logits, strict=True))
+                / scale
+            )
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
     return rows

@@ -4,9 +4,9 @@ tests tie to llama2.c; here the two modes run the same mixed workload side by si
 
 import numpy as np
 import pytest
+from test_engine import MIXED, reference_requests
 
 from jaxinfer.sampling.sampler import SamplingParams
-from test_engine import MIXED, reference_requests
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +35,9 @@ def workload(tokenizer):
 
 
 def run_engine(llm, prompts, params):
-    """Drives ``llm.engine`` step by step; returns (outputs by id, steps that left one in flight)."""
+    """Drives ``llm.engine`` step by step; returns (outputs by id, steps leaving one in flight)."""
     eng = llm.engine
-    for i, (ids, sp) in enumerate(zip(prompts, params)):
+    for i, (ids, sp) in enumerate(zip(prompts, params, strict=False)):
         eng.validate(ids, sp)
         eng.add_request(f"a{i}", ids, sp)
     seqs = {rid: req.seq for rid, req in eng._requests.items()}
@@ -59,16 +59,26 @@ def test_async_outputs_equal_sync(stories_llm, sync_llm):
     outs_a, overlapped_a = run_engine(stories_llm, prompts, params)
     outs_s, overlapped_s = run_engine(sync_llm, prompts, params)
     assert overlapped_s == 0 and overlapped_a > 0
-    for (ids, _, expected), out in zip(refs, outs_a):  # llama2.c's outputs, EOS stop included
+    for (ids, _, expected), out in zip(
+        refs, outs_a, strict=False
+    ):  # llama2.c's outputs, EOS stop included
         assert stories_llm.tokenizer.decode(ids + out.token_ids) == expected
-    for a, s in zip(outs_a, outs_s):
+    for a, s in zip(outs_a, outs_s, strict=False):
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
-            s.token_ids, s.text, s.finish_reason, s.stop_reason), a.request_id
+            s.token_ids,
+            s.text,
+            s.finish_reason,
+            s.stop_reason,
+        ), a.request_id
         assert a.metrics.completion_tokens == len(a.token_ids)
         if s.logprobs is not None:
             assert [lp.token_id for lp in a.logprobs] == a.token_ids
-            np.testing.assert_allclose([lp.logprob for lp in a.logprobs],
-                                       [lp.logprob for lp in s.logprobs], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(
+                [lp.logprob for lp in a.logprobs],
+                [lp.logprob for lp in s.logprobs],
+                rtol=0,
+                atol=1e-5,
+            )
 
 
 def test_async_stops_exactly_at_max_model_len(stories_llm, sync_llm):
@@ -81,7 +91,7 @@ def test_async_stops_exactly_at_max_model_len(stories_llm, sync_llm):
     sp = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     outs_a, _ = run_engine(stories_llm, prompts, [sp] * 3)
     outs_s, _ = run_engine(sync_llm, prompts, [sp] * 3)
-    for p, a, s in zip(prompts, outs_a, outs_s):
+    for p, a, s in zip(prompts, outs_a, outs_s, strict=False):
         assert len(p) + len(a.token_ids) == n and a.finish_reason == "length"
         assert a.token_ids == s.token_ids
 

@@ -15,19 +15,24 @@ import numpy as np
 import pytest
 from conftest import stories_reference
 
+from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.llm import LLM
 from jaxinfer.models.batch_invariant import invariant_forward_logits
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import dense_logits
-from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.models.kv_cache import init_kv_cache
-from jaxinfer.llm import LLM
 from jaxinfer.models.paged_attention import AttentionMetadata
 from jaxinfer.models.params import init_random
 from jaxinfer.sampling.sampler import SamplingParams
 
-FILLERS = ["Lily", "The cat sat on the mat and looked at the big red ball.", "Tom had a toy car.",
-           "One day, a little bird flew into the garden and saw a shiny", "Sam and Ben",
-           "There was a big tree in the park. Every day, the children played under it."]
+FILLERS = [
+    "Lily",
+    "The cat sat on the mat and looked at the big red ball.",
+    "Tom had a toy car.",
+    "One day, a little bird flew into the garden and saw a shiny",
+    "Sam and Ben",
+    "There was a big tree in the park. Every day, the children played under it.",
+]
 
 
 def record_logits(engine) -> dict:
@@ -56,20 +61,44 @@ def targets(tokenizer):
     for i, case in enumerate(c for c in stories_reference() if c["prompt"]):
         sp = SamplingParams(temperature=0.0, stop_token_ids=(1,), seed=101 + i, logprobs=20)
         out.append((tokenizer.encode(case["prompt"]), sp, case["expected"]))
-    out.append((tokenizer.encode("Once upon a time, in a small town"),
-                SamplingParams(temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, logprobs=20),
-                None))
-    out.append((tokenizer.encode("Mia liked to paint"),
-                SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.2,
-                               seed=8, ignore_eos=True, logprobs=20), None))
+    out.append(
+        (
+            tokenizer.encode("Once upon a time, in a small town"),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, logprobs=20),
+            None,
+        )
+    )
+    out.append(
+        (
+            tokenizer.encode("Mia liked to paint"),
+            SamplingParams(
+                temperature=0.7,
+                repetition_penalty=1.3,
+                frequency_penalty=0.2,
+                seed=8,
+                ignore_eos=True,
+                logprobs=20,
+            ),
+            None,
+        )
+    )
     return out
 
 
 def fillers(tokenizer, n: int, base_seed: int):
-    return [(tokenizer.encode(FILLERS[i % len(FILLERS)]),
-             SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=base_seed + i,
-                            max_tokens=3 + 5 * i, ignore_eos=True, logprobs=20))
-            for i in range(n)]
+    return [
+        (
+            tokenizer.encode(FILLERS[i % len(FILLERS)]),
+            SamplingParams(
+                temperature=0.9 if i % 2 else 0.0,
+                seed=base_seed + i,
+                max_tokens=3 + 5 * i,
+                ignore_eos=True,
+                logprobs=20,
+            ),
+        )
+        for i in range(n)
+    ]
 
 
 def run(llm, reqs):
@@ -97,8 +126,9 @@ def assert_same(tokenizer, want, got, reqs):
 # logprobs, so the sampling steps have one variant): sequences of at most
 # 32 tokens (block tables of 4 pages of 8: one width bucket); 8 pages hold 7 pages of sequences,
 # so batches of several sequences are preempted and recomputed, their pages reassigned.
-SIZES = dict(max_model_len=32, max_num_seqs=8, kv_pages=8, compilation_cache=False,
-             batch_invariant=True)
+SIZES = dict(
+    max_model_len=32, max_num_seqs=8, kv_pages=8, compilation_cache=False, batch_invariant=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +151,10 @@ def alone(inv_llm):
 def test_batches_of_other_sizes_and_compositions(inv_llm, alone):
     tok = inv_llm.tokenizer
     tg = [(ids, sp) for ids, sp, _ in targets(tok)]
-    for reqs in (tg,  # the four together
-                 tg[2:] + fillers(tok, 5, 500) + tg[1::-1]):  # 9 rows: more than max_num_seqs
+    for reqs in (
+        tg,  # the four together
+        tg[2:] + fillers(tok, 5, 500) + tg[1::-1],
+    ):  # 9 rows: more than max_num_seqs
         assert_same(tok, alone, run(inv_llm, reqs), reqs)
     assert inv_llm.engine.scheduler.num_preemptions > 0
 
@@ -139,13 +171,15 @@ def test_invariant_logits_equal_dense_forward(inv_llm, alone):
     """The mode's logits are the model's: each target's at every output index match the
     cache-less dense forward over prompt + output (float32, to 1e-5 of the scale)."""
     outs, seen = alone
-    seqs = [ids + out.token_ids[:-1]
-            for (ids, _, _), out in zip(targets(inv_llm.tokenizer), outs, strict=True)]
+    seqs = [
+        ids + out.token_ids[:-1]
+        for (ids, _, _), out in zip(targets(inv_llm.tokenizer), outs, strict=True)
+    ]
     # One batch, right-padded: a causal model's earlier positions do not see the padding.
     padded = jnp.asarray([s + [0] * (32 - len(s)) for s in seqs], jnp.int32)
     dense = np.asarray(dense_logits(inv_llm.params, inv_llm.config, padded))
     for (ids, sp, _), out, want in zip(targets(inv_llm.tokenizer), outs, dense, strict=True):
-        want = want[len(ids) - 1:len(ids) - 1 + len(out.token_ids)]
+        want = want[len(ids) - 1 : len(ids) - 1 + len(out.token_ids)]
         got = np.stack([seen[sp.seed, k] for k in range(len(out.token_ids))])
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
@@ -156,10 +190,24 @@ def test_window_softcap_random_model_chunked_among_others():
     in a step of 32 tokens, equal bitwise those of the same sequence prefilled in two chunks
     (12 + 9 tokens, on other pages) in steps of 16 and 64 tokens, with block tables of 16 and 8
     pages, behind other rows' tokens; and the dense forward's."""
-    cfg = ModelConfig("gemma2", 96, 32, 64, 2, 4, 2, 8, max_position_embeddings=64,
-                      norm_weight_offset=1.0, hidden_act="gelu_tanh", post_norms=True,
-                      embed_scale=True, attn_logit_softcap=3.0, final_logit_softcap=5.0,
-                      layer_windows=(5, 0))
+    cfg = ModelConfig(
+        "gemma2",
+        96,
+        32,
+        64,
+        2,
+        4,
+        2,
+        8,
+        max_position_embeddings=64,
+        norm_weight_offset=1.0,
+        hidden_act="gelu_tanh",
+        post_norms=True,
+        embed_scale=True,
+        attn_logit_softcap=3.0,
+        final_logit_softcap=5.0,
+        layer_windows=(5, 0),
+    )
     params = init_random(cfg, jax.random.PRNGKey(0), scale=0.3)
     rng = np.random.default_rng(0)
     seq, other = rng.integers(3, 96, 21), rng.integers(3, 96, 11)
@@ -178,13 +226,19 @@ def test_window_softcap_random_model_chunked_among_others():
         tables, lens, cu, at = np.zeros((b, m), np.int32), np.zeros(b, np.int32), [0], 0
         for r, (ids, start, pages) in enumerate(rows):
             n, p = len(ids), np.arange(start, start + len(ids))
-            tokens[at:at + n], pos[at:at + n], seq_ids[at:at + n] = ids, p, r
-            slots[at:at + n] = np.asarray(pages)[p // z] * z + p % z
-            tables[r, :len(pages)], lens[r] = pages, start + n
+            tokens[at : at + n], pos[at : at + n], seq_ids[at : at + n] = ids, p, r
+            slots[at : at + n] = np.asarray(pages)[p // z] * z + p % z
+            tables[r, : len(pages)], lens[r] = pages, start + n
             at += n
             cu.append(at)
-        md = AttentionMetadata(positions=pos, slot_mapping=slots, block_tables=tables,
-                               kv_lens=lens, cu_q_lens=np.array(cu, np.int32), seq_ids=seq_ids)
+        md = AttentionMetadata(
+            positions=pos,
+            slot_mapping=slots,
+            block_tables=tables,
+            kv_lens=lens,
+            cu_q_lens=np.array(cu, np.int32),
+            seq_ids=seq_ids,
+        )
         return jnp.asarray(tokens), md, jnp.arange(t, dtype=jnp.int32)
 
     def fresh():
@@ -194,8 +248,12 @@ def test_window_softcap_random_model_chunked_among_others():
     one = np.asarray(one)[:21]
     pages = [11, 4, 16, 6, 13, 8]
     kv, first = step(fresh(), *batch([(other[:3], 0, [10]), (seq[:12], 0, pages)], 16, 16))
-    _, second = step(kv, *batch([(other, 0, [17, 18, 19]), (other[:7], 4, [20, 21, 22]),
-                                 (seq[12:], 12, pages)], 64, 8))
+    _, second = step(
+        kv,
+        *batch(
+            [(other, 0, [17, 18, 19]), (other[:7], 4, [20, 21, 22]), (seq[12:], 12, pages)], 64, 8
+        ),
+    )
     chunked = np.concatenate([np.asarray(first)[3:15], np.asarray(second)[18:27]])
     assert chunked.tobytes() == one.tobytes()
     want = np.asarray(dense_logits(params, cfg, jnp.asarray([seq], jnp.int32)))[0]
@@ -212,8 +270,13 @@ def test_refused_where_not_supported(stories_dir):
     with pytest.raises(ValueError, match="batch_invariant must be True or False"):
         LLM(stories_dir, batch_invariant=1, compilation_cache=False)
     cfg = ModelConfig("llama", 32, 16, 32, 1, 2, 2, 8)
-    ecfg = EngineConfig(max_model_len=16, num_pages=8, page_size=8,
-                        attn_impl="pallas_tpu_interpret", batch_invariant=True)
+    ecfg = EngineConfig(
+        max_model_len=16,
+        num_pages=8,
+        page_size=8,
+        attn_impl="pallas_tpu_interpret",
+        batch_invariant=True,
+    )
     with pytest.raises(ValueError, match="attn_impl='pallas_tpu_interpret'"):
         Engine(cfg, None, _NoText(), ecfg)  # refused before the params are looked at
     with pytest.raises(ValueError, match="batch_invariant"):

@@ -93,15 +93,24 @@ def check_prefix_cache(r: dict) -> None:
     z, n = r["sizes"], r["sizes"]["requests"]
     assert r["page_size"] == 8 and z["system"] == 24 and z["header"] == 20
     assert r["compilations_in_measured_passes"] == 0
-    assert set(r["aims"]) == {"system_prompt_ttft_p50_3x", "system_prompt_throughput_2x",
-                              "no_prefix_at_most_3pct_slower"}
+    assert set(r["aims"]) == {
+        "system_prompt_ttft_p50_3x",
+        "system_prompt_throughput_2x",
+        "no_prefix_at_most_3pct_slower",
+    }
     first, later = z["first_message"], z["user_message"] + z["chat_answer"]
-    prompt = {"system_prompt": n * (z["system"] + z["question"]),
-              "chat": z["users"] * sum(first + k * later for k in range(z["turns"])),
-              "few_shot": n * (z["header"] + z["shot_question"]),
-              "no_prefix": n * (z["system"] + z["question"])}
-    out = {"system_prompt": n * z["answer"], "chat": z["users"] * z["turns"] * z["chat_answer"],
-           "few_shot": n * z["shot_answer"], "no_prefix": n * z["answer"]}
+    prompt = {
+        "system_prompt": n * (z["system"] + z["question"]),
+        "chat": z["users"] * sum(first + k * later for k in range(z["turns"])),
+        "few_shot": n * (z["header"] + z["shot_question"]),
+        "no_prefix": n * (z["system"] + z["question"]),
+    }
+    out = {
+        "system_prompt": n * z["answer"],
+        "chat": z["users"] * z["turns"] * z["chat_answer"],
+        "few_shot": n * z["shot_answer"],
+        "no_prefix": n * z["answer"],
+    }
     for w, res in r["workloads"].items():
         assert res["same_tokens"] is True, w
         for setting in ("on", "off"):
@@ -140,10 +149,12 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     import bench_peers
 
-    runs = {"hf_generate": {"wall_s": 100.0, "output_tokens": 500},
-            "jaxinfer_cold": {"wall_s": 40.0, "output_tokens": 500},
-            "llama_cpp": {"wall_s": 50.0, "output_tokens": 400},  # 100 tokens short
-            "hf_generate_batch": {"error": "exit code 1", "output_tokens": None}}
+    runs = {
+        "hf_generate": {"wall_s": 100.0, "output_tokens": 500},
+        "jaxinfer_cold": {"wall_s": 40.0, "output_tokens": 500},
+        "llama_cpp": {"wall_s": 50.0, "output_tokens": 400},  # 100 tokens short
+        "hf_generate_batch": {"error": "exit code 1", "output_tokens": None},
+    }
     bench_peers.finish(runs, 500)
     assert runs["hf_generate"]["output_tok_s"] == 5.0
     assert runs["hf_generate"]["vs_hf_generate"] == 1.0
@@ -161,15 +172,32 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
 
 # Records shaped as bench_roofline.py and bench_serving.py write them (keys checked above), with
 # numbers chosen here, so the plot is checked against known data whatever ran on this worker.
-ROOFLINE = {"bench": "roofline", "results": [
-    {"model": "tiny", "dtype": "float32", "quantization": q,
-     "decode": [{"batch": b, "tok_s": k * 100.0 * b**0.7, "roofline_tok_s": k * 400.0 * b}
-                for b in (8, 1, 4, 2)]}  # unsorted: the plot sorts by batch
-    for q, k in ((None, 1.0), ("int8", 2.0))]}
+ROOFLINE = {
+    "bench": "roofline",
+    "results": [
+        {
+            "model": "tiny",
+            "dtype": "float32",
+            "quantization": q,
+            "decode": [
+                {"batch": b, "tok_s": k * 100.0 * b**0.7, "roofline_tok_s": k * 400.0 * b}
+                for b in (8, 1, 4, 2)
+            ],
+        }  # unsorted: the plot sorts by batch
+        for q, k in ((None, 1.0), ("int8", 2.0))
+    ],
+}
 STATS = lambda m: {"mean": m, "p50": 0.8 * m, "p99": 3.0 * m}  # noqa: E731
-SERVING = {"bench": "serving", "results": [
-    {"model": "tiny", "engine": {"dtype": "float32", "ttft_s": STATS(0.02), "tpot_s": STATS(0.004)},
-     "hf": {"float32": {"ttft_s": STATS(0.5), "tpot_s": STATS(0.03)}}}]}
+SERVING = {
+    "bench": "serving",
+    "results": [
+        {
+            "model": "tiny",
+            "engine": {"dtype": "float32", "ttft_s": STATS(0.02), "tpot_s": STATS(0.004)},
+            "hf": {"float32": {"ttft_s": STATS(0.5), "tpot_s": STATS(0.03)}},
+        }
+    ],
+}
 
 
 class _KeepFigures:
@@ -205,9 +233,10 @@ def test_plot(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (tmp_path / "bench_roofline.jsonl").write_text(json.dumps(ROOFLINE) + "\n{\"cut")
-    (tmp_path / "bench_serving.jsonl").write_text(json.dumps({"results": []}) + "\n"
-                                                    + json.dumps(SERVING) + "\n")
+    (tmp_path / "bench_roofline.jsonl").write_text(json.dumps(ROOFLINE) + '\n{"cut')
+    (tmp_path / "bench_serving.jsonl").write_text(
+        json.dumps({"results": []}) + "\n" + json.dumps(SERVING) + "\n"
+    )
     s = run_script("plot_bench", tmp_path)
     pngs = [tmp_path / "throughput_vs_batch.png", tmp_path / "latency_percentiles.png"]
     assert s["written"] == [str(p) for p in pngs]
@@ -221,10 +250,12 @@ def test_plot(tmp_path, monkeypatch):
     import plot_bench
 
     keep = _KeepFigures(plt)
-    assert plot_bench.plot_throughput(plot_bench.read_jsonl(tmp_path / "bench_roofline.jsonl"),
-                                      tmp_path / "t.png", keep)
-    assert plot_bench.plot_latency(plot_bench.read_jsonl(tmp_path / "bench_serving.jsonl"),
-                                   tmp_path / "l.png", keep)
+    assert plot_bench.plot_throughput(
+        plot_bench.read_jsonl(tmp_path / "bench_roofline.jsonl"), tmp_path / "t.png", keep
+    )
+    assert plot_bench.plot_latency(
+        plot_bench.read_jsonl(tmp_path / "bench_serving.jsonl"), tmp_path / "l.png", keep
+    )
     (ax,), axes = keep.figures[0].axes, keep.figures[1].axes
     drawn = {line.get_label(): line.get_xydata().tolist() for line in ax.lines}
     want = {}
@@ -238,15 +269,23 @@ def test_plot(tmp_path, monkeypatch):
     res = SERVING["results"][0]
     for panel, key in zip(axes, ("ttft_s", "tpot_s"), strict=True):
         heights = [[b.get_height() for b in c] for c in panel.containers]
-        assert heights == [[res["engine"][key][st], res["hf"]["float32"][key][st]]
-                           for st in ("mean", "p50", "p99")]
+        assert heights == [
+            [res["engine"][key][st], res["hf"]["float32"][key][st]] for st in ("mean", "p50", "p99")
+        ]
     for fig in keep.figures:
         plt.close(fig)
 
 
 def _serve_rates(ttft_p99: dict, tok_s: float) -> list[dict]:
-    return [{"rate": r, "failures": 0, "output_tok_s": tok_s * (i + 1),
-             "ttft_s": {"p50": p99 / 4, "p99": p99}} for i, (r, p99) in enumerate(ttft_p99.items())]
+    return [
+        {
+            "rate": r,
+            "failures": 0,
+            "output_tok_s": tok_s * (i + 1),
+            "ttft_s": {"p50": p99 / 4, "p99": p99},
+        }
+        for i, (r, p99) in enumerate(ttft_p99.items())
+    ]
 
 
 def test_serve_ttft_rates_and_plot(tmp_path, monkeypatch):
@@ -269,9 +308,15 @@ def test_serve_ttft_rates_and_plot(tmp_path, monkeypatch):
     assert bench_serve.ttft_p99_rates(_serve_rates({1.0: 2.0}, 1.0))["under_1s"] is None
 
     def record(model, n):
-        return {"bench": "bench_serve", "model": model, "num_prompts": n, "servers": {
-            "jaxinfer": {"rates": _serve_rates({"inf": 2.0, 1.0: 0.1, 4.0: 0.4}, 300.0)},
-            "transformers": {"rates": _serve_rates({"inf": 3.0, 1.0: 0.02, 4.0: 0.05}, 100.0)}}}
+        return {
+            "bench": "bench_serve",
+            "model": model,
+            "num_prompts": n,
+            "servers": {
+                "jaxinfer": {"rates": _serve_rates({"inf": 2.0, 1.0: 0.1, 4.0: 0.4}, 300.0)},
+                "transformers": {"rates": _serve_rates({"inf": 3.0, 1.0: 0.02, 4.0: 0.05}, 100.0)},
+            },
+        }
 
     lines = [record("stories260K", 100), record("llama110m", 32), record("stories260K", 16)]
     (tmp_path / "bench_serve.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -292,8 +337,11 @@ def test_serve_ttft_rates_and_plot(tmp_path, monkeypatch):
             assert got[name] == [[i, r["output_tok_s"]] for i, r in enumerate(by)]
         assert [t.get_text() for t in ttft.get_xticklabels()] == ["1", "4", "inf"]
     plt.close(keep.figures[0])
-    monkeypatch.setattr(sys, "argv", ["plot_bench", "--results-dir", str(tmp_path),
-                                      "--serve-png", str(tmp_path / "serve.png")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["plot_bench", "--results-dir", str(tmp_path), "--serve-png", str(tmp_path / "serve.png")],
+    )
     plot_bench.main()  # in-process: the CLI path without a second interpreter's imports
     rec = json.loads((tmp_path / "plot_bench.jsonl").read_text().splitlines()[-1])
     assert rec["written"] == [str(tmp_path / "serve.png")]
@@ -301,13 +349,19 @@ def test_serve_ttft_rates_and_plot(tmp_path, monkeypatch):
     assert _color_pixels(tmp_path / "serve.png", "C1") > 300
 
 
-@pytest.mark.parametrize("rates, why", [("abc", "comma-separated numbers"), ("1,-2", "> 0"),
-                                        ("0", "> 0"), ("nan", "> 0")])
+@pytest.mark.parametrize(
+    "rates, why",
+    [("abc", "comma-separated numbers"), ("1,-2", "> 0"), ("0", "> 0"), ("nan", "> 0")],
+)
 def test_bench_serve_refuses_bad_request_rates(rates, why):
     """A bad --request-rates is a usage error (exit 2, naming the flag), not a traceback."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
-    r = subprocess.run([sys.executable, str(script), "--request-rates", rates],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(script), "--request-rates", rates],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--request-rates" in r.stderr and why in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
@@ -325,18 +379,43 @@ def test_bench_serve_times_tokens_not_text(monkeypatch):
     def u(n):
         return {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
 
-    ev = [(1.0, ch("", u(1))), (1.5, ch("ab", u(3))), (2.0, ch("", u(3), "length")),
-          (2.1, {"choices": [], "usage": u(3)})]
+    ev = [
+        (1.0, ch("", u(1))),
+        (1.5, ch("ab", u(3))),
+        (2.0, ch("", u(3), "length")),
+        (2.1, {"choices": [], "usage": u(3)}),
+    ]
     got = bench_serve.request_timings(0.5, 2.5, ev, continuous=True)
-    assert got == {"ttft": 0.5, "e2e": 2.0, "out": 3, "tpot": 0.25, "itl": [0.5],
-                   "signal": "usage", "token_chunks": 2}
+    assert got == {
+        "ttft": 0.5,
+        "e2e": 2.0,
+        "out": 3,
+        "tpot": 0.25,
+        "itl": [0.5],
+        "signal": "usage",
+        "token_chunks": 2,
+    }
     got = bench_serve.request_timings(0.5, 2.5, ev, continuous=False)  # text chunks only
-    assert got == {"ttft": 1.0, "e2e": 2.0, "out": 3, "tpot": 0.0, "itl": [],
-                   "signal": "text", "token_chunks": 1}
+    assert got == {
+        "ttft": 1.0,
+        "e2e": 2.0,
+        "out": 3,
+        "tpot": 0.0,
+        "itl": [],
+        "signal": "text",
+        "token_chunks": 1,
+    }
     ev = [(1.0, ch("x")), (1.25, ch("")), (1.5, ch("y")), (3.0, ch("", u(5), "length"))]
     got = bench_serve.request_timings(0.0, 3.0, ev, continuous=False)
-    assert got == {"ttft": 1.0, "e2e": 3.0, "out": 5, "tpot": 0.125, "itl": [0.5],
-                   "signal": "text", "token_chunks": 2}
+    assert got == {
+        "ttft": 1.0,
+        "e2e": 3.0,
+        "out": 5,
+        "tpot": 0.125,
+        "itl": [0.5],
+        "signal": "text",
+        "token_chunks": 2,
+    }
     got = bench_serve.request_timings(0.0, 3.0, ev[-1:], continuous=False)
     assert got["ttft"] is None and got["out"] == 5 and got["token_chunks"] == 0
 

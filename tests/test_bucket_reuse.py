@@ -5,48 +5,50 @@ import dataclasses
 import pytest
 from test_engine import reference_requests
 
-from jaxinfer.engine.batch import Buckets
 from jaxinfer.compile.buckets import choose_buckets
 from jaxinfer.compile.plan import plan_job
+from jaxinfer.engine.batch import Buckets
 from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 
 PLAIN = (False, 0)  # sampling flags of the general variant: no logits controls, no logprobs
 
 
 def keys(*forward, samples=()):
-    return ({("forward", k) for k in forward}
-            | {("sample", b, False, 0) for b in samples})
+    return {("forward", k) for k in forward} | {("sample", b, False, 0) for b in samples}
 
 
-@pytest.mark.parametrize("need, compiled, expected", [
-    # compiled exactly: itself
-    ((4, 0, 0, 8), keys((4, 0, 0, 8), (8, 0, 0, 8), samples=(4, 8)), (4, 0, 0, 8)),
-    # one bucket up in rows (4 -> 8), its sampling variant compiled: reused
-    ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(8,)), (8, 0, 0, 8)),
-    # a lone decode row's next bucket is 4 rows (batch.decode_bucket's floor)
-    ((1, 0, 0, 8), keys((4, 0, 0, 8), samples=(4,)), (4, 0, 0, 8)),
-    # one up in rows and in pages at once
-    ((4, 0, 0, 8), keys((8, 0, 0, 16), samples=(8,)), (8, 0, 0, 16)),
-    # two buckets up (4 -> 16 rows, or 8 -> 32 pages): too costly, compile the exact key
-    ((4, 0, 0, 8), keys((16, 0, 0, 8), (4, 0, 0, 32), samples=(4, 16)), (4, 0, 0, 8)),
-    # smaller in any dimension cannot hold the step
-    ((4, 0, 0, 8), keys((8, 0, 0, 4), samples=(8,)), (4, 0, 0, 8)),
-    # a decode-only step never takes a key with a prefill region, nor the reverse
-    ((4, 0, 0, 8), keys((4, 32, 1, 8), samples=(8,)), (4, 0, 0, 8)),
-    ((0, 32, 1, 4), keys((4, 32, 1, 4), samples=(8,)), (0, 32, 1, 4)),
-    # the padded rows' sampling variant not compiled: still padded (a sampling compile is far
-    # cheaper than a forward one) ...
-    ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(4,)), (8, 0, 0, 8)),
-    # ... but a holder whose sampling variant is compiled wins over a cheaper one without
-    ((4, 0, 0, 8), keys((8, 0, 0, 8), (4, 0, 0, 16), samples=(8,)), (8, 0, 0, 8)),
-    # one prefill row's next bucket is 2 rows (the 1 -> 4 floor is the decode rows' only)
-    ((0, 32, 1, 4), keys((0, 32, 4, 4), samples=(4,)), (0, 32, 1, 4)),
-    ((0, 32, 1, 4), keys((0, 32, 2, 4), samples=(2,)), (0, 32, 2, 4)),
-    # mixed steps: prefill tokens and rows one up each
-    ((4, 32, 1, 8), keys((4, 64, 2, 8), samples=(8,)), (4, 64, 2, 8)),
-    # the cheapest holder (fewest tokens) wins
-    ((4, 32, 1, 8), keys((8, 64, 1, 8), (8, 32, 1, 16), samples=(16,)), (8, 32, 1, 16)),
-])
+@pytest.mark.parametrize(
+    "need, compiled, expected",
+    [
+        # compiled exactly: itself
+        ((4, 0, 0, 8), keys((4, 0, 0, 8), (8, 0, 0, 8), samples=(4, 8)), (4, 0, 0, 8)),
+        # one bucket up in rows (4 -> 8), its sampling variant compiled: reused
+        ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(8,)), (8, 0, 0, 8)),
+        # a lone decode row's next bucket is 4 rows (batch.decode_bucket's floor)
+        ((1, 0, 0, 8), keys((4, 0, 0, 8), samples=(4,)), (4, 0, 0, 8)),
+        # one up in rows and in pages at once
+        ((4, 0, 0, 8), keys((8, 0, 0, 16), samples=(8,)), (8, 0, 0, 16)),
+        # two buckets up (4 -> 16 rows, or 8 -> 32 pages): too costly, compile the exact key
+        ((4, 0, 0, 8), keys((16, 0, 0, 8), (4, 0, 0, 32), samples=(4, 16)), (4, 0, 0, 8)),
+        # smaller in any dimension cannot hold the step
+        ((4, 0, 0, 8), keys((8, 0, 0, 4), samples=(8,)), (4, 0, 0, 8)),
+        # a decode-only step never takes a key with a prefill region, nor the reverse
+        ((4, 0, 0, 8), keys((4, 32, 1, 8), samples=(8,)), (4, 0, 0, 8)),
+        ((0, 32, 1, 4), keys((4, 32, 1, 4), samples=(8,)), (0, 32, 1, 4)),
+        # the padded rows' sampling variant not compiled: still padded (a sampling compile is far
+        # cheaper than a forward one) ...
+        ((4, 0, 0, 8), keys((8, 0, 0, 8), samples=(4,)), (8, 0, 0, 8)),
+        # ... but a holder whose sampling variant is compiled wins over a cheaper one without
+        ((4, 0, 0, 8), keys((8, 0, 0, 8), (4, 0, 0, 16), samples=(8,)), (8, 0, 0, 8)),
+        # one prefill row's next bucket is 2 rows (the 1 -> 4 floor is the decode rows' only)
+        ((0, 32, 1, 4), keys((0, 32, 4, 4), samples=(4,)), (0, 32, 1, 4)),
+        ((0, 32, 1, 4), keys((0, 32, 2, 4), samples=(2,)), (0, 32, 2, 4)),
+        # mixed steps: prefill tokens and rows one up each
+        ((4, 32, 1, 8), keys((4, 64, 2, 8), samples=(8,)), (4, 64, 2, 8)),
+        # the cheapest holder (fewest tokens) wins
+        ((4, 32, 1, 8), keys((8, 64, 1, 8), (8, 32, 1, 16), samples=(16,)), (8, 32, 1, 16)),
+    ],
+)
 def test_choice_against_hand_worked_cases(need, compiled, expected):
     assert choose_buckets(Buckets(*need), compiled, PLAIN).key == expected
 
@@ -55,8 +57,11 @@ def test_sampling_flags_select_the_variant():
     # two holders; only (8, 0, 0, 16)'s rows (8) have the controls variant and the all-greedy
     # one, only (4, 0, 0, 16)'s rows (4) the plain one and the logprobs one
     compiled = keys((8, 0, 0, 16), (4, 0, 0, 16)) | {
-        ("sample", 8, True, 0), ("sample", 8, *GREEDY_FLAGS), ("sample", 4, False, 0),
-        ("sample", 4, False, 20)}
+        ("sample", 8, True, 0),
+        ("sample", 8, *GREEDY_FLAGS),
+        ("sample", 4, False, 0),
+        ("sample", 4, False, 20),
+    }
     need = Buckets(4, 0, 0, 8)
     assert choose_buckets(need, compiled, PLAIN).key == (4, 0, 0, 16)
     assert choose_buckets(need, compiled, GREEDY_FLAGS).key == (8, 0, 0, 16)
@@ -89,14 +94,20 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
     assert refs
     prompts = [ids for ids, _, _ in refs] + [tok.encode("Tom had a red ball")] * 4
     params = [sp for _, sp, _ in refs] + [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30, 66)]
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30, 66)
+    ]
     runs, forward, sample = {}, eng._forward, eng._sample
     # (reuse, async): the third run, synchronous, meets the second's shapes (compiles nothing)
     for reuse, asynchronous in ((False, None), (True, None), (True, False)):
         if hasattr(eng.allocator, "clear_cache"):
             eng.allocator.clear_cache()  # the same steps both times: no prefix cache hits
-        monkeypatch.setattr(eng, "ecfg", dataclasses.replace(
-            eng.ecfg, reuse_compiled_buckets=reuse, async_scheduling=asynchronous))
+        monkeypatch.setattr(
+            eng,
+            "ecfg",
+            dataclasses.replace(
+                eng.ecfg, reuse_compiled_buckets=reuse, async_scheduling=asynchronous
+            ),
+        )
         monkeypatch.setattr(eng, "_async", asynchronous is not False)
         monkeypatch.setattr(eng, "compile_keys", set())  # as a fresh engine
         monkeypatch.setattr(eng, "_wanted", {})
@@ -118,8 +129,14 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
         # Every output ran to max_tokens, so the job's plan (jaxinfer.compile.plan: pure host)
         # predicts exactly the keys the engine counted.
         assert all(o.finish_reason == "length" for o in outs), [o.finish_reason for o in outs]
-        plan = plan_job(eng.ecfg, [len(p) for p in prompts], [p.max_tokens for p in params],
-                        vocab_size=eng.cfg.vocab_size, params=params, prompt_ids=prompts)
+        plan = plan_job(
+            eng.ecfg,
+            [len(p) for p in prompts],
+            [p.max_tokens for p in params],
+            vocab_size=eng.cfg.vocab_size,
+            params=params,
+            prompt_ids=prompts,
+        )
         assert set(plan.keys) == eng.compile_keys, (plan.keys, eng.compile_keys)
         assert plan.steps == len(shapes)
         runs[reuse, asynchronous] = (shapes, [o.token_ids for o in outs])
@@ -137,8 +154,11 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     import jaxinfer.compile.buckets as bucket_reuse
 
     eng, tok = stories_llm.engine, stories_llm.tokenizer
-    (ids, sp, expected), = [r for r in reference_requests(tok)
-                            if r[2].startswith("Once upon a time") and r[1].max_tokens < 100]
+    ((ids, sp, expected),) = [
+        r
+        for r in reference_requests(tok)
+        if r[2].startswith("Once upon a time") and r[1].max_tokens < 100
+    ]
     monkeypatch.setattr(bucket_reuse, "REUSE_STEPS", 3)
     monkeypatch.setattr(eng, "compile_keys", set())
     monkeypatch.setattr(eng, "_wanted", {})
@@ -175,7 +195,7 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     lone = [(key, ready) for key, ready in seen if key in ((1, 0, 0, 4), (4, 0, 0, 4))]
     first_exact = next(i for i, (key, _) in enumerate(lone) if key == (1, 0, 0, 4))
     assert eng._wanted[(1, 0, 0, 4)] == 3
-    assert [key for key, _ in lone[first_exact - 3:first_exact]] == [(4, 0, 0, 4)] * 3
+    assert [key for key, _ in lone[first_exact - 3 : first_exact]] == [(4, 0, 0, 4)] * 3
     assert all(ready for key, ready in lone[first_exact:]), lone
     assert compiler.compiled == [(1, 0, 0, 4)] and not compiler.pending
     # Each dispatch first waits for a background compile of the key it runs (none pending here).
@@ -184,8 +204,14 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     # output ran to max_tokens: the reference too).
     assert [o.finish_reason for o in outs] == ["length"] * 4
     prompts = [ids] + [tok.encode("Tom had a red ball")] * 3
-    plan = plan_job(eng.ecfg, [len(p) for p in prompts], [sp.max_tokens] + [4] * 3,
-                    vocab_size=eng.cfg.vocab_size, params=[sp] + [short] * 3, prompt_ids=prompts)
+    plan = plan_job(
+        eng.ecfg,
+        [len(p) for p in prompts],
+        [sp.max_tokens] + [4] * 3,
+        vocab_size=eng.cfg.vocab_size,
+        params=[sp] + [short] * 3,
+        prompt_ids=prompts,
+    )
     assert set(plan.keys) == eng.compile_keys
     assert ("forward", (1, 0, 0, 4)) in eng.compile_keys  # counted once submitted
     # greedy rows: the background compile's sampling variant is the all-greedy one too
@@ -214,8 +240,9 @@ class _FakeJit:
             def compile(self):
                 jit.gate.wait(10)
                 with jit._lock:
-                    jit.compiles.append("greedy" if kw.get("greedy")
-                                        else kw.get("num_logprobs", "forward"))
+                    jit.compiles.append(
+                        "greedy" if kw.get("greedy") else kw.get("num_logprobs", "forward")
+                    )
 
         return Lowered()
 
@@ -228,9 +255,15 @@ def _fake_engine():
 
     gate = threading.Event()
     eng = SimpleNamespace(
-        kv=np.zeros(3), params=None, _no_prev=None, _num_slots=8,
+        kv=np.zeros(3),
+        params=None,
+        _no_prev=None,
+        _num_slots=8,
         ecfg=SimpleNamespace(page_size=8, attn_impl="xla", batch_invariant=False),
-        cfg=SimpleNamespace(vocab_size=8), _forward=_FakeJit(gate), _sample=_FakeJit(gate))
+        cfg=SimpleNamespace(vocab_size=8),
+        _forward=_FakeJit(gate),
+        _sample=_FakeJit(gate),
+    )
     return eng, gate
 
 

@@ -65,8 +65,14 @@ TOOL_CALLS = [
 
 
 def _vars(messages=MESSAGES, tools=None) -> dict:
-    return dict(messages=messages, tools=tools, documents=None, add_generation_prompt=True,
-                bos_token="<s>", eos_token="</s>")
+    return dict(
+        messages=messages,
+        tools=tools,
+        documents=None,
+        add_generation_prompt=True,
+        bos_token="<s>",
+        eos_token="</s>",
+    )
 
 
 def _reference(source: str, variables: dict) -> str:
@@ -100,7 +106,7 @@ REAL_TEMPLATES = {
         "{%- for message in messages %}"
         "{%- if message.tool_calls is defined %}{{- '<|im_start|>assistant' }}"
         "{%- for call in message.tool_calls %}{%- set call = call.function %}"
-        "{{- '\\n<tool_call>{\"name\": \"' + call.name + '\", \"arguments\": ' "
+        '{{- \'\\n<tool_call>{"name": "\' + call.name + \'", "arguments": \' '
         "+ call.arguments|tojson + '}</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
         "{%- elif message.role == 'tool' %}"
         "{%- if loop.previtem and loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}"
@@ -176,8 +182,12 @@ def test_real_templates_render_as_transformers(name, conversation):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(
-        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]),
-                               "content": st.text(max_size=40)}),
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+                "content": st.text(max_size=40),
+            }
+        ),
         max_size=6,
     ),
     st.booleans(),
@@ -242,10 +252,14 @@ NASTY = {
         "longer than",
     ),
     # Depth.
-    "recursive_macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
-                        "calls nest deeper than 64"),
-    "recursive_loop": ("{% for x in [1] recursive %}{{ loop([1]) }}{% endfor %}",
-                       "calls nest deeper than 64"),
+    "recursive_macro": (
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        "calls nest deeper than 64",
+    ),
+    "recursive_loop": (
+        "{% for x in [1] recursive %}{{ loop([1]) }}{% endfor %}",
+        "calls nest deeper than 64",
+    ),
     # Size, each before the big value exists.
     "string_times_200M": ("{{ 'x' * 200000000 }}", "* operation would have 200,000,000 "),
     "list_times": ("{{ ([1] * 100000) * 100000 }}", "* operation would have 10,000,000,000"),
@@ -375,16 +389,21 @@ _STATEMENT = st.recursive(
     st.one_of(
         _EXPR.map(lambda e: "{% set ns.v = " + e + " %}"),
         _EXPR.map(lambda e: "{{ " + e + " }}"),
-        st.sampled_from([
-            "{{ f(ns.d) }}", "{% set ns.d = ns.d + 1 %}",
-            "{% set ns.l = [ns.l, ns.l] %}{% set ns.m = [ns.m, ns.m] %}",
-        ]),
+        st.sampled_from(
+            [
+                "{{ f(ns.d) }}",
+                "{% set ns.d = ns.d + 1 %}",
+                "{% set ns.l = [ns.l, ns.l] %}{% set ns.m = [ns.m, ns.m] %}",
+            ]
+        ),
     ),
     lambda s: st.one_of(
         st.tuples(_LOOPS, st.lists(s, min_size=1, max_size=3)).map(
-            lambda t: "{% for i in range(" + str(t[0]) + ") %}" + "".join(t[1]) + "{% endfor %}"),
+            lambda t: "{% for i in range(" + str(t[0]) + ") %}" + "".join(t[1]) + "{% endfor %}"
+        ),
         st.lists(s, min_size=1, max_size=2).map(
-            lambda b: "{% set blk %}" + "".join(b) + "{% endset %}{{ blk|length }}"),
+            lambda b: "{% set blk %}" + "".join(b) + "{% endset %}{{ blk|length }}"
+        ),
     ),
     max_leaves=5,
 )
@@ -393,9 +412,12 @@ _STATEMENT = st.recursive(
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(_STATEMENT, min_size=1, max_size=4))
 def test_random_growing_templates_stay_within_limits(body):
-    source = ("{% set ns = namespace(v='x', d=0, l=[1], m=[1]) %}{% macro f(n) %}{% if n > 0 %}"
-              "{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}" + "".join(body)
-              + "{{ ns.l == ns.m }}")
+    source = (
+        "{% set ns = namespace(v='x', d=0, l=[1], m=[1]) %}{% macro f(n) %}{% if n > 0 %}"
+        "{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+        + "".join(body)
+        + "{{ ns.l == ns.m }}"
+    )
     max_chars, t0 = 1 << 17, time.perf_counter()
     tracemalloc.start()
     try:
@@ -475,11 +497,13 @@ def test_bad_template_request_fails_alone_in_generate(stories_llm, monkeypatch, 
         assert out.token_ids == ref.token_ids and len(ref.token_ids) > 0
         assert out.prompt_token_ids == ref.prompt_token_ids
         assert out.prompt_token_ids == stories_llm.tokenizer.encode(
-            good[label][0]["content"], add_special_tokens=False)
+            good[label][0]["content"], add_special_tokens=False
+        )
 
 
-def test_bad_template_record_fails_alone_in_cli(stories_dir, tmp_path, monkeypatch, capsys,
-                                                fast_deadline):
+def test_bad_template_record_fails_alone_in_cli(
+    stories_dir, tmp_path, monkeypatch, capsys, fast_deadline
+):
     from jaxinfer.cli import main as cli
 
     load = cli._load_llm
@@ -495,9 +519,26 @@ def test_bad_template_record_fails_alone_in_cli(stories_dir, tmp_path, monkeypat
     records += [{"id": "good1", "messages": _conversation("user", GOOD[1])}]
     prompts, out = tmp_path / "chat.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
-    rc = cli.main(["generate", "--model", str(stories_dir), "--prompts", str(prompts),
-                   "--out", str(out), "--max-model-len", "256", "--max-num-seqs", "8",
-                   "--no-progress", "--max-tokens", "8", "--temperature", "0"])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(stories_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--no-progress",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out)
     assert rc == 0, summary
     written = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}

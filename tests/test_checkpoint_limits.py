@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer import memory_limits
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import CheckpointWarning
 from jaxinfer.loaders.hf import config_from_hf, load_hf
+from jaxinfer.models.config import ModelConfig
 
 MiB = 2**20
 
@@ -69,8 +69,6 @@ def _edit_tensors(path, edit):
     edit(tensors)
     save_file(tensors, file)
     return file
-
-
 
 
 # ------------------------------------------------------------------ config.json
@@ -146,8 +144,13 @@ def test_config_field_of_wrong_type_or_range(good_config, field, value, match):
             r"'rope_scaling.low_freq_factor' is 4.0; expected below high_freq_factor=4.0",
         ),
         (
-            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-             "original_max_position_embeddings": 8192.5},
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192.5,
+            },
             r"'rope_scaling.original_max_position_embeddings' is 8192.5",
         ),
     ],
@@ -401,16 +404,40 @@ def test_index_weight_map_of_wrong_type(sharded, tmp_path):
 
 
 _JSON_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-    st.text(max_size=5), st.lists(st.integers(0, 3), max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.lists(st.integers(0, 3), max_size=3),
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
 )
-_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-           "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-           "rms_norm_eps", "rope_theta", "tie_word_embeddings", "hidden_act", "rope_scaling",
-           "rope_parameters", "sliding_window", "use_sliding_window", "max_window_layers",
-           "layer_types", "attention_bias", "model_type", "query_pre_attn_scalar",
-           "final_logit_softcapping", "sliding_window_pattern", "text_config"]
+_FIELDS = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+    "hidden_act",
+    "rope_scaling",
+    "rope_parameters",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "attention_bias",
+    "model_type",
+    "query_pre_attn_scalar",
+    "final_logit_softcapping",
+    "sliding_window_pattern",
+    "text_config",
+]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -462,14 +489,22 @@ def _edit_meta(path, edit):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda m: m["config"].__setitem__("vocab_size", 10**9),
-         r"array 'embed' has shape \[512, 64\], the config implies \[1000000000, 64\]"),
-        (lambda m: m["config"].__setitem__("num_layers", 2**30),
-         r"bad config: layer_windows has 5 entries, expected num_layers=1073741824"),
+        (
+            lambda m: m["config"].__setitem__("vocab_size", 10**9),
+            r"array 'embed' has shape \[512, 64\], the config implies \[1000000000, 64\]",
+        ),
+        (
+            lambda m: m["config"].__setitem__("num_layers", 2**30),
+            r"bad config: layer_windows has 5 entries, expected num_layers=1073741824",
+        ),
         (lambda m: m["config"].pop("layer_windows"), r"bad config: layer_windows must be a list"),
         (lambda m: m["config"].__setitem__("rms_norm_eps", math.inf), r"rms_norm_eps=inf must be"),
-        (lambda m: m["arrays"].__setitem__("layers.o_bias", {"shape": [5, 64], "dtype": "float32"}),
-         r"array 'layers.o_bias' is not used by the model"),
+        (
+            lambda m: m["arrays"].__setitem__(
+                "layers.o_bias", {"shape": [5, 64], "dtype": "float32"}
+            ),
+            r"array 'layers.o_bias' is not used by the model",
+        ),
         (lambda m: m["arrays"].pop("final_norm"), r"array 'final_norm' is missing"),
         (lambda m: m.__setitem__("config", [1]), r"bad config: expected a JSON object"),
     ],

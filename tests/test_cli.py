@@ -2,7 +2,8 @@
 records become error records while the rest complete, a killed run resumes with every id exactly
 once, plain-text input, ``--help`` and usage errors.
 
-Runs ``jaxinfer.cli.main.main`` in-process (sharing compiled steps) with one set of engine flags; only
+Runs ``jaxinfer.cli.main.main`` in-process (sharing compiled steps) with one set of engine flags;
+only
 the kill test uses a subprocess.
 """
 
@@ -285,10 +286,26 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
         ["--model", str(tmp_path), "--prompts", str(prompts), "--top-p", "2"],
         ["--model", str(STORIES), "--prompts", str(prompts), "--draft-model", "layers:2"],
         ["--model", str(STORIES), "--prompts", str(prompts), "--draft-heads", str(tmp_path)],
-        ["--model", str(STORIES), "--prompts", str(prompts), "--speculative", "draft-model",
-         "--draft-model", "layers:abc"],
-        ["--model", str(STORIES), "--prompts", str(prompts), "--speculative", "draft-model",
-         "--draft-model", str(tmp_path / "nope")],
+        [
+            "--model",
+            str(STORIES),
+            "--prompts",
+            str(prompts),
+            "--speculative",
+            "draft-model",
+            "--draft-model",
+            "layers:abc",
+        ],
+        [
+            "--model",
+            str(STORIES),
+            "--prompts",
+            str(prompts),
+            "--speculative",
+            "draft-model",
+            "--draft-model",
+            str(tmp_path / "nope"),
+        ],
     ]
     for args in cases:
         rc = cli.main(["generate", *args, "--out", str(tmp_path / "o.jsonl"), "--no-progress"])

@@ -1,8 +1,10 @@
 """Issue 15, class 2: no single line of a prompts file ends a ``jaxinfer generate`` job.
 
 Each nasty line is one error record naming its line and field, or a correct record; the other
-lines' numbers, ids and records are unchanged (`jaxinfer.cli.prompts_file`, tested without a model, plus a
-hypothesis fuzz whose records are also written through `jaxinfer.cli.output_file`). One end-to-end run
+lines' numbers, ids and records are unchanged (`jaxinfer.cli.prompts_file`, tested without a model,
+plus a
+hypothesis fuzz whose records are also written through `jaxinfer.cli.output_file`). One end-to-end
+run
 on stories260K checks that the good records of a file full of bad lines are the same bytes as a
 run of the good records alone. Outputs (class 5) are in test_cli_outputs.py.
 """
@@ -18,10 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.cli import main as cli
-
 from jaxinfer.cli import prompts_file as jobs
-from jaxinfer.cli.prompts_file import read_jobs
 from jaxinfer.cli.output_file import OutputFile
+from jaxinfer.cli.prompts_file import read_jobs
 
 DEFAULTS = cli._sampling_defaults()
 SHARED = Path(

@@ -1,4 +1,5 @@
-"""Issue 15, class 5: the output file of ``jaxinfer generate`` (`jaxinfer.cli.output_file`): one locked
+"""Issue 15, class 5: the output file of ``jaxinfer generate`` (`jaxinfer.cli.output_file`): one
+locked
 writer, regular files only (never read a device or FIFO), an unwritable path refused before the
 model loads, a failed write still prints the summary, resume reads any existing file. No model
 is loaded (a fixture fails the test if one would be); the cross-process lock is also checked in
@@ -16,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from jaxinfer.cli import main as cli
-
 from jaxinfer.cli import output_file as outfile
 from jaxinfer.cli.output_file import OutputFile, OutputWriteError
 

@@ -105,9 +105,25 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
     monkeypatch.setattr(engine_mod.Engine, "_dispatch", slow_when_new)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "Once upon a time"}) + "\n")
-    rc = cli.main(["generate", "--model", str(STORIES), "--prompts", str(prompts),
-                   "--out", str(tmp_path / "o.jsonl"), "--max-model-len", "256",
-                   "--max-num-seqs", "8", "--temperature", "0", "--max-tokens", "4"])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(STORIES),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "4",
+        ]
+    )
     assert rc == 0
     cap = capsys.readouterr()
     # k counts the keys dispatched so far (2 after the first step: forward + sampling); n the

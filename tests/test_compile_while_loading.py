@@ -34,10 +34,17 @@ def reference_requests(max_tokens: int | None = None):
     tok = load_tokenizer(STORIES, vocab_size=512)
     cases = [c for c in stories_reference() if c["max_steps"] <= 64]
     assert len(cases) == 2
-    reqs = [(c["prompt"], SamplingParams(
-        temperature=0.0, stop_token_ids=(1,),
-        max_tokens=max_tokens or c["max_steps"] - (len(tok.encode(c["prompt"])) - 1)))
-        for c in cases]
+    reqs = [
+        (
+            c["prompt"],
+            SamplingParams(
+                temperature=0.0,
+                stop_token_ids=(1,),
+                max_tokens=max_tokens or c["max_steps"] - (len(tok.encode(c["prompt"])) - 1),
+            ),
+        )
+        for c in cases
+    ]
     return reqs, [c["expected"] for c in cases]
 
 
@@ -79,12 +86,18 @@ def test_first_step_is_compiled_during_loading_and_not_again(monkeypatch):
         wait_for = llm.engine._compiler.wait_for
         # Released 0.3 s after the first step asks: a dispatch that does not wait would have
         # started its own compile by then.
-        monkeypatch.setattr(llm.engine._compiler, "wait_for",
-                            lambda key: (threading.Timer(0.3, gate.set).start(), wait_for(key)))
+        monkeypatch.setattr(
+            llm.engine._compiler,
+            "wait_for",
+            lambda key: (threading.Timer(0.3, gate.set).start(), wait_for(key)),
+        )
         ids = [llm.encode_prompt(p)[0] for p, _ in reqs]
         assert warm.adopt(llm, ids, [s for _, s in reqs]), warm.reason
-        outs = list(llm.generate_stream([{"prompt_token_ids": x} for x in ids],
-                                        [s for _, s in reqs], request_ids=["0", "1"]))
+        outs = list(
+            llm.generate_stream(
+                [{"prompt_token_ids": x} for x in ids], [s for _, s in reqs], request_ids=["0", "1"]
+            )
+        )
     finally:
         monitoring.unregister_event_duration_listener(listener)
     done = {o.request_id: o for o in outs if o.finished}
@@ -140,12 +153,15 @@ def test_a_prediction_that_does_not_hold_is_not_used(stories_llm, planned):
     assert "params differs" in warm._mismatch(stories_llm, ids, params)
 
 
-@pytest.mark.parametrize("kw, why", [
-    (dict(quantization="int8"), "quantization"),
-    (dict(speculative="ngram"), "speculative"),
-    (dict(tensor_parallel_size=2), "parallelism"),
-    (dict(attn_impl="pallas_tpu_interpret"), "XLA attention"),
-])
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        (dict(quantization="int8"), "quantization"),
+        (dict(speculative="ngram"), "speculative"),
+        (dict(tensor_parallel_size=2), "parallelism"),
+        (dict(attn_impl="pallas_tpu_interpret"), "XLA attention"),
+    ],
+)
 def test_what_cannot_be_derived_is_skipped_without_a_thread(kw, why):
     before = threading.active_count()
     warm = cwl.FirstStepCompile.start(STORIES, kw, ["Once"], [SamplingParams()])

@@ -1,4 +1,5 @@
-"""The native CPU decode-attention kernel (jaxinfer/models/cpu_decode_kernel.py; what attn_impl="auto"
+"""The native CPU decode-attention kernel (jaxinfer/models/cpu_decode_kernel.py; what
+attn_impl="auto"
 runs on CPU where it can, or asked by name with attn_impl="cpu_kernel") == numpy float64
 attention; the engine with it, and with attn_impl="xla", reproduces llama2.c's greedy
 stories260K outputs; "auto" resolves per engine by the documented rule, a build failure under
@@ -15,9 +16,7 @@ import pytest
 from conftest import assert_reproduces_stories_reference
 from test_paged_attention import TOL, dense_reference, make_batch
 
-from jaxinfer.models import cpu_decode_kernel
-
-from jaxinfer.models import paged_attention
+from jaxinfer.models import cpu_decode_kernel, paged_attention
 from jaxinfer.models.paged_attention import ragged_paged_attention_xla
 
 
@@ -26,8 +25,10 @@ def kernel_on():
     cpu_decode_kernel.load()  # builds once per cache dir (a few seconds)
 
 
-@pytest.mark.parametrize("gqa,window,softcap,layered", [
-    (1, 0, None, False), (2, 0, None, True), (2, 9, None, True), (4, 0, 30.0, False)])
+@pytest.mark.parametrize(
+    "gqa,window,softcap,layered",
+    [(1, 0, None, False), (2, 0, None, True), (2, 9, None, True), (4, 0, 30.0, False)],
+)
 def test_kernel_equals_dense_reference(kernel_on, gqa, window, softcap, layered):
     """Decode rows of lengths 1, a page, a page + 1, many pages (a table wider than a work-item
     chunk) and a padding row, over a shuffled page-major pool, optionally at layer 1 of a 2-layer
@@ -43,15 +44,33 @@ def test_kernel_equals_dense_reference(kernel_on, gqa, window, softcap, layered)
     if layered:
         kp, vp = (jnp.stack([jnp.full_like(x, 7.0), x]) for x in (kp, vp))
         layer = jnp.int32(1)
-    fn = jax.jit(lambda q, kp, vp, md: ragged_paged_attention_xla(
-        q, kp, vp, md, jnp.int32(window), scale=h**-0.5, softcap=softcap, layer=layer,
-        page_major=True, decode_kernel=True))
+    fn = jax.jit(
+        lambda q, kp, vp, md: ragged_paged_attention_xla(
+            q,
+            kp,
+            vp,
+            md,
+            jnp.int32(window),
+            scale=h**-0.5,
+            softcap=softcap,
+            layer=layer,
+            page_major=True,
+            decode_kernel=True,
+        )
+    )
     assert "jaxinfer_cpu_decode_attention" in fn.lower(q, kp, vp, md).as_text()
     out = np.asarray(fn(q, kp, vp, md), np.float64)
     assert np.isfinite(out).all() and not out[5:8].any()  # padding rows: 0
     for tok, ql, pos, fk, fv in rows:
-        ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
-                              fv.astype(np.float64), pos, h**-0.5, window, softcap)
+        ref = dense_reference(
+            q[tok : tok + ql].astype(np.float64),
+            fk.astype(np.float64),
+            fv.astype(np.float64),
+            pos,
+            h**-0.5,
+            window,
+            softcap,
+        )
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
 
 
@@ -60,13 +79,35 @@ def test_page_id_outside_the_pool_is_an_error(kernel_on):
     pages = jnp.ones((1, 4, 2, 4, 8), jnp.float32)
     bt = jnp.asarray([[1, 2], [3, 4]], jnp.int32)  # page 4 of a 4-page pool
     with pytest.raises(Exception, match="row 1 holds a page id outside the pool"):
-        jax.block_until_ready(cpu_decode_kernel.decode_attention(
-            qd, pages, pages, bt, jnp.asarray([8, 8]), jnp.asarray([7, 7]), jnp.int32(0),
-            scale=1.0, softcap=None, layer=0))
+        jax.block_until_ready(
+            cpu_decode_kernel.decode_attention(
+                qd,
+                pages,
+                pages,
+                bt,
+                jnp.asarray([8, 8]),
+                jnp.asarray([7, 7]),
+                jnp.int32(0),
+                scale=1.0,
+                softcap=None,
+                layer=0,
+            )
+        )
     with pytest.raises(Exception, match="layer 1 outside the pool's 1 layers"):
-        jax.block_until_ready(cpu_decode_kernel.decode_attention(
-            qd, pages, pages, bt[:, :1], jnp.asarray([4, 4]), jnp.asarray([3, 3]),
-            jnp.int32(0), scale=1.0, softcap=None, layer=1))
+        jax.block_until_ready(
+            cpu_decode_kernel.decode_attention(
+                qd,
+                pages,
+                pages,
+                bt[:, :1],
+                jnp.asarray([4, 4]),
+                jnp.asarray([3, 3]),
+                jnp.int32(0),
+                scale=1.0,
+                softcap=None,
+                layer=1,
+            )
+        )
 
 
 def test_build_and_input_errors(monkeypatch, tmp_path):
@@ -75,10 +116,17 @@ def test_build_and_input_errors(monkeypatch, tmp_path):
         cpu_decode_kernel.build(tmp_path)
     with pytest.raises(ValueError, match="must be float32"):
         cpu_decode_kernel.decode_attention(
-            jnp.ones((1, 1, 1, 8)), jnp.ones((1, 2, 1, 4, 8), jnp.bfloat16),
-            jnp.ones((1, 2, 1, 4, 8), jnp.bfloat16), jnp.ones((1, 1), jnp.int32),
-            jnp.ones(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.int32(0), scale=1.0,
-            softcap=None, layer=0)
+            jnp.ones((1, 1, 1, 8)),
+            jnp.ones((1, 2, 1, 4, 8), jnp.bfloat16),
+            jnp.ones((1, 2, 1, 4, 8), jnp.bfloat16),
+            jnp.ones((1, 1), jnp.int32),
+            jnp.ones(1, jnp.int32),
+            jnp.zeros(1, jnp.int32),
+            jnp.int32(0),
+            scale=1.0,
+            softcap=None,
+            layer=0,
+        )
 
 
 def test_concurrent_builders_build_once(monkeypatch, tmp_path):
@@ -89,13 +137,17 @@ def test_concurrent_builders_build_once(monkeypatch, tmp_path):
     import threading
 
     cxx = tmp_path / "fake-cxx"
-    cxx.write_text(f'#!/bin/sh\necho run >> {tmp_path}/runs\nsleep 0.5\n'
-                   'for last; do :; done\necho library > "$last"\n')
+    cxx.write_text(
+        f"#!/bin/sh\necho run >> {tmp_path}/runs\nsleep 0.5\n"
+        'for last; do :; done\necho library > "$last"\n'
+    )
     cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("CXX", str(cxx))
     libs = []
-    threads = [threading.Thread(target=lambda: libs.append(cpu_decode_kernel.build(tmp_path)))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: libs.append(cpu_decode_kernel.build(tmp_path)))
+        for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -114,8 +166,9 @@ def test_engine_reproduces_llama2c(kernel_on, stories_dir, monkeypatch, attn_imp
 
     traced = []  # the decode regions the step functions traced with the kernel
     real = cpu_decode_kernel.decode_attention
-    monkeypatch.setattr(cpu_decode_kernel, "decode_attention",
-                        lambda *a, **k: traced.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        cpu_decode_kernel, "decode_attention", lambda *a, **k: traced.append(1) or real(*a, **k)
+    )
     llm = LLM(stories_dir, max_num_seqs=8, attn_impl=attn_impl)
     want = "cpu_kernel" if attn_impl == "auto" else "xla"
     assert llm.engine.kv_page_major
@@ -134,11 +187,13 @@ def test_auto_resolves_per_engine(kernel_on):
     resolve = paged_attention.engine_attn_impl
     assert resolve("auto", **kw)[0] == "cpu_kernel"
     assert resolve("cpu_kernel", **kw)[0] == "cpu_kernel"
-    for change, why in ((dict(kv_dtype=np.int8), "a KV pool of int8"),
-                        (dict(kv_dtype=jnp.bfloat16), "a KV pool of bfloat16"),
-                        (dict(page_major=False), "kv_page_major=False"),
-                        (dict(mesh=object()), "a sharded engine"),
-                        (dict(batch_invariant=True), "batch_invariant=True")):
+    for change, why in (
+        (dict(kv_dtype=np.int8), "a KV pool of int8"),
+        (dict(kv_dtype=jnp.bfloat16), "a KV pool of bfloat16"),
+        (dict(page_major=False), "kv_page_major=False"),
+        (dict(mesh=object()), "a sharded engine"),
+        (dict(batch_invariant=True), "batch_invariant=True"),
+    ):
         impl, reason = resolve("auto", **{**kw, **change})
         assert impl == "xla" and why in reason, change
     assert resolve("xla", **kw)[0] == "xla"
@@ -186,8 +241,10 @@ def test_explicit_kernel_without_a_compiler_raises(no_compiler, stories_dir, mon
         LLM(stories_dir, attn_impl="cpu_kernel", compilation_cache=False)
     monkeypatch.setattr(cpu_decode_kernel, "_failure", [])
     cxx = no_compiler / "failing-cxx"
-    cxx.write_text('#!/bin/sh\nfor last; do :; done\necho half > "$last"\n'
-                   'echo "error: no AVX here" >&2\nexit 1\n')
+    cxx.write_text(
+        '#!/bin/sh\nfor last; do :; done\necho half > "$last"\n'
+        'echo "error: no AVX here" >&2\nexit 1\n'
+    )
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", str(cxx))
     with pytest.raises(RuntimeError, match="(?s)building cpu_decode_kernel.cc failed .*no AVX"):
@@ -195,8 +252,9 @@ def test_explicit_kernel_without_a_compiler_raises(no_compiler, stories_dir, mon
     assert [f.name for f in (no_compiler / "cpu_kernels").iterdir()] == [".build.lock"]
 
 
-def test_cli_explicit_kernel_that_cannot_build_is_one_line(no_compiler, stories_dir, tmp_path,
-                                                           monkeypatch, capsys):
+def test_cli_explicit_kernel_that_cannot_build_is_one_line(
+    no_compiler, stories_dir, tmp_path, monkeypatch, capsys
+):
     """`jaxinfer generate --attn-impl cpu_kernel` without a compiler: one error line naming the
     flag and the cause, exit 2 (was a traceback); a compiler given with arguments (CXX="ccache
     g++") is run with them (was "not found": the whole string was looked up)."""
@@ -204,15 +262,26 @@ def test_cli_explicit_kernel_that_cannot_build_is_one_line(no_compiler, stories_
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Once upon a time"}\n')
-    argv = ["generate", "--model", str(stories_dir), "--prompts", str(prompts), "--out",
-            str(tmp_path / "o.jsonl"), "--attn-impl", "cpu_kernel", "--no-progress"]
+    argv = [
+        "generate",
+        "--model",
+        str(stories_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "o.jsonl"),
+        "--attn-impl",
+        "cpu_kernel",
+        "--no-progress",
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxinfer: error: --attn-impl cpu_kernel: "), err
     assert "needs a C++ compiler" in err[0] and "no-such-compiler" in err[0]
     cxx = tmp_path / "stand-in-cxx"  # writes its output file (the last argument), exits 0
-    cxx.write_text('#!/bin/sh\n[ "$1" = "--wrapped" ] || exit 3\nfor last; do :; done\n'
-                   'echo lib > "$last"\n')
+    cxx.write_text(
+        '#!/bin/sh\n[ "$1" = "--wrapped" ] || exit 3\nfor last; do :; done\necho lib > "$last"\n'
+    )
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", f"{cxx} --wrapped")
     assert cpu_decode_kernel.build(tmp_path / "c").read_text() == "lib\n"
@@ -222,15 +291,20 @@ def test_engines_the_kernel_cannot_serve_refuse_it(stories_dir):
     """No silent fallback: an int8, bfloat16 or head-major pool is refused, naming what runs."""
     from jaxinfer.llm import LLM
 
-    for kw, why in ((dict(kv_cache_dtype="int8"), "not a KV pool of int8"),
-                    (dict(dtype="bfloat16"), "not a KV pool of bfloat16")):
-        with pytest.raises(ValueError, match=f"page-major float32 KV pool on one device, {why}; "
-                           "use attn_impl='xla'"):
+    for kw, why in (
+        (dict(kv_cache_dtype="int8"), "not a KV pool of int8"),
+        (dict(dtype="bfloat16"), "not a KV pool of bfloat16"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=f"page-major float32 KV pool on one device, {why}; use attn_impl='xla'",
+        ):
             LLM(stories_dir, attn_impl="cpu_kernel", compilation_cache=False, **kw)
     rng = np.random.default_rng(0)
     k_pages, v_pages, md, _, t = make_batch(rng, 4, 2, 8, [(5, 1), (3, 2)], num_pages=8)
     with pytest.raises(ValueError, match="this one is head-major: use attn_impl='xla'"):
-        ragged_paged_attention_xla(jnp.ones((t, 2, 8)), k_pages, v_pages, md, jnp.int32(0),
-                                   scale=1.0, decode_kernel=True)
+        ragged_paged_attention_xla(
+            jnp.ones((t, 2, 8)), k_pages, v_pages, md, jnp.int32(0), scale=1.0, decode_kernel=True
+        )
     with pytest.raises(ValueError, match="'cpu_kernel' is a native kernel for XLA's CPU backend"):
         paged_attention.resolve_attn_impl("cpu_kernel", "tpu")

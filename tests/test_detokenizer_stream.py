@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 from jaxinfer.tokenizers import IncrementalDetokenizer, load_tokenizer
 
-SHARED = Path(os.environ.get("JAXINFER_SHARED",
-                             Path(__file__).resolve().parents[1].parent / "shared"))
+SHARED = Path(
+    os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
+)
 STORIES = SHARED / "models" / "stories260K"
 AIDREAMS = SHARED / "models" / "aidreams260K"
 FFFD = "\ufffd"
@@ -62,10 +63,12 @@ def _bytelevel_json(d: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400,
-                                  special_tokens=["<|begin_of_text|>", "<|eot_id|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|begin_of_text|>", "<|eot_id|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     corpus = ["Once upon a time, there was a little girl named Lily.", "你好, мир! 😀 naïve café"]
     tok.train_from_iterator(corpus * 20, trainer)
     (d / "bytelevel").mkdir()
@@ -84,8 +87,13 @@ def _llama_dir(d: Path, name: str, remove_extra_whitespaces: bool = True) -> Pat
     proto.ParseFromString((STORIES / "tok512.model").read_bytes())
     proto.normalizer_spec.remove_extra_whitespaces = remove_extra_whitespaces
     (out / "tokenizer.model").write_bytes(proto.SerializeToString())
-    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "add_bos_token": True}
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
@@ -103,10 +111,14 @@ def _bytefallback_json(d: Path) -> Path:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("detok")
-    return {"stories.model": STORIES / "tok512.model", "stories.bin": STORIES / "tok512.bin",
-            "llama2.model": _llama_dir(d, "llama2", remove_extra_whitespaces=False),
-            "aidreams.bin": AIDREAMS / "tok512.bin", "bytelevel.json": _bytelevel_json(d),
-            "bytefallback.json": _bytefallback_json(d)}
+    return {
+        "stories.model": STORIES / "tok512.model",
+        "stories.bin": STORIES / "tok512.bin",
+        "llama2.model": _llama_dir(d, "llama2", remove_extra_whitespaces=False),
+        "aidreams.bin": AIDREAMS / "tok512.bin",
+        "bytelevel.json": _bytelevel_json(d),
+        "bytefallback.json": _bytefallback_json(d),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +140,8 @@ def refs(files):
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(files["stories.model"]))
     sp2 = sentencepiece.SentencePieceProcessor(
-        model_file=str(files["llama2.model"] / "tokenizer.model"))
+        model_file=str(files["llama2.model"] / "tokenizer.model")
+    )
 
     def sp_bytes(i):  # tok512's layout (llama2.c's too): <0xNN> at id 3 + NN
         return bytes([i - 3]) if 3 <= i < 259 else None
@@ -137,7 +150,7 @@ def refs(files):
         return sp.decode([i for i in ids if i < 512])
 
     def run_c(ids):  # run.c prints pieces, the byte of <0xNN>, no space after BOS (here: in
-        out = b""    # the first piece that is not a special token)
+        out = b""  # the first piece that is not a special token)
         for k, i in enumerate(i for i in ids if i < 512 and not sp.is_control(i)):
             piece = sp_bytes(i) or sp.id_to_piece(i).replace("\u2581", " ").encode()
             out += piece[1:] if k == 0 and sp_bytes(i) is None and piece[:1] == b" " else piece
@@ -159,13 +172,19 @@ def refs(files):
         # aidreams has no SentencePiece model: its judge is our one-shot decode (test_tokenizer
         # checks that against run.c's encoder on real text).
         "aidreams.bin": (None, sp_bytes, {1, 2}),
-        "bytelevel.json": (lambda ids: bl.decode([i for i in ids if i < bl.get_vocab_size()]),
-                           bl_bytes, bl_special),
+        "bytelevel.json": (
+            lambda ids: bl.decode([i for i in ids if i < bl.get_vocab_size()]),
+            bl_bytes,
+            bl_special,
+        ),
         # tokenizers' ByteFallback writes U+FFFD for every byte of an invalid run, valid
         # characters included; ours keeps those (SentencePiece's rule), so sentencepiece judges,
         # given the ids tokenizers decodes: special ones (<unk> too, for transformers) dropped.
-        "bytefallback.json": (lambda ids: sp_decode([i for i in ids if i > 2]), sp_bytes,
-                              {0, 1, 2}),
+        "bytefallback.json": (
+            lambda ids: sp_decode([i for i in ids if i > 2]),
+            sp_bytes,
+            {0, 1, 2},
+        ),
     }
 
 
@@ -178,13 +197,14 @@ def test_prompt_ending_inside_a_character(toks, refs, name):
     det = IncrementalDetokenizer(tok, EMOJI_PROMPT)
     deltas = [det.add(i) for i in EMOJI_OUTPUT] + [det.finish()]
     # The library's decoding of prompt + output, less that of the prompt's whole characters.
-    want = ref_decode(EMOJI_PROMPT + EMOJI_OUTPUT)[len(ref_decode(EMOJI_PROMPT[:-2])):]
+    want = ref_decode(EMOJI_PROMPT + EMOJI_OUTPUT)[len(ref_decode(EMOJI_PROMPT[:-2])) :]
     assert want == "😀 world"
     assert deltas == ["", "😀", " w", "or", "ld", ""] and det.text == want
 
 
-@pytest.mark.parametrize("name", ["stories.model", "stories.bin", "aidreams.bin",
-                                  "bytefallback.json"])
+@pytest.mark.parametrize(
+    "name", ["stories.model", "stories.bin", "aidreams.bin", "bytefallback.json"]
+)
 def test_invalid_bytes_stream_at_once_and_flush(toks, name):
     tok = toks[name]
     ids = [space_id(tok, name)] + [131] * 200  # "▁", then 200 lone continuation bytes <0x80>
@@ -209,12 +229,15 @@ def test_spaces_and_control_ids_in_long_streams(toks, refs, name):
     remove_extra_whitespaces drops every leading space of a text, not of a window), and a
     control id inside a byte run (sentencepiece ends the run there; tokenizers drops it first)."""
     tok, (ref_decode, _, _) = toks[name], refs[name]
-    for prompt, out in [([1, 403], [410] * 20 + [403]), ([1], [3] + [410] * 30 + [407]),
-                        ([1], [403, 197, 1, 131, 410, 243, 162, 2, 155, 131])]:
+    for prompt, out in [
+        ([1, 403], [410] * 20 + [403]),
+        ([1], [3] + [410] * 30 + [407]),
+        ([1], [403, 197, 1, 131, 410, 243, 162, 2, 155, 131]),
+    ]:
         det = IncrementalDetokenizer(tok, prompt)
         text = "".join(det.add(i) for i in out) + det.finish()
         whole = ref_decode(prompt + out)
-        assert text == whole[len(ref_decode(prompt)):] and tok.decode(prompt + out) == whole
+        assert text == whole[len(ref_decode(prompt)) :] and tok.decode(prompt + out) == whole
 
 
 def test_special_token_split_is_transformers_trie():
@@ -231,8 +254,14 @@ def test_special_token_split_is_transformers_trie():
     names = {i: t for t, i in tokens.items()}
 
     @settings(max_examples=200, deadline=None, derandomize=True)
-    @given(st.lists(st.sampled_from(["<s>", "</s>", "[INST]", "<unk>", "<", "s", ">", "[", "/",
-                                     "INST]", "a", " "]), max_size=12))
+    @given(
+        st.lists(
+            st.sampled_from(
+                ["<s>", "</s>", "[INST]", "<unk>", "<", "s", ">", "[", "/", "INST]", "a", " "]
+            ),
+            max_size=12,
+        )
+    )
     def check(parts):
         text = "".join(parts)
         got = [names[x] if isinstance(x, int) else x for x in split_special(text, pattern, tokens)]
@@ -271,20 +300,24 @@ def test_streaming_cost_is_linear(toks):
 def _chunks(draw_char: st.SearchStrategy[str]) -> st.SearchStrategy[list]:
     """Pieces of an id stream: a lone byte, a character's bytes (whole, or cut short), an
     ordinary token, a special token, an id past the vocabulary."""
-    return st.lists(st.one_of(
-        st.tuples(st.just("byte"), st.integers(0, 255)),
-        st.tuples(st.just("char"), draw_char, st.integers(1, 4)),
-        st.tuples(st.just("tok"), st.integers(0, 10_000)),
-        st.tuples(st.just("space"), st.just(0)),  # a lone space piece: spacing rules at work
-        st.tuples(st.just("special"), st.integers(0, 1)),
-        st.tuples(st.just("oov"), st.integers(1, 5)),
-    ), max_size=30)
+    return st.lists(
+        st.one_of(
+            st.tuples(st.just("byte"), st.integers(0, 255)),
+            st.tuples(st.just("char"), draw_char, st.integers(1, 4)),
+            st.tuples(st.just("tok"), st.integers(0, 10_000)),
+            st.tuples(st.just("space"), st.just(0)),  # a lone space piece: spacing rules at work
+            st.tuples(st.just("special"), st.integers(0, 1)),
+            st.tuples(st.just("oov"), st.integers(1, 5)),
+        ),
+        max_size=30,
+    )
 
 
 CHARS = st.one_of(  # characters of 2, 3 and 4 UTF-8 bytes
     st.characters(min_codepoint=0x80, max_codepoint=0x7FF),
     st.characters(min_codepoint=0x800, max_codepoint=0xFFFF, exclude_categories=("Cs",)),
-    st.characters(min_codepoint=0x10000, max_codepoint=0x10FFFF))
+    st.characters(min_codepoint=0x10000, max_codepoint=0x10FFFF),
+)
 
 
 def _ids(tok, name, chunks) -> list[int]:
@@ -296,10 +329,13 @@ def _ids(tok, name, chunks) -> list[int]:
 
         def byte_id(b):
             return tok._tok.token_to_id(b2u[b])
+
         specials = [tok._tok.token_to_id("<|begin_of_text|>"), tok._tok.token_to_id("<|eot_id|>")]
     else:
+
         def byte_id(b):
             return b + 3
+
         specials = [1, 2]
     ids = []
     for kind, *args in chunks:
@@ -326,8 +362,14 @@ def space_id(tok, name) -> int:
     return tok._pieces.index(b" ") if name == "aidreams.bin" else 410
 
 
-NAMES = ["stories.model", "llama2.model", "stories.bin", "aidreams.bin", "bytelevel.json",
-         "bytefallback.json"]
+NAMES = [
+    "stories.model",
+    "llama2.model",
+    "stories.bin",
+    "aidreams.bin",
+    "bytelevel.json",
+    "bytefallback.json",
+]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -341,10 +383,18 @@ def test_stream_equals_one_shot_decode(toks, refs, name):
         except UnicodeDecodeError:
             return False
 
-    @settings(max_examples=60, deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow])
-    @given(prompt=_chunks(CHARS), tail=st.tuples(CHARS, st.integers(0, 3)), out=_chunks(CHARS),
-           skip=st.booleans())
+    @settings(
+        max_examples=60,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(
+        prompt=_chunks(CHARS),
+        tail=st.tuples(CHARS, st.integers(0, 3)),
+        out=_chunks(CHARS),
+        skip=st.booleans(),
+    )
     def check(prompt, tail, out, skip):
         whole = [i for i in _ids(tok, name, prompt) if whole_chars(i)]
         data = tail[0].encode()
@@ -354,7 +404,7 @@ def test_stream_equals_one_shot_decode(toks, refs, name):
 
         def one_shot(upto):  # the rule, with our one-shot decode
             full = tok.decode(whole + cut + ids[:upto], skip)
-            return full[len(tok.decode(whole, skip)):]
+            return full[len(tok.decode(whole, skip)) :]
 
         text, stream = "", b"".join(raw(i) for i in cut)
         for n, i in enumerate(ids, 1):
@@ -364,7 +414,7 @@ def test_stream_equals_one_shot_decode(toks, refs, name):
             elif i < tok.vocab_size and not (skip and i in specials):
                 stream = stream + raw(i) if raw(i) is not None else b""
             want = one_shot(n)
-            held = want[len(text):]
+            held = want[len(text) :]
             assert want.startswith(text) and held == FFFD * len(held)
             # only an incomplete character is held: at most its bytes, and only while it lasts
             assert bool(held) == bool(pending_bytes(stream)) and len(held) <= pending_bytes(stream)
@@ -394,14 +444,37 @@ def test_clean_up_tokenization_spaces_streams_exactly(files, tmp_path):
         ours, theirs = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
         ids = ours.encode("a . b n't", add_special_tokens=False)
         assert ours.decode(ids) == theirs.decode(ids) == ("a. bn't" if force else "a . b n't")
-    pool = sorted({i for t in (" ", ".", "?", ",", "'", " '", "n", "n't", "t", "s", "m", "ve",
-                               "re", "a", " a") for i in ours.encode(t, add_special_tokens=False)})
+    pool = sorted(
+        {
+            i
+            for t in (
+                " ",
+                ".",
+                "?",
+                ",",
+                "'",
+                " '",
+                "n",
+                "n't",
+                "t",
+                "s",
+                "m",
+                "ve",
+                "re",
+                "a",
+                " a",
+            )
+            for i in ours.encode(t, add_special_tokens=False)
+        }
+    )
 
     space, dot, a = (ours.encode(t, add_special_tokens=False)[0] for t in (" ", ".", "a"))
 
     @settings(max_examples=150, deadline=None, derandomize=True)
-    @given(prompt=st.lists(st.sampled_from(pool), max_size=4),
-           out=st.lists(st.sampled_from(pool), max_size=20))
+    @given(
+        prompt=st.lists(st.sampled_from(pool), max_size=4),
+        out=st.lists(st.sampled_from(pool), max_size=20),
+    )
     @example(prompt=[a, space], out=[dot, space, a])  # the prompt's " " joins the output's "."
     def check(prompt, out):
         det = IncrementalDetokenizer(ours, prompt)
@@ -411,7 +484,7 @@ def test_clean_up_tokenization_spaces_streams_exactly(files, tmp_path):
             assert det.held_chars <= 3
         text += det.finish()
         full, c = theirs.decode(prompt + out), theirs.decode(prompt)
-        assert text == full[len(os.path.commonprefix([full, c])):]
+        assert text == full[len(os.path.commonprefix([full, c])) :]
 
     check()
 
@@ -431,10 +504,12 @@ LLAMA2_TEMPLATE = (
     "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == "
     "'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
 )
-CHAT = [{"role": "system", "content": "You tell stories. 😀"},
-        {"role": "user", "content": "Once upon a time?"},
-        {"role": "assistant", "content": "There was a little girl named Lily."},
-        {"role": "user", "content": "And then<unk>"}]
+CHAT = [
+    {"role": "system", "content": "You tell stories. 😀"},
+    {"role": "user", "content": "Once upon a time?"},
+    {"role": "assistant", "content": "There was a little girl named Lily."},
+    {"role": "user", "content": "And then<unk>"},
+]
 
 
 @pytest.mark.parametrize("layout", ["llama2", "tok512"])
@@ -502,8 +577,12 @@ def test_engine_text_follows_the_rule(llm):
     params = [SamplingParams(temperature=0, **p) for *_, p in cases]
     resume = [ResumeState(seed=0, token_ids=tuple(out)) for _, _, out, _ in cases]
     texts = {}
-    outs = llm.generate_stream([c[0] for c in cases], params, resume=resume,
-                               request_ids=[str(k) for k in range(len(cases))])
+    outs = llm.generate_stream(
+        [c[0] for c in cases],
+        params,
+        resume=resume,
+        request_ids=[str(k) for k in range(len(cases))],
+    )
     finals = {}
     for o in outs:
         texts[o.request_id] = texts.get(o.request_id, "") + o.delta_text
@@ -513,7 +592,7 @@ def test_engine_text_follows_the_rule(llm):
         o = finals[str(k)]
         assert o.error is None and list(o.token_ids[: len(out)]) == out
         ids = o.token_ids if o.finish_reason == "length" else o.token_ids[:-1]  # the stop token
-        want = sp.decode(prompt + list(ids))[len(sp.decode(whole)):]
+        want = sp.decode(prompt + list(ids))[len(sp.decode(whole)) :]
         assert o.text == texts[str(k)] == want, k
     assert finals["0"].text.startswith("😀 world")
     assert finals["1"].text.startswith(FFFD * 40) and FFFD not in finals["1"].text[40:]

@@ -14,9 +14,16 @@ def _generate(stories_dir, attn_impl, *, max_model_len=64, max_tokens=4, kv_cach
     from jaxinfer.llm import LLM
 
     # Layers under lax.scan: the interpreted kernel is compiled once, not once per layer.
-    llm = LLM(stories_dir, max_model_len=max_model_len, max_num_seqs=2, page_size=16,
-              attn_impl=attn_impl, compilation_cache=False, unroll_layers=False,
-              kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(
+        stories_dir,
+        max_model_len=max_model_len,
+        max_num_seqs=2,
+        page_size=16,
+        attn_impl=attn_impl,
+        compilation_cache=False,
+        unroll_layers=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     # A prefill step of two rows, then decode steps within one page: two compilations, as each
     # interprets the kernel in every layer (mixed decode + prefill batches: the kernel tests).
@@ -66,8 +73,18 @@ def test_engine_rejects_unsupported_combination(stories_dir):
 
     # stories260K has head_dim 8; the GPU kernel tiles powers of two from 16
     with pytest.raises(ValueError, match="pallas_gpu .*head_dim=8 .*powers of two"):
-        LLM(stories_dir, max_model_len=64, max_num_seqs=4, attn_impl="pallas_gpu_interpret",
-            compilation_cache=False)
+        LLM(
+            stories_dir,
+            max_model_len=64,
+            max_num_seqs=4,
+            attn_impl="pallas_gpu_interpret",
+            compilation_cache=False,
+        )
     with pytest.raises(ValueError, match="needs a TPU or GPU"):
-        LLM(stories_dir, max_model_len=64, max_num_seqs=4, attn_impl="pallas",
-            compilation_cache=False)
+        LLM(
+            stories_dir,
+            max_model_len=64,
+            max_num_seqs=4,
+            attn_impl="pallas",
+            compilation_cache=False,
+        )

@@ -32,8 +32,14 @@ ATTN_IMPL = {"mistral": "xla", "gemma2": "auto", "gemma3": "xla", "qwen3": "auto
 NEW = 16
 PROMPT_LENS = (14, 9)  # 23 tokens: chunked by the 8-token budget
 PAGE = 8
-ENGINE = dict(max_model_len=32, page_size=PAGE, max_num_seqs=1, max_num_batched_tokens=8,
-              compilation_cache=False, skip_tokenizer_init=True)
+ENGINE = dict(
+    max_model_len=32,
+    page_size=PAGE,
+    max_num_seqs=1,
+    max_num_batched_tokens=8,
+    compilation_cache=False,
+    skip_tokenizer_init=True,
+)
 TOP = 3
 LOGPROB_ATOL = 1e-4  # f32 against transformers f32 (logits agree to max_rel 1e-4, test_hf_parity)
 GAP = 1e-3  # top-k ids are compared where neighbouring logprobs differ by more than this
@@ -50,7 +56,7 @@ def _prompts() -> list[list[int]]:
     flat = np.concatenate([toks[0], toks[1]]).tolist()
     out, at = [], 0
     for n in PROMPT_LENS:
-        out.append(flat[at:at + n])
+        out.append(flat[at : at + n])
         at += n
     return out
 
@@ -68,11 +74,17 @@ def family(request, tmp_path_factory):
     ref_ids, ref_logits = [], []
     for p in prompts:
         with torch.no_grad():
-            out = model.generate(torch.tensor([p], dtype=torch.long),
-                                 attention_mask=torch.ones((1, len(p)), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        ref_ids.append(out.sequences[0, len(p):].tolist())
+            out = model.generate(
+                torch.tensor([p], dtype=torch.long),
+                attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        ref_ids.append(out.sequences[0, len(p) :].tolist())
         ref_logits.append(np.stack([x[0].float().numpy() for x in out.logits]))
     llm = LLM(path, attn_impl=ATTN_IMPL[name], **ENGINE)
     assert llm.engine.attn_impl == {"auto": "cpu_kernel", "xla": "xla"}[ATTN_IMPL[name]]
@@ -87,9 +99,12 @@ def test_engine_greedy_and_logprobs_equal_transformers(family):
     assert 0 < max(cfg.layer_windows) < longest or name == "qwen3"
     assert min(PROMPT_LENS) > ENGINE["max_num_batched_tokens"] and longest > 3 * PAGE
     assert longest <= ENGINE["max_model_len"]
-    assert {"gemma2": cfg.attn_logit_softcap and cfg.final_logit_softcap,
-            "gemma3": cfg.qk_norm and cfg.rope_local_theta, "qwen3": cfg.qk_norm,
-            "mistral": True}[name]
+    assert {
+        "gemma2": cfg.attn_logit_softcap and cfg.final_logit_softcap,
+        "gemma3": cfg.qk_norm and cfg.rope_local_theta,
+        "qwen3": cfg.qk_norm,
+        "mistral": True,
+    }[name]
     for ids in ref_ids:
         assert len(set(ids)) >= 6, (name, ids)  # a varied continuation, not one repeated token
 
@@ -100,13 +115,23 @@ def test_engine_greedy_and_logprobs_equal_transformers(family):
         assert out.token_ids == want, (name, i)
         ref_lp = _log_softmax(logits)  # f64[NEW, V]
         got = np.array([lp.logprob for lp in out.logprobs])
-        np.testing.assert_allclose(got, ref_lp[np.arange(NEW), want], rtol=0, atol=LOGPROB_ATOL,
-                                   err_msg=f"{name} prompt {i}")
+        np.testing.assert_allclose(
+            got,
+            ref_lp[np.arange(NEW), want],
+            rtol=0,
+            atol=LOGPROB_ATOL,
+            err_msg=f"{name} prompt {i}",
+        )
         for j, lp in enumerate(out.logprobs):
-            order = np.argsort(-ref_lp[j])[:TOP + 1]
+            order = np.argsort(-ref_lp[j])[: TOP + 1]
             vals = ref_lp[j, order]
-            np.testing.assert_allclose([v for _, v in lp.top], vals[:TOP], rtol=0,
-                                       atol=LOGPROB_ATOL, err_msg=f"{name} prompt {i} step {j}")
+            np.testing.assert_allclose(
+                [v for _, v in lp.top],
+                vals[:TOP],
+                rtol=0,
+                atol=LOGPROB_ATOL,
+                err_msg=f"{name} prompt {i} step {j}",
+            )
             for k in range(TOP):
                 if vals[k] - vals[k + 1] > GAP and (k == 0 or vals[k - 1] - vals[k] > GAP):
                     assert lp.top[k][0] == order[k], (name, i, j, k)

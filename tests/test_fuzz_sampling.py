@@ -14,18 +14,34 @@ from hypothesis import strategies as st
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors
 
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty")
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
-junk = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.lists(st.integers(), max_size=3),
-                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
-any_int = st.one_of(st.integers(-3, 70), st.integers(-2**70, 2**70),
-                    st.sampled_from([2**31 - 1, 2**31, -2**31, 2**32, 2**63, -1, 0]))
-any_float = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
-                      st.floats(-3, 3), st.sampled_from([1e-46, 1e-300, 1e-39, 1.2e-38, 3.5e38,
-                                                         1e300, -0.0, 5e-324]))
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+any_int = st.one_of(
+    st.integers(-3, 70),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([2**31 - 1, 2**31, -(2**31), 2**32, 2**63, -1, 0]),
+)
+any_float = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(-3, 3),
+    st.sampled_from([1e-46, 1e-300, 1e-39, 1.2e-38, 3.5e38, 1e300, -0.0, 5e-324]),
+)
 
 
 def field_values(name):
@@ -81,7 +97,7 @@ valid = st.builds(
     repetition_penalty=st.floats(float(np.finfo(np.float32).tiny), 1e30),
     presence_penalty=st.floats(-2.0, 2.0).filter(lambda x: x == 0 or abs(x) >= 1.2e-38),
     frequency_penalty=st.floats(-2.0, 2.0).filter(lambda x: x == 0 or abs(x) >= 1.2e-38),
-    seed=st.one_of(st.none(), st.integers(-2**70, 2**70)),
+    seed=st.one_of(st.none(), st.integers(-(2**70), 2**70)),
     max_tokens=st.integers(1, 6),
     stop=st.lists(st.text(min_size=1, max_size=3), max_size=2),
     stop_token_ids=st.lists(st.integers(0, 511), max_size=3),
@@ -96,9 +112,15 @@ def fuzz_llm(stories_llm):
     return stories_llm
 
 
-@settings(max_examples=4, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@settings(
+    max_examples=4,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
+)
 @given(st.lists(valid, min_size=24, max_size=24))
 def test_valid_params_never_break_a_step(fuzz_llm, batch):
     llm = fuzz_llm

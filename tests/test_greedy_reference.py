@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.models.dense import dense_greedy
 from jaxinfer.loaders.llama2c import load_llama2c
+from jaxinfer.models.dense import dense_greedy
 
 SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.dense import dense_greedy, dense_logits
 from jaxinfer.loaders.hf import load_hf
+from jaxinfer.models.dense import dense_greedy, dense_logits
 
 F32_MAX_REL = 1e-4
 BF16_VS_HF_ERROR = 2.0  # x transformers' own bf16 max error

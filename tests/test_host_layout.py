@@ -1,4 +1,5 @@
-"""The engine's weight layout built with numpy (``jaxinfer.models.host_layout``) against the eager jax
+"""The engine's weight layout built with numpy (``jaxinfer.models.host_layout``) against the eager
+jax
 transforms it replaces (``params.unstack_layers``, ``params.out_in_projections``): same tree, same
 bits, placed alike, and no XLA compilation (jax.monitoring's compile events)."""
 
@@ -21,14 +22,15 @@ def loaded():
     return load(STORIES, skip_tokenizer_init=True).params
 
 
-@pytest.mark.parametrize("unroll, out_in, scan", [
-    (None, None, None), (False, None, None), (None, False, 64)])
-def test_same_tree_and_bits_as_the_eager_transforms_without_compiling(loaded, unroll, out_in,
-                                                                      scan):
+@pytest.mark.parametrize(
+    "unroll, out_in, scan", [(None, None, None), (False, None, None), (None, False, 64)]
+)
+def test_same_tree_and_bits_as_the_eager_transforms_without_compiling(loaded, unroll, out_in, scan):
     from jax import monitoring
 
-    ecfg = EngineConfig(max_model_len=512, unroll_layers=unroll, out_in_weights=out_in,
-                        scan_layers_from_tokens=scan)
+    ecfg = EngineConfig(
+        max_model_len=512, unroll_layers=unroll, out_in_weights=out_in, scan_layers_from_tokens=scan
+    )
     compiles = []
     listener = lambda name, secs, **kw: compiles.append(kw.get("fun_name"))  # noqa: E731
     monitoring.register_event_duration_secs_listener(listener)
@@ -48,8 +50,9 @@ def test_same_tree_and_bits_as_the_eager_transforms_without_compiling(loaded, un
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     if (unroll, out_in) == (None, None):  # the engine leaves it as it is
         again = out_in_projections(unstack_layers(got, scan_from_tokens(ecfg)))
-        assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got),
-                                          strict=True))
+        assert all(
+            a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got), strict=True)
+        )
 
 
 def test_what_it_leaves_to_the_engine(loaded):
@@ -62,6 +65,7 @@ def test_what_it_leaves_to_the_engine(loaded):
     committed = dataclasses.replace(loaded, embed=jax.device_put(loaded.embed, jax.devices()[0]))
     assert not applies(committed) and engine_layout_on_host(committed, ecfg) is committed
     # Weights of another type (int8 QTensor, an already converted OutInWeight): the engine's.
-    converted = dataclasses.replace(loaded, layers=dataclasses.replace(
-        loaded.layers, wo=OutInWeight(loaded.layers.wo, 2)))
+    converted = dataclasses.replace(
+        loaded, layers=dataclasses.replace(loaded.layers, wo=OutInWeight(loaded.layers.wo, 2))
+    )
     assert not applies(converted) and engine_layout_on_host(converted, ecfg) is converted

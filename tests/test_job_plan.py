@@ -8,15 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.engine.config import EngineConfig
 from jaxinfer.compile.plan import plan_job, plan_keys, start_job
 from jaxinfer.compile.warmup import all_keys
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 
 
 def ecfg(**kw):
-    base = dict(max_model_len=512, page_size=8, num_pages=600, max_num_seqs=8,
-                max_num_batched_tokens=512, max_prefill_seqs=8)
+    base = dict(
+        max_model_len=512,
+        page_size=8,
+        num_pages=600,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_prefill_seqs=8,
+    )
     return EngineConfig(**{**base, **kw})
 
 
@@ -51,8 +57,10 @@ def test_bucket_reuse_pads_the_tail_and_compiles_it_after_reuse_steps(monkeypatc
     # Two 10-token prompts prefilled together (20 tokens, 2 rows: Tp 32, Bp 2), then decode of 2
     # rows (Td 4, the floor). The first stops at 2 outputs; the second decodes alone from step 2
     # to step 5 (6 outputs): Td 1, which bucket reuse pads to the compiled 4 rows.
-    reuse, plain = (plan_job(ecfg(reuse_compiled_buckets=r), [10, 10], [2, 6], vocab_size=512)
-                    for r in (True, False))
+    reuse, plain = (
+        plan_job(ecfg(reuse_compiled_buckets=r), [10, 10], [2, 6], vocab_size=512)
+        for r in (True, False)
+    )
     head = (F(0, 32, 2, 4), S(2), F(4, 0, 0, 4), S(4))
     assert reuse.keys == head and reuse.steps == 6
     assert plain.keys == head + (F(1, 0, 0, 4), S(1)) and plain.first_step[-1] == 2
@@ -67,36 +75,56 @@ def test_sampling_options_choose_the_sampling_keys():
     # logprobs ask for the top-k variant (min(MAX_LOGPROBS, vocab) = 20 here).
     p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(0,), logprobs=1)
     keys = plan_keys(ecfg(), [10], 4, vocab_size=512, params=p)
-    assert keys == [F(0, 32, 1, 4), ("sample", 1, True, 20), F(1, 0, 0, 4),
-                    ("sample", 1, False, 20)]
+    assert keys == [
+        F(0, 32, 1, 4),
+        ("sample", 1, True, 20),
+        F(1, 0, 0, 4),
+        ("sample", 1, False, 20),
+    ]
 
 
 def test_the_greedy_variant_only_when_every_row_is_greedy_without_controls_or_logprobs():
     # Two prompts prefilled together (B' = 2), then decoded together (Td 4, B' = 4). One row
     # sampling at a temperature, with a penalty or asking for logprobs: the general variant.
     greedy = SamplingParams(temperature=0.0)
-    for other, flags in ((greedy, GREEDY_FLAGS), (SamplingParams(temperature=0.7), (False, 0)),
-                         (SamplingParams(temperature=1e-6), GREEDY_FLAGS),  # < SAMPLING_EPS
-                         (SamplingParams(temperature=0.0, presence_penalty=0.5), (True, 0)),
-                         (SamplingParams(temperature=0.0, logprobs=0), (False, 20))):
+    for other, flags in (
+        (greedy, GREEDY_FLAGS),
+        (SamplingParams(temperature=0.7), (False, 0)),
+        (SamplingParams(temperature=1e-6), GREEDY_FLAGS),  # < SAMPLING_EPS
+        (SamplingParams(temperature=0.0, presence_penalty=0.5), (True, 0)),
+        (SamplingParams(temperature=0.0, logprobs=0), (False, 20)),
+    ):
         keys = plan_keys(ecfg(), [10, 10], 3, vocab_size=512, params=[greedy, other])
-        assert keys == [F(0, 32, 2, 4), ("sample", 2, *flags), F(4, 0, 0, 4),
-                        ("sample", 4, *flags)], other
+        assert keys == [
+            F(0, 32, 2, 4),
+            ("sample", 2, *flags),
+            F(4, 0, 0, 4),
+            ("sample", 4, *flags),
+        ], other
 
 
 @settings(max_examples=40, deadline=None)
-@given(lens=st.lists(st.integers(1, 120), min_size=1, max_size=12),
-       maxes=st.lists(st.integers(1, 40), min_size=12, max_size=12),
-       budget=st.sampled_from([16, 64, 512]), seqs=st.sampled_from([2, 8]),
-       reuse=st.booleans(), asynchronous=st.sampled_from([None, False]))
+@given(
+    lens=st.lists(st.integers(1, 120), min_size=1, max_size=12),
+    maxes=st.lists(st.integers(1, 40), min_size=12, max_size=12),
+    budget=st.sampled_from([16, 64, 512]),
+    seqs=st.sampled_from([2, 8]),
+    reuse=st.booleans(),
+    asynchronous=st.sampled_from([None, False]),
+)
 def test_every_planned_key_is_one_the_buckets_allow(lens, maxes, budget, seqs, reuse, asynchronous):
     """precompile.all_keys enumerates every key the bucket rules allow (tested against the
     scheduler in test_precompile): the plan's keys are among them, each forward key followed by
     a sampling key of its sampled rows B' = next_pow2(Td + Bp) when that B' is new."""
-    c = ecfg(max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=seqs,
-             max_prefill_seqs=min(seqs, 4), reuse_compiled_buckets=reuse,
-             async_scheduling=asynchronous)
-    plan = plan_job(c, lens, maxes[:len(lens)], vocab_size=64)
+    c = ecfg(
+        max_model_len=128,
+        max_num_batched_tokens=budget,
+        max_num_seqs=seqs,
+        max_prefill_seqs=min(seqs, 4),
+        reuse_compiled_buckets=reuse,
+        async_scheduling=asynchronous,
+    )
+    plan = plan_job(c, lens, maxes[: len(lens)], vocab_size=64)
     allowed = set(all_keys(c))
     assert set(plan.keys) <= allowed, set(plan.keys) - allowed
     assert len(set(plan.keys)) == len(plan.keys)
@@ -110,8 +138,11 @@ def test_every_planned_key_is_one_the_buckets_allow(lens, maxes, budget, seqs, r
 def test_one_prompt_takes_its_prefill_chunks_then_one_step_per_output(n, m, budget):
     # Independent count: ceil(n / budget) chunks (the last samples output 1), then one decode
     # step per further output, outputs capped at max_model_len - n.
-    plan = plan_job(ecfg(max_model_len=320, max_num_batched_tokens=budget), [n], m,
-                    vocab_size=64) if n < 320 else None
+    plan = (
+        plan_job(ecfg(max_model_len=320, max_num_batched_tokens=budget), [n], m, vocab_size=64)
+        if n < 320
+        else None
+    )
     if plan is not None:
         assert plan.steps == math.ceil(n / budget) + min(m, 320 - n) - 1
 

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.engine.config import EngineConfig, scan_from_tokens
 from jaxinfer.models.attention import dense_attn_fn
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.engine.config import EngineConfig, scan_from_tokens
 from jaxinfer.models.forward import compute_logits, forward
 from jaxinfer.models.params import init_random, out_in_projections, unstack_layers
 
@@ -23,10 +23,24 @@ TOL = dict(rtol=1e-5, atol=1e-5)  # float32, as test_weight_layout
 
 # Gemma-2-like: sandwich norms, softcaps, alternating sliding-window (2 tokens) / global layers,
 # so a layer run with another layer's weights or window changes the logits.
-CFG = ModelConfig("gemma2", 97, 32, 48, 4, 4, 2, 8, norm_weight_offset=1.0,
-                  hidden_act="gelu_tanh", post_norms=True, embed_scale=True,
-                  attn_logit_softcap=50.0, final_logit_softcap=30.0,
-                  layer_windows=(2, 0, 2, 0), tie_word_embeddings=True)
+CFG = ModelConfig(
+    "gemma2",
+    97,
+    32,
+    48,
+    4,
+    4,
+    2,
+    8,
+    norm_weight_offset=1.0,
+    hidden_act="gelu_tanh",
+    post_norms=True,
+    embed_scale=True,
+    attn_logit_softcap=50.0,
+    final_logit_softcap=30.0,
+    layer_windows=(2, 0, 2, 0),
+    tie_word_embeddings=True,
+)
 TOKENS = jnp.asarray([5, 17, 3, 9, 40, 2, 61, 7, 11, 90], jnp.int32)
 POS = jnp.asarray([0, 1, 2, 3, 4, 5, 0, 1, 2, 3], jnp.int32)
 SEG = jnp.asarray([0, 0, 0, 0, 0, 0, 1, 1, 1, 1], jnp.int32)
@@ -44,8 +58,9 @@ def logits(params):
 
 def loop_ops(params) -> set[str]:
     """Names of the control-flow primitives in the forward's jaxpr."""
-    jaxpr = jax.make_jaxpr(lambda p: forward(p, CFG, TOKENS, POS, None,
-                                             dense_attn_fn(CFG, SEG, POS))[0])(params)
+    jaxpr = jax.make_jaxpr(
+        lambda p: forward(p, CFG, TOKENS, POS, None, dense_attn_fn(CFG, SEG, POS))[0]
+    )(params)
     names = set()
 
     def walk(j):
@@ -53,6 +68,7 @@ def loop_ops(params) -> set[str]:
             names.add(e.primitive.name)
             for sub in jax.extend.core.jaxprs_in_params(e.params):
                 walk(sub)
+
     walk(jaxpr.jaxpr)
     return names & {"scan", "cond", "while"}
 
@@ -80,8 +96,9 @@ def test_scan_from_tokens_values():
             EngineConfig(64, scan_layers_from_tokens=bad)
     # batch-invariant engines never switch loop form with the step's size
     assert scan_from_tokens(EngineConfig(64, batch_invariant=True)) is None
-    assert scan_from_tokens(EngineConfig(64, batch_invariant=True,
-                                         scan_layers_from_tokens=0)) is None
+    assert (
+        scan_from_tokens(EngineConfig(64, batch_invariant=True, scan_layers_from_tokens=0)) is None
+    )
     with pytest.raises(ValueError, match="scan_layers_from_tokens=8 with batch_invariant"):
         EngineConfig(64, batch_invariant=True, scan_layers_from_tokens=8)
     params = init_random(CFG, jax.random.PRNGKey(0))
@@ -105,8 +122,15 @@ def test_engine_every_step_a_scan_reproduces_llama2c(stories_dir):
     orig = engine_mod.Engine.__init__
 
     def init(self, cfg, params, tokenizer, ecfg, *a, **kw):
-        orig(self, cfg, params, tokenizer,
-             dataclasses.replace(ecfg, unroll_layers=True, scan_layers_from_tokens=1), *a, **kw)
+        orig(
+            self,
+            cfg,
+            params,
+            tokenizer,
+            dataclasses.replace(ecfg, unroll_layers=True, scan_layers_from_tokens=1),
+            *a,
+            **kw,
+        )
 
     engine_mod.Engine.__init__ = init
     try:

@@ -15,10 +15,10 @@ import pytest
 from conftest import peak_alloc_bytes
 
 import jaxinfer
-from jaxinfer.models.dense import dense_logits
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import LoadedModel, detect_format, load
 from jaxinfer.loaders.llama2c import load_llama2c
+from jaxinfer.models.dense import dense_logits
 
 SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
@@ -434,8 +434,6 @@ def test_bad_version_and_group_size(tmp_path):
         load_llama2c(path)
 
 
-
-
 @pytest.mark.parametrize("version", [0, 1])
 def test_header_implying_more_than_the_file_is_refused_before_allocating(tmp_path, version):
     """2**30 layers on a small file: refused from the file's size, before the config (whose
@@ -533,7 +531,9 @@ def test_load_unrecognised(tmp_path):
     with pytest.raises(CheckpointError, match=r"unrecognised file \(5 bytes.*supported: "):
         load(tmp_path / "readme.txt")
     (tmp_path / "model.bin").write_bytes(b"\0" * 10)  # a corrupt checkpoint is named as such
-    with pytest.raises(CheckpointError, match=r"model.bin \(10 bytes\): not a valid llama2.c check"):
+    with pytest.raises(
+        CheckpointError, match=r"model.bin \(10 bytes\): not a valid llama2.c check"
+    ):
         load(tmp_path)
     (tmp_path / "model.bin").unlink()
     _write_small(tmp_path, 0, True, name="a.bin")

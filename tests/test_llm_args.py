@@ -16,12 +16,10 @@ import pytest
 from conftest import peak_alloc_bytes
 
 from jaxinfer import memory_limits
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
+from jaxinfer.models.config import ModelConfig
 
 MiB = 2**20
-
-
 
 
 BAD_ARGS = [
@@ -109,8 +107,11 @@ def test_huge_page_size_pool_beyond_memory(stories_dir):
     """page_size 2**30: the default sizing keeps its floor of 2 pages, 2**31 tokens = 2.7 TB."""
     from jaxinfer.llm import LLM
 
-    with pytest.raises(ValueError, match=r"2 pages x 1073741824 tokens x 1280 bytes a token .*"
-                       r"= 2748779069440 bytes .*host memory available"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 pages x 1073741824 tokens x 1280 bytes a token .*"
+        r"= 2748779069440 bytes .*host memory available",
+    ):
         LLM(stories_dir, page_size=2**30, compilation_cache=False)
 
 
@@ -145,8 +146,20 @@ def test_cli_kv_pages_beyond_memory_is_one_line_and_exit_2(stories_dir, tmp_path
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Once upon a time"}\n')
-    rc = cli.main(["generate", "--model", str(stories_dir), "--prompts", str(prompts), "--out",
-                   str(tmp_path / "o.jsonl"), "--kv-pages", "1000000000", "--no-progress"])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(stories_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--kv-pages",
+            "1000000000",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("jaxinfer: error: invalid engine setting: the KV")

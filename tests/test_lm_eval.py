@@ -37,7 +37,7 @@ MC = [  # (question, choices, answer index)
     ("Lily saw a big, red", ["ball", "run", "of"], 0),
     ("Once upon a time, there was a little", ["girl", "the", "sang"], 0),
     ("The sun was hot, so they went to the", ["sea", "cold", "and"], 0),
-    ("She said: \"I want to", ["play", "dog", "went"], 0),
+    ('She said: "I want to', ["play", "dog", "went"], 0),
     ("The little dog was very", ["happy", "car", "blue"], 2),  # marked answer: not the model's
 ]
 UNTIL = ["named", "house"]
@@ -54,7 +54,7 @@ def _gen_cases():
     out = []
     for c in stories_reference():
         if c["prompt"]:
-            rest = c["expected"][len(c["prompt"]):]
+            rest = c["expected"][len(c["prompt"]) :]
             cut = min(rest.index(u) for u in UNTIL if u in rest)
             out.append((c["prompt"], rest[:cut]))
     return out
@@ -62,27 +62,33 @@ def _gen_cases():
 
 def _write_tasks(d):
     mc = d / "mc.jsonl"
-    mc.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
-                          for q, c, a in MC))
+    mc.write_text(
+        "".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in MC)
+    )
     (d / "roll.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _docs()))
-    (d / "gen.jsonl").write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n"
-                                         for p, t in _gen_cases()))
+    (d / "gen.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in _gen_cases())
+    )
     common = "dataset_path: json\ntest_split: test\n"
-    kw = lambda name: (f"dataset_kwargs:\n  data_files:\n    test: {d / name}\n"
-                       f"  cache_dir: {d / 'hf_datasets'}\n")
+    kw = lambda name: (
+        f"dataset_kwargs:\n  data_files:\n    test: {d / name}\n  cache_dir: {d / 'hf_datasets'}\n"
+    )
     (d / "jx_mc.yaml").write_text(
         "task: jx_mc\n" + common + kw("mc.jsonl") + "output_type: multiple_choice\n"
-        "doc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
-        "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n'
+    )
     (d / "jx_roll.yaml").write_text(
         "task: jx_roll\n" + common + kw("roll.jsonl") + "output_type: loglikelihood_rolling\n"
-        "doc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
-        "metric_list:\n  - metric: word_perplexity\n")
+        'doc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n"
+    )
     (d / "jx_gen.yaml").write_text(
         "task: jx_gen\n" + common + kw("gen.jsonl") + "output_type: generate_until\n"
-        "doc_to_text: \"{{prompt}}\"\ndoc_to_target: \"{{target}}\"\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
         f"generation_kwargs:\n  until: {json.dumps(UNTIL)}\n  max_gen_toks: 40\n"
-        "  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+        "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
+    )
 
 
 def _stories_hf_dir(path):
@@ -90,9 +96,17 @@ def _stories_hf_dir(path):
     tok512.model as a LlamaTokenizer."""
     convert_stories_to_hf(path)
     shutil.copy(STORIES / "tok512.model", path / "tokenizer.model")
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-         "unk_token": "<unk>", "add_bos_token": True}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+            }
+        )
+    )
     return path
 
 
@@ -100,9 +114,13 @@ def _evaluate(model, d, tasks=("jx_mc", "jx_roll", "jx_gen"), **kw):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    return simple_evaluate(model=model, tasks=list(tasks),
-                           task_manager=TaskManager(include_path=str(d), include_defaults=False),
-                           log_samples=True, **kw)
+    return simple_evaluate(
+        model=model,
+        tasks=list(tasks),
+        task_manager=TaskManager(include_path=str(d), include_defaults=False),
+        log_samples=True,
+        **kw,
+    )
 
 
 def _per_item(res, task):
@@ -120,8 +138,9 @@ def runs(tmp_path_factory, stories_llm):
     d = tmp_path_factory.mktemp("lm_eval")
     _write_tasks(d)
     hf_dir = _stories_hf_dir(d / "stories260K-hf")
-    hf = HFLM(pretrained=str(hf_dir), device="cpu", dtype="float32", batch_size=8,
-              max_length=MAX_LEN - 2)
+    hf = HFLM(
+        pretrained=str(hf_dir), device="cpu", dtype="float32", batch_size=8, max_length=MAX_LEN - 2
+    )
     t0 = time.perf_counter()
     ours = _evaluate(jaxinfer.eval.JaxInferLM(pretrained=stories_llm), d)
     t1 = time.perf_counter()
@@ -168,8 +187,9 @@ def test_rolling_equals_hf(runs, stories_llm):
     for doc, [[x]], [[y]] in zip(docs, a, b, strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=TOKEN_ATOL * len(tok.encode(doc)))
     for m in ("word_perplexity,none",):
-        np.testing.assert_allclose(ours["results"]["jx_roll"][m], theirs["results"]["jx_roll"][m],
-                                   rtol=1e-4)
+        np.testing.assert_allclose(
+            ours["results"]["jx_roll"][m], theirs["results"]["jx_roll"][m], rtol=1e-4
+        )
 
 
 def test_generate_until_equals_llama2c(runs, stories_llm):
@@ -178,8 +198,9 @@ def test_generate_until_equals_llama2c(runs, stories_llm):
     ours, theirs, _ = runs
     want = [t for _, t in _gen_cases()]
     assert [r[0][0] for r in _per_item(ours, "jx_gen")] == want
-    direct = stories_llm.generate([p for p, _ in _gen_cases()],
-                                  SamplingParams(temperature=0, max_tokens=40, stop=UNTIL))
+    direct = stories_llm.generate(
+        [p for p, _ in _gen_cases()], SamplingParams(temperature=0, max_tokens=40, stop=UNTIL)
+    )
     assert [o.text for o in direct] == want  # = LLM.generate greedy with the same stop strings
     assert ours["results"]["jx_gen"]["exact_match,none"] == 1.0
 
@@ -228,8 +249,13 @@ def test_bad_model_args_and_gen_kwargs_are_named(stories_llm):
         lm.generate_until([req({"until": ["."], "max_gen_toks": 512})])
     # A continuation longer than the context limit fails naming the request; the others run.
     long = " ".join(["the dog"] * 400)
-    pairs = [Instance("loglikelihood", {}, ("Once upon a time", " there"), 0),
-             Instance("loglikelihood", {}, ("Once", long), 1)]
-    with pytest.raises(RuntimeError, match=r"1 request\(s\) failed: request 1: context \+ "
-                                           r"continuation has"):
+    pairs = [
+        Instance("loglikelihood", {}, ("Once upon a time", " there"), 0),
+        Instance("loglikelihood", {}, ("Once", long), 1),
+    ]
+    with pytest.raises(
+        RuntimeError,
+        match=r"1 request\(s\) failed: request 1: context \+ "
+        r"continuation has",
+    ):
         lm.loglikelihood(pairs)

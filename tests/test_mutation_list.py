@@ -28,12 +28,17 @@ def test_check_list_reports_a_moved_text(tmp_path):
     (tmp_path / "a.py").write_text("x = 1\nx = 1\n")
     (tmp_path / "t.py").write_text("")
     assert mutation_check.check_list([m], tmp_path) == [
-        "moved: old text found 2 times in a.py (the code moved: update the mutation)"]
+        "moved: old text found 2 times in a.py (the code moved: update the mutation)"
+    ]
 
 
 def test_list_option_runs():
-    p = subprocess.run([sys.executable, str(REPO / "scripts" / "mutation_check.py"), "--list"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "mutation_check.py"), "--list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert len(lines) == len(mutation_check.MUTATIONS)

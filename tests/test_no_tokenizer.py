@@ -42,7 +42,11 @@ def _hf_generate(model, prompt: list[int], **kw):
         return model.generate(
             torch.tensor([prompt], dtype=torch.long),
             attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-            do_sample=False, max_new_tokens=NEW, pad_token_id=0, **kw)
+            do_sample=False,
+            max_new_tokens=NEW,
+            pad_token_id=0,
+            **kw,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,7 @@ def ckpt(tmp_path_factory):
     prompt = H.sample_tokens(seed=1)[0, : H.PROMPT_LEN].tolist()
     model = H.hf_model(path)  # generation_config.eos_token_id = None: exactly NEW tokens
     out = _hf_generate(model, prompt, output_logits=True, return_dict_in_generate=True)
-    ref = out.sequences[0, len(prompt):].tolist()
+    ref = out.sequences[0, len(prompt) :].tolist()
     logits = np.stack([x[0].float().numpy() for x in out.logits])
     assert len(ref) == NEW and len(set(ref)) >= 6, "degenerate continuation"
     # EOS: the first token that appears at step >= 3 and not before (so EOS cuts the output).
@@ -73,7 +77,7 @@ def ckpt(tmp_path_factory):
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     assert model.generation_config.eos_token_id == eos
-    ref_eos = _hf_generate(model, prompt)[0, len(prompt):].tolist()
+    ref_eos = _hf_generate(model, prompt)[0, len(prompt) :].tolist()
     assert ref_eos == ref[: k + 1]  # transformers stopped at the config's EOS, included
     return dict(path=path, prompt=prompt, eos=eos, ref=ref, ref_logits=logits, ref_eos=ref_eos)
 
@@ -100,27 +104,38 @@ def test_greedy_token_ids_and_logprobs_match_transformers(ckpt, llm):
         np.testing.assert_allclose(got, ref_lp[np.arange(NEW), ckpt["ref"]], atol=LOGPROB_ATOL)
         top2 = [[i for i, _ in lp.top] for lp in out.logprobs]
         assert top2 == np.argsort(-logits, -1)[:, :2].tolist()
-    streamed = list(llm.generate_stream([ckpt["prompt"]], SamplingParams(temperature=0.0,
-                                                                          max_tokens=3)))
+    streamed = list(
+        llm.generate_stream([ckpt["prompt"]], SamplingParams(temperature=0.0, max_tokens=3))
+    )
     assert streamed and all(o.text is None and o.delta_text is None for o in streamed)
     assert streamed[-1].token_ids == ckpt["ref"][:3]
 
 
 def test_eos_from_the_config_stops_like_transformers(ckpt, llm):
-    out = llm.generate([{"prompt_token_ids": ckpt["prompt"]}],
-                       SamplingParams(temperature=0.0, max_tokens=NEW))[0]
+    out = llm.generate(
+        [{"prompt_token_ids": ckpt["prompt"]}], SamplingParams(temperature=0.0, max_tokens=NEW)
+    )[0]
     assert out.token_ids == ckpt["ref_eos"] and out.token_ids[-1] == ckpt["eos"]
     assert out.finish_reason == "stop" and out.stop_reason is None
 
 
 def test_requests_that_need_text_fail_alone(ckpt, llm):
     sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    prompts = ["Once upon a time", {"prompt": "hi"}, ckpt["prompt"],
-               {"messages": [{"role": "user", "content": "hi"}]}, ckpt["prompt"]]
+    prompts = [
+        "Once upon a time",
+        {"prompt": "hi"},
+        ckpt["prompt"],
+        {"messages": [{"role": "user", "content": "hi"}]},
+        ckpt["prompt"],
+    ]
     params = [sp, sp, SamplingParams(temperature=0.0, stop=["a"]), sp, sp]
     outs = llm.generate(prompts, params)
-    for i, what in [(0, "a text prompt"), (1, "a text prompt"), (2, "a stop string (stop)"),
-                    (3, "a chat ('messages') request")]:
+    for i, what in [
+        (0, "a text prompt"),
+        (1, "a text prompt"),
+        (2, "a stop string (stop)"),
+        (3, "a chat ('messages') request"),
+    ]:
         assert outs[i].finish_reason == "error", i
         assert outs[i].error.startswith(what + " needs a tokenizer"), outs[i].error
         assert "runs without one" in outs[i].error and "prompt_token_ids" in outs[i].error
@@ -132,8 +147,13 @@ def test_requests_that_need_text_fail_alone(ckpt, llm):
 def test_cli_token_id_records_without_tokenizer(ckpt, tmp_path, capsys):
     p = ckpt["prompt"]
     records = [
-        {"id": "ids", "prompt_token_ids": p, "temperature": 0, "max_tokens": NEW,
-         "ignore_eos": True},
+        {
+            "id": "ids",
+            "prompt_token_ids": p,
+            "temperature": 0,
+            "max_tokens": NEW,
+            "ignore_eos": True,
+        },
         {"id": "text", "prompt": "Once upon a time"},
         {"id": "stop", "prompt_token_ids": p, "stop": ["x"]},
         {"id": "eos", "prompt_token_ids": p, "temperature": 0, "max_tokens": NEW},
@@ -141,8 +161,18 @@ def test_cli_token_id_records_without_tokenizer(ckpt, tmp_path, capsys):
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.warns(NoTokenizerWarning):
-        rc = cli.main(["generate", "--model", ckpt["path"], "--prompts", str(prompts),
-                       "--out", str(out), *CLI_ENGINE])
+        rc = cli.main(
+            [
+                "generate",
+                "--model",
+                ckpt["path"],
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                *CLI_ENGINE,
+            ]
+        )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["completed"] == 2 and summary["errors"] == 2
@@ -162,15 +192,39 @@ def test_cli_skip_tokenizer_init_reproduces_llama2c_reference(tmp_path, capsys):
     give ids that the real tokenizer decodes to llama2.c's greedy output."""
     from jaxinfer.tokenizers import load_tokenizer
 
-    case = next(c for c in json.loads((STORIES / "greedy_reference.json").read_text())
-                if c["prompt"] == "Once upon a time")
+    case = next(
+        c
+        for c in json.loads((STORIES / "greedy_reference.json").read_text())
+        if c["prompt"] == "Once upon a time"
+    )
     ids = [1, 403, 407, 261, 378]  # README: BOS = 1; encode("Once upon a time")
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text(json.dumps({"id": "a", "prompt_token_ids": ids, "temperature": 0,
-                                   "max_tokens": case["max_steps"] - 4}) + "\n"
-                       + json.dumps({"id": "b", "prompt": "Once upon a time"}) + "\n")
-    rc = cli.main(["generate", "--model", str(STORIES), "--prompts", str(prompts), "--out",
-                   str(out), "--skip-tokenizer-init", *STORIES_ENGINE])
+    prompts.write_text(
+        json.dumps(
+            {
+                "id": "a",
+                "prompt_token_ids": ids,
+                "temperature": 0,
+                "max_tokens": case["max_steps"] - 4,
+            }
+        )
+        + "\n"
+        + json.dumps({"id": "b", "prompt": "Once upon a time"})
+        + "\n"
+    )
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(STORIES),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--skip-tokenizer-init",
+            *STORIES_ENGINE,
+        ]
+    )
     assert rc == 0
     capsys.readouterr()
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -196,12 +250,16 @@ def test_config_special_ids_and_argument_checks(tmp_path):
     from jaxinfer.models.config import ModelConfig
 
     cfg = ModelConfig("llama", 100, 8, 16, 1, 2, 2, 4)
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"eos_token_id": [7, 9], "bos_token_id": 5, "text_config": {"eos_token_id": 11}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"eos_token_id": [7, 9], "bos_token_id": 5, "text_config": {"eos_token_id": 11}})
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     assert config_special_ids(cfg, tmp_path) == (5, (9, 7, 11))
-    for bad, why in [("2", "must be an integer"), (True, "must be an integer"),
-                     ([1, 100], "outside the vocabulary")]:
+    for bad, why in [
+        ("2", "must be an integer"),
+        (True, "must be an integer"),
+        ([1, 100], "outside the vocabulary"),
+    ]:
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
         with pytest.raises(CheckpointError, match=f"generation_config.json: eos_token_id.*{why}"):
             config_special_ids(cfg, tmp_path)

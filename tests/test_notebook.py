@@ -33,8 +33,9 @@ def executed(tmp_path_factory):
     km = KernelManager(kernel_name="jaxinfer-test", kernel_spec_manager=ksm)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     env = {**os.environ, "JAXINFER_SHARED": str(SHARED)}
-    client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S,
-                                     resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client = nbclient.NotebookClient(
+        nb, km=km, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    )
     old = dict(os.environ)
     os.environ.update(env)  # the kernel inherits this process's environment
     try:

@@ -23,8 +23,8 @@ import hf_fixtures as H
 import numpy as np
 import pytest
 
-from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.engine.scheduler import ScheduledRow, Sequence
+from jaxinfer.sampling.sampler import SamplingParams
 
 LOGPROB_ATOL = 1e-4  # f32 engine vs transformers f32 (logits agree to ~1e-4 relative)
 MARGIN = 1e-3  # penalised top-2 gap below which a float difference could flip the argmax
@@ -51,8 +51,9 @@ def _log_softmax(x):
 def _penalised(raw, prompt, outputs, rep, freq, pres, *, count_prompt=False):
     """vLLM's penalties in numpy for one step: ``raw`` f64[V], ``outputs`` the tokens so far."""
     v = raw.shape[0]
-    counts = np.bincount(np.asarray(list(outputs) + (list(prompt) if count_prompt else []),
-                                    np.int64), minlength=v)
+    counts = np.bincount(
+        np.asarray(list(outputs) + (list(prompt) if count_prompt else []), np.int64), minlength=v
+    )
     seen = counts > 0
     seen[list(prompt)] = True
     x = np.where(seen, np.where(raw > 0, raw / rep, raw * rep), raw)
@@ -104,10 +105,18 @@ def engines(tiny):
     from jaxinfer.speculative.engine import SpecEngine
 
     cfg, params, _ = tiny
-    ecfg = EngineConfig(max_model_len=48, page_size=8, num_pages=32, max_num_seqs=4,
-                        max_num_batched_tokens=64, attn_impl="xla")
-    return {None: Engine(cfg, params, _NoText(), ecfg),
-            "ngram": SpecEngine(cfg, params, _NoText(), ecfg, SpecConfig("ngram", 2))}
+    ecfg = EngineConfig(
+        max_model_len=48,
+        page_size=8,
+        num_pages=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        attn_impl="xla",
+    )
+    return {
+        None: Engine(cfg, params, _NoText(), ecfg),
+        "ngram": SpecEngine(cfg, params, _NoText(), ecfg, SpecConfig("ngram", 2)),
+    }
 
 
 @pytest.mark.parametrize("spec", [None, "ngram"])
@@ -116,18 +125,22 @@ def test_logprobs_are_raw_and_penalties_count_outputs_vs_transformers(tiny, engi
     # Row 0: all three penalties. Row 1: frequency and presence only, on a prompt whose first
     # output would be its own first token (so counting prompt tokens shows, and the n-gram
     # drafter finds a match).
-    prompts = [H.sample_tokens(seed=3)[0, :8].tolist(),
-               _prompt_predicting_itself(model, FREQ + PRES)]
+    prompts = [
+        H.sample_tokens(seed=3)[0, :8].tolist(),
+        _prompt_predicting_itself(model, FREQ + PRES),
+    ]
     pen = dict(repetition_penalty=REP, frequency_penalty=FREQ, presence_penalty=PRES)
     rows = [pen, dict(pen, repetition_penalty=1.0)]
-    params_rows = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=4,
-                                  **kw) for kw in rows]
+    params_rows = [
+        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=4, **kw)
+        for kw in rows
+    ]
     outs = _run(eng, prompts, params_rows)
     checked = changed = wrong_rule_differs = 0
     for prompt, kw, out in zip(prompts, rows, outs, strict=True):
         got = out.token_ids
         assert len(got) == NEW and len(out.logprobs) == NEW
-        raw = H.hf_logits(model, [prompt + got[:-1]])[0, len(prompt) - 1:].astype(np.float64)
+        raw = H.hf_logits(model, [prompt + got[:-1]])[0, len(prompt) - 1 :].astype(np.float64)
         ref_lp = _log_softmax(raw)  # [NEW, V] raw logprobs of each step
         rule = (kw["repetition_penalty"], FREQ, PRES)
         for i, (tok, lp) in enumerate(zip(got, out.logprobs, strict=True)):
@@ -161,21 +174,25 @@ def test_min_tokens_boundary_vs_transformers_greedy(tiny, engines, spec):
     seq = list(prompt)
     for _ in range(NEW):
         seq.append(int(np.argmax(H.hf_logits(model, [seq])[0, -1])))
-    ref = seq[len(prompt):]
-    raw = H.hf_logits(model, [seq[:-1]])[0, len(prompt) - 1:]
+    ref = seq[len(prompt) :]
+    raw = H.hf_logits(model, [seq[:-1]])[0, len(prompt) - 1 :]
     top2 = np.argsort(-raw, -1)[:, :2]
     gap = np.take_along_axis(raw, top2, -1) @ np.array([1.0, -1.0])
     j = next(i for i in range(3, NEW - 1) if ref[i] not in ref[:i] and gap[i] > 0.1)
     for eos in (False, True):  # ref[j] a stop_token_ids entry, or the engine's EOS
         kw = dict(temperature=0.0, max_tokens=NEW, logprobs=4)
-        kw.update(dict(stop_token_ids=[]) if eos
-                  else dict(stop_token_ids=[ref[j]], ignore_eos=True))
+        kw.update(
+            dict(stop_token_ids=[]) if eos else dict(stop_token_ids=[ref[j]], ignore_eos=True)
+        )
         saved = set(eng.stop_ids)
         eng.stop_ids.clear()
         eng.stop_ids.update({ref[j]} if eos else set())
         try:
-            banned, allowed = _run(eng, [prompt, prompt], [SamplingParams(min_tokens=j + 1, **kw),
-                                                          SamplingParams(min_tokens=j, **kw)])
+            banned, allowed = _run(
+                eng,
+                [prompt, prompt],
+                [SamplingParams(min_tokens=j + 1, **kw), SamplingParams(min_tokens=j, **kw)],
+            )
         finally:
             eng.stop_ids.clear()
             eng.stop_ids.update(saved)
@@ -212,23 +229,30 @@ def test_logits_controls_ban_for_exactly_min_tokens_and_count_outputs_only():
     assert banned == [{2, 11}, set(), {2, 11}, set(), {11}, set()]
     for s, r in rows:
         assert set(np.flatnonzero(np.asarray(c.prompt_mask[r]))) == {5, 6, 9}
-        np.testing.assert_array_equal(np.asarray(c.output_counts[r]),
-                                      np.bincount(s.output_ids, minlength=v))
+        np.testing.assert_array_equal(
+            np.asarray(c.output_counts[r]), np.bincount(s.output_ids, minlength=v)
+        )
     assert not np.asarray(c.banned[6:]).any() and not np.asarray(c.output_counts[6:]).any()
 
 
 def test_stop_string_counts_from_exactly_min_tokens(stories_llm):
     """A stop string completed by output token j stops the run when min_tokens <= j + 1 and is
     ignored when min_tokens = j + 2 (vLLM checks stop strings once len(output) >= min_tokens)."""
-    ids = stories_llm.generate(["Once upon a time"],
-                               SamplingParams(temperature=0.0, max_tokens=24))[0].token_ids
+    ids = stories_llm.generate(
+        ["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=24)
+    )[0].token_ids
     j = 5
-    text = stories_llm.generate(["Once upon a time"],
-                                SamplingParams(temperature=0.0, max_tokens=j + 1))[0].text
+    text = stories_llm.generate(
+        ["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=j + 1)
+    )[0].text
     assert text and stories_llm.tokenizer.decode(ids[: j + 1]).strip() in text
-    outs = stories_llm.generate(["Once upon a time"] * 3, [
-        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=m, stop=[text])
-        for m in (j, j + 1, j + 2)])
+    outs = stories_llm.generate(
+        ["Once upon a time"] * 3,
+        [
+            SamplingParams(temperature=0.0, max_tokens=24, min_tokens=m, stop=[text])
+            for m in (j, j + 1, j + 2)
+        ],
+    )
     for out in outs[:2]:
         assert out.token_ids == ids[: j + 1] and out.finish_reason == "stop"
         assert out.stop_reason == text and out.text == ""

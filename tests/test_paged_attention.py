@@ -1,9 +1,9 @@
 """Ragged paged attention (XLA reference) == dense causal attention, over random ragged batches."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax.numpy as jnp
 from jaxinfer.models.kv_cache import NULL_PAGE
 from jaxinfer.models.paged_attention import AttentionMetadata, ragged_paged_attention_xla
 
@@ -11,7 +11,7 @@ TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, at
 
 
 def dense_reference(q, k, v, q_pos, scale, window, softcap):
-    """Numpy float64 attention of one sequence: q [Tq, N, H] at positions q_pos, over k/v [S, K, H]."""
+    """Numpy float64 attention of one sequence: q [Tq, N, H] at positions q_pos, k/v [S, K, H]."""
     n, kh = q.shape[1], k.shape[1]
     g = n // kh
     k = np.repeat(k, g, axis=1)
@@ -85,13 +85,23 @@ def make_batch(rng, page_size, num_kv_heads, head_dim, seqs, num_pages=64, dtype
     return k_pages, v_pages, md, rows, t
 
 
-MATRIX = [(d, z, g, 0, None) for d in (jnp.float32, jnp.bfloat16) for z in (4, 8, 16) for g in (1, 2, 4)]
-MATRIX += [(jnp.float32, 8, 2, 5, None), (jnp.float32, 4, 4, 9, None), (jnp.float32, 8, 2, 0, 30.0),
-           (jnp.bfloat16, 8, 2, 5, 30.0)]
+MATRIX = [
+    (d, z, g, 0, None) for d in (jnp.float32, jnp.bfloat16) for z in (4, 8, 16) for g in (1, 2, 4)
+]
+MATRIX += [
+    (jnp.float32, 8, 2, 5, None),
+    (jnp.float32, 4, 4, 9, None),
+    (jnp.float32, 8, 2, 0, 30.0),
+    (jnp.bfloat16, 8, 2, 5, 30.0),
+]
 MATRIX = [(*case, False) for case in MATRIX]
 # The page-major pool [P, K, Z, H] (KVCache.page_major, the engine's CPU layout).
-MATRIX += [(jnp.float32, 4, 2, 0, None, True), (jnp.float32, 16, 1, 0, None, True),
-           (jnp.bfloat16, 8, 4, 0, None, True), (jnp.float32, 8, 2, 5, 30.0, True)]
+MATRIX += [
+    (jnp.float32, 4, 2, 0, None, True),
+    (jnp.float32, 16, 1, 0, None, True),
+    (jnp.bfloat16, 8, 4, 0, None, True),
+    (jnp.float32, 8, 2, 5, 30.0, True),
+]
 
 
 def layout(pages, page_major: bool):
@@ -106,15 +116,27 @@ def test_paged_equals_dense(dtype, page_size, gqa, window, softcap, page_major):
     n = kh * gqa
     # decode rows (length 1, page-boundary lengths, long), then prefill chunks (whole prompts and
     # later chunks of a prompt whose earlier part is already cached).
-    seqs = [(1, 1), (page_size, 1), (page_size * 3 + 1, 1), (2 * page_size, 2 * page_size),
-            (page_size + 3, 5), (7, 7)]
+    seqs = [
+        (1, 1),
+        (page_size, 1),
+        (page_size * 3 + 1, 1),
+        (2 * page_size, 2 * page_size),
+        (page_size + 3, 5),
+        (7, 7),
+    ]
     k_pages, v_pages, md, rows, t = make_batch(rng, page_size, kh, h, seqs)
     q = rng.standard_normal((t, n, h)).astype(np.float32)
     scale = h**-0.5
     cast = lambda x: jnp.asarray(x).astype(dtype)
     out = ragged_paged_attention_xla(
-        cast(q), cast(layout(k_pages, page_major)), cast(layout(v_pages, page_major)), md,
-        jnp.int32(window), scale=scale, softcap=softcap, page_major=page_major,
+        cast(q),
+        cast(layout(k_pages, page_major)),
+        cast(layout(v_pages, page_major)),
+        md,
+        jnp.int32(window),
+        scale=scale,
+        softcap=softcap,
+        page_major=page_major,
     )
     out = np.asarray(out, np.float64)
     f = lambda x: np.asarray(cast(x), np.float64)  # the reference sees the same rounded inputs
@@ -123,8 +145,9 @@ def test_paged_equals_dense(dtype, page_size, gqa, window, softcap, page_major):
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("window,softcap,page_major", [(0, None, False), (37, 30.0, False),
-                                                       (37, 30.0, True)])
+@pytest.mark.parametrize(
+    "window,softcap,page_major", [(0, None, False), (37, 30.0, False), (37, 30.0, True)]
+)
 def test_long_decode_rows_walk_pages_in_chunks(window, softcap, page_major):
     """Decode rows wider than DECODE_PAGES_PER_CHUNK pages take the online-softmax page walk."""
     from jaxinfer.models.paged_attention import DECODE_PAGES_PER_CHUNK
@@ -136,18 +159,36 @@ def test_long_decode_rows_walk_pages_in_chunks(window, softcap, page_major):
     k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=200)
     assert md.block_tables.shape[1] > DECODE_PAGES_PER_CHUNK
     q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
-    out = np.asarray(ragged_paged_attention_xla(
-        jnp.asarray(q), jnp.asarray(layout(k_pages, page_major)),
-        jnp.asarray(layout(v_pages, page_major)), md, jnp.int32(window),
-        scale=h**-0.5, softcap=softcap, page_major=page_major), np.float64)
+    out = np.asarray(
+        ragged_paged_attention_xla(
+            jnp.asarray(q),
+            jnp.asarray(layout(k_pages, page_major)),
+            jnp.asarray(layout(v_pages, page_major)),
+            md,
+            jnp.int32(window),
+            scale=h**-0.5,
+            softcap=softcap,
+            page_major=page_major,
+        ),
+        np.float64,
+    )
     for tok, ql, pos, fk, fv in rows:
-        ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
-                              fv.astype(np.float64), pos, h**-0.5, window, softcap)
+        ref = dense_reference(
+            q[tok : tok + ql].astype(np.float64),
+            fk.astype(np.float64),
+            fv.astype(np.float64),
+            pos,
+            h**-0.5,
+            window,
+            softcap,
+        )
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("window,softcap,gqa,page_major", [
-    (0, None, 1, False), (0, None, 2, False), (21, 30.0, 2, False), (21, 30.0, 2, True)])
+@pytest.mark.parametrize(
+    "window,softcap,gqa,page_major",
+    [(0, None, 1, False), (0, None, 2, False), (21, 30.0, 2, False), (21, 30.0, 2, True)],
+)
 def test_decode_work_items_span_groups(window, softcap, gqa, page_major, monkeypatch):
     """Split-KV decode: rows of very different lengths give work items in several groups, and a
     row's partials (some rows' items split across groups) are merged; a padding row (kv_len 0)
@@ -164,19 +205,42 @@ def test_decode_work_items_span_groups(window, softcap, gqa, page_major, monkeyp
     k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=200)
     assert sum(-(-n // item) for n, _ in seqs) > 3 * 4  # four groups of items
     q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
-    out = np.asarray(ragged_paged_attention_xla(
-        jnp.asarray(q), jnp.asarray(layout(k_pages, page_major)),
-        jnp.asarray(layout(v_pages, page_major)), md, jnp.int32(window),
-        scale=h**-0.5, softcap=softcap, page_major=page_major), np.float64)
+    out = np.asarray(
+        ragged_paged_attention_xla(
+            jnp.asarray(q),
+            jnp.asarray(layout(k_pages, page_major)),
+            jnp.asarray(layout(v_pages, page_major)),
+            md,
+            jnp.int32(window),
+            scale=h**-0.5,
+            softcap=softcap,
+            page_major=page_major,
+        ),
+        np.float64,
+    )
     assert np.isfinite(out).all()
     for tok, ql, pos, fk, fv in rows:
-        ref = dense_reference(q[tok : tok + ql].astype(np.float64), fk.astype(np.float64),
-                              fv.astype(np.float64), pos, h**-0.5, window, softcap)
+        ref = dense_reference(
+            q[tok : tok + ql].astype(np.float64),
+            fk.astype(np.float64),
+            fv.astype(np.float64),
+            pos,
+            h**-0.5,
+            window,
+            softcap,
+        )
         np.testing.assert_allclose(out[tok : tok + ql], ref, **TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("window,softcap,int8,page_major", [
-    (0, None, False, False), (5, 30.0, False, True), (0, None, True, False), (6, 30.0, True, True)])
+@pytest.mark.parametrize(
+    "window,softcap,int8,page_major",
+    [
+        (0, None, False, False),
+        (5, 30.0, False, True),
+        (0, None, True, False),
+        (6, 30.0, True, True),
+    ],
+)
 def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
     """The engine's XLA path == the kernels' own pure-jnp reference
     (``kernels_pallas.ragged_paged_attention.reference``, independent of it), on a 2-layer pool
@@ -190,16 +254,37 @@ def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
     k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=32)
     q = jnp.asarray(rng.standard_normal((t, kh * gqa, h)), jnp.float32)
     kp, vp = (jnp.stack([0 * jnp.asarray(x), jnp.asarray(x)]) for x in (k_pages, v_pages))
-    (kp, ks), (vp, vs) = (((jnp.asarray(a), jnp.asarray(b))
-                           for a, b, _ in map(numpy_int8_pages, (kp, vp)))
-                          if int8 else ((kp, None), (vp, None)))
+    (kp, ks), (vp, vs) = (
+        ((jnp.asarray(a), jnp.asarray(b)) for a, b, _ in map(numpy_int8_pages, (kp, vp)))
+        if int8
+        else ((kp, None), (vp, None))
+    )
     kw = dict(scale=h**-0.5, softcap=softcap)
     pm = (lambda x: None if x is None else x.swapaxes(1, 2)) if page_major else (lambda x: x)
-    out = ragged_paged_attention_xla(q, pm(kp), pm(vp), md, jnp.int32(window), layer=jnp.int32(1),
-                                     k_scales=pm(ks), v_scales=pm(vs), page_major=page_major, **kw)
+    out = ragged_paged_attention_xla(
+        q,
+        pm(kp),
+        pm(vp),
+        md,
+        jnp.int32(window),
+        layer=jnp.int32(1),
+        k_scales=pm(ks),
+        v_scales=pm(vs),
+        page_major=page_major,
+        **kw,
+    )
     ref = ragged_paged_attention_reference(
-        q, kp, vp, *map(jnp.asarray, (md.kv_lens, md.block_tables, md.cu_q_lens)),
-        jnp.int32(window), jnp.int32(1), ks, vs, num_decode=md.num_decode, **kw)
+        q,
+        kp,
+        vp,
+        *map(jnp.asarray, (md.kv_lens, md.block_tables, md.cu_q_lens)),
+        jnp.int32(window),
+        jnp.int32(1),
+        ks,
+        vs,
+        num_decode=md.num_decode,
+        **kw,
+    )
     live = np.concatenate([np.arange(tok, tok + ql) for tok, ql, *_ in rows])
     np.testing.assert_allclose(np.asarray(out)[live], np.asarray(ref)[live], **TOL[jnp.float32])
 
@@ -221,8 +306,11 @@ def test_page_major_pool_holds_the_same_writes(dtype):
         assert kv.num_pages == 8 and kv.page_size == 4 and kv.page_major == page_major
         pools.append(write_kv(kv, jnp.int32(1), k, v, slots))
     head, page = pools
-    for a, b in ((head.k_pages, page.k_pages), (head.v_pages, page.v_pages),
-                 (head.k_scales, page.k_scales)):
+    for a, b in (
+        (head.k_pages, page.k_pages),
+        (head.v_pages, page.v_pages),
+        (head.k_scales, page.k_scales),
+    ):
         if a is not None:
             np.testing.assert_array_equal(np.asarray(a).swapaxes(1, 2), np.asarray(b))
     assert np.abs(np.asarray(page.k_pages[1])).sum() > 0 and not np.asarray(page.k_pages[0]).any()
@@ -230,14 +318,20 @@ def test_page_major_pool_holds_the_same_writes(dtype):
 
 def test_page_major_pool_refused_where_it_cannot_run():
     """The Pallas kernels read the head-major pool: asking for a page-major one with them raises."""
-    from jaxinfer.models.config import ModelConfig
-    from jaxinfer.engine.core import Engine, EngineConfig
-    from jaxinfer.models.params import init_random
     import jax
+
+    from jaxinfer.engine.core import Engine, EngineConfig
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.params import init_random
 
     cfg = ModelConfig("llama", 32, 16, 32, 1, 2, 2, 8)
     params = init_random(cfg, jax.random.PRNGKey(0))
-    ecfg = EngineConfig(max_model_len=16, num_pages=8, page_size=8,
-                        attn_impl="pallas_tpu_interpret", kv_page_major=True)
+    ecfg = EngineConfig(
+        max_model_len=16,
+        num_pages=8,
+        page_size=8,
+        attn_impl="pallas_tpu_interpret",
+        kv_page_major=True,
+    )
     with pytest.raises(ValueError, match="kv_page_major"):
         Engine(cfg, params, None, ecfg)

@@ -1,4 +1,5 @@
-"""``SamplingParams.n`` (vLLM's parallel sampling, `jaxinfer.engine.parallel_sampling`) on stories260K.
+"""``SamplingParams.n`` (vLLM's parallel sampling, `jaxinfer.engine.parallel_sampling`) on
+stories260K.
 
 Judges from outside the code under test: the llama2.c greedy reference (greedy_reference.json)
 for every greedy completion, and separate n = 1 requests with seeds seed + i (vLLM v1's
@@ -22,10 +23,10 @@ from test_engine import reference_requests
 from jaxinfer.cli import main as cli
 from jaxinfer.cli import partial as partial_mod
 from jaxinfer.engine.core import Engine
-from jaxinfer.errors import RequestError
-from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.engine.parallel_sampling import child_params
 from jaxinfer.engine.resume import ResumeState
+from jaxinfer.errors import RequestError
+from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.sampling.params import MAX_N, SamplingParams
 
 PROMPT = "Once upon a time"
@@ -72,11 +73,26 @@ def test_child_params_seed_plus_index():
 
 def test_n1_output_is_one_completion_mirroring_the_top_level():
     lps = [TokenLogprob(5, -0.25, [(5, -0.25)]), TokenLogprob(6, -1.5, [(6, -1.5)])]
-    out = RequestOutput("r", "p", [1, 2], text="ab", token_ids=[5, 6], finish_reason="length",
-                        stop_reason=None, logprobs=lps, delta_text="b")
+    out = RequestOutput(
+        "r",
+        "p",
+        [1, 2],
+        text="ab",
+        token_ids=[5, 6],
+        finish_reason="length",
+        stop_reason=None,
+        logprobs=lps,
+        delta_text="b",
+    )
     (c,) = out.outputs
-    assert (c.index, c.text, c.token_ids, c.finish_reason, c.logprobs, c.delta_text) == \
-        (0, "ab", [5, 6], "length", lps, "b")
+    assert (c.index, c.text, c.token_ids, c.finish_reason, c.logprobs, c.delta_text) == (
+        0,
+        "ab",
+        [5, 6],
+        "length",
+        lps,
+        "b",
+    )
     assert c.cumulative_logprob == -1.75  # vLLM: the sum of the sampled tokens' logprobs
     assert RequestOutput("r", None, [1]).outputs[0].cumulative_logprob is None
 
@@ -85,24 +101,57 @@ def test_parent_output_record_and_metrics_from_children():
     """A parent fed hand-made child outputs: the record holds both completions with their
     logprobs, usage counts the prompt once, and the metrics follow the documented rules
     (expected values worked out by hand)."""
-    from jaxinfer.outputs import RequestMetrics
     from jaxinfer.engine.parallel_sampling import ParentRequest
+    from jaxinfer.outputs import RequestMetrics
 
     lp = [TokenLogprob(7, -0.5, [(7, -0.5)])]
     parent = ParentRequest("p", "hi", [1, 2, 3], 2)
-    kids = [RequestOutput("1_p", "hi", [1, 2, 3], text="b", token_ids=[7],
-                          finish_reason="length", logprobs=lp, delta_text="b",
-                          metrics=RequestMetrics(ttft_s=0.2, tpot_s=0.0, e2e_s=0.2,
-                                                 prompt_tokens=3, completion_tokens=1,
-                                                 num_cached_tokens=0, spec_rounds=1,
-                                                 acceptance_rate=0.5, mean_accepted_tokens=1.0)),
-            RequestOutput("0_p", "hi", [1, 2, 3], text="aa", token_ids=[7, 7],
-                          finish_reason="stop", stop_reason=7, logprobs=lp * 2, delta_text="a",
-                          metrics=RequestMetrics(ttft_s=0.1, tpot_s=0.3, e2e_s=0.4,
-                                                 prompt_tokens=3, completion_tokens=2,
-                                                 num_cached_tokens=2, num_preemptions=1,
-                                                 spec_rounds=3, acceptance_rate=0.25,
-                                                 mean_accepted_tokens=0.5))]
+    kids = [
+        RequestOutput(
+            "1_p",
+            "hi",
+            [1, 2, 3],
+            text="b",
+            token_ids=[7],
+            finish_reason="length",
+            logprobs=lp,
+            delta_text="b",
+            metrics=RequestMetrics(
+                ttft_s=0.2,
+                tpot_s=0.0,
+                e2e_s=0.2,
+                prompt_tokens=3,
+                completion_tokens=1,
+                num_cached_tokens=0,
+                spec_rounds=1,
+                acceptance_rate=0.5,
+                mean_accepted_tokens=1.0,
+            ),
+        ),
+        RequestOutput(
+            "0_p",
+            "hi",
+            [1, 2, 3],
+            text="aa",
+            token_ids=[7, 7],
+            finish_reason="stop",
+            stop_reason=7,
+            logprobs=lp * 2,
+            delta_text="a",
+            metrics=RequestMetrics(
+                ttft_s=0.1,
+                tpot_s=0.3,
+                e2e_s=0.4,
+                prompt_tokens=3,
+                completion_tokens=2,
+                num_cached_tokens=2,
+                num_preemptions=1,
+                spec_rounds=3,
+                acceptance_rate=0.25,
+                mean_accepted_tokens=0.5,
+            ),
+        ),
+    ]
     first, _ = parent.on_child(1, kids[0])
     assert [o.outputs[0].index for o in first] == [1] and not first[0].finished
     outs, abort = parent.on_child(0, kids[1])
@@ -112,18 +161,35 @@ def test_parent_output_record_and_metrics_from_children():
     assert final.outputs[0].cumulative_logprob == -1.0
     m = final.metrics
     assert (m.ttft_s, m.e2e_s, m.tpot_s) == (0.1, 0.4, 0.15)
-    assert (m.prompt_tokens, m.completion_tokens, m.num_cached_tokens, m.num_preemptions) == \
-        (3, 3, 0, 1)
+    assert (m.prompt_tokens, m.completion_tokens, m.num_cached_tokens, m.num_preemptions) == (
+        3,
+        3,
+        0,
+        1,
+    )
     assert m.spec_rounds == 4 and m.acceptance_rate == (0.5 * 1 + 0.25 * 3) / 4
     assert m.mean_accepted_tokens == (1.0 * 1 + 0.5 * 3) / 4
     rec = final.to_record()
     assert rec["usage"] == {"prompt_tokens": 3, "completion_tokens": 3}
     lp_rec = {"token_id": 7, "logprob": -0.5, "top": [(7, -0.5)]}
     assert rec["outputs"] == [
-        {"index": 0, "text": "aa", "token_ids": [7, 7], "finish_reason": "stop",
-         "stop_reason": 7, "logprobs": [lp_rec] * 2},
-        {"index": 1, "text": "b", "token_ids": [7], "finish_reason": "length",
-         "stop_reason": None, "logprobs": [lp_rec]}]
+        {
+            "index": 0,
+            "text": "aa",
+            "token_ids": [7, 7],
+            "finish_reason": "stop",
+            "stop_reason": 7,
+            "logprobs": [lp_rec] * 2,
+        },
+        {
+            "index": 1,
+            "text": "b",
+            "token_ids": [7],
+            "finish_reason": "length",
+            "stop_reason": None,
+            "logprobs": [lp_rec],
+        },
+    ]
 
 
 # ----------------------------------------------------------------------------- engine
@@ -147,8 +213,10 @@ def test_seeded_n4_equals_separate_requests_with_seed_plus_i(llm):
     # (test_cli_records... runs n > 1 beside n = 1 requests.)
     sp = SamplingParams(temperature=0.8, seed=1000, max_tokens=24, n=4)
     (out,) = llm.generate([PROMPT], sp)
-    sep = llm.generate([PROMPT] * 4, [SamplingParams(temperature=0.8, seed=1000 + i,
-                                                     max_tokens=24) for i in range(4)])
+    sep = llm.generate(
+        [PROMPT] * 4,
+        [SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=24) for i in range(4)],
+    )
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     for c, s in zip(out.outputs, sep, strict=True):
         assert _fields(c) == _fields(s), c.index
@@ -163,8 +231,7 @@ def test_seeded_n4_equals_separate_requests_with_seed_plus_i(llm):
 def test_streaming_shape(llm):
     sp = SamplingParams(temperature=0.8, seed=14, n=2, max_tokens=40, stop_token_ids=[DOT])
     outs = list(llm.generate_stream([PROMPT], sp, request_ids=["p"]))
-    want = llm.generate([PROMPT] * 2, [dataclasses.replace(sp, n=1, seed=14 + i)
-                                       for i in range(2)])
+    want = llm.generate([PROMPT] * 2, [dataclasses.replace(sp, n=1, seed=14 + i) for i in range(2)])
     assert [len(w.token_ids) for w in want] == [25, 11]  # the PAIR case (module docstring)
     *streamed, final = outs
     assert final.finished and final.request_id == "p"
@@ -189,8 +256,9 @@ def test_streaming_shape(llm):
 
 
 def test_closing_a_stream_aborts_every_completion(llm):
-    stream = llm.generate_stream([PROMPT], SamplingParams(temperature=0.8, n=3, max_tokens=40,
-                                                           ignore_eos=True))
+    stream = llm.generate_stream(
+        [PROMPT], SamplingParams(temperature=0.8, n=3, max_tokens=40, ignore_eos=True)
+    )
     next(stream)
     assert len(llm.engine._requests) == 3
     stream.close()
@@ -206,15 +274,23 @@ def test_a_failed_completion_fails_the_request_and_the_batch_goes_on(llm, monkey
         outs = step(eng)
         if not fired and any(o.request_id == "1_bad" for o in outs):
             fired.append(1)
-            outs = [eng.fail_request(o.request_id, "planted failure")
-                    if o.request_id == "1_bad" else o for o in outs]
+            outs = [
+                eng.fail_request(o.request_id, "planted failure") if o.request_id == "1_bad" else o
+                for o in outs
+            ]
         return outs
 
     monkeypatch.setattr(Engine, "step", failing_step)
     other = SamplingParams(temperature=0.8, seed=3, max_tokens=12)
-    outs = {o.request_id: o for o in llm.generate_stream(
-        [PROMPT, "Lily"], [SamplingParams(temperature=0.8, n=3, max_tokens=30), other],
-        request_ids=["bad", "good"]) if o.finished}
+    outs = {
+        o.request_id: o
+        for o in llm.generate_stream(
+            [PROMPT, "Lily"],
+            [SamplingParams(temperature=0.8, n=3, max_tokens=30), other],
+            request_ids=["bad", "good"],
+        )
+        if o.finished
+    }
     monkeypatch.setattr(Engine, "step", step)
     bad = outs["bad"]
     assert bad.finish_reason == "error" and "completion 1 of 3" in bad.error
@@ -228,9 +304,15 @@ def test_a_failed_completion_fails_the_request_and_the_batch_goes_on(llm, monkey
 def test_duplicate_and_colliding_ids_fail_alone(llm):
     sp2 = SamplingParams(temperature=0, max_tokens=4, n=2)
     sp1 = SamplingParams(temperature=0, max_tokens=4)
-    outs = list(o for o in llm.generate_stream(
-        [PROMPT] * 6, [sp2, sp1, sp2, sp1, sp1, sp2],
-        request_ids=["a", "0_a", "a", "b", "1_c", "c"]) if o.finished)
+    outs = list(
+        o
+        for o in llm.generate_stream(
+            [PROMPT] * 6,
+            [sp2, sp1, sp2, sp1, sp1, sp2],
+            request_ids=["a", "0_a", "a", "b", "1_c", "c"],
+        )
+        if o.finished
+    )
     by = {}
     for o in outs:
         by.setdefault(o.request_id, []).append(o)
@@ -280,8 +362,19 @@ def _records() -> list[dict]:
 def _run(tmp_path: Path, capsys, out: Path, *flags: str) -> tuple[int, str]:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in _records()))
-    rc = cli.main(["generate", "--model", str(STORIES), "--prompts", str(prompts), "--out",
-                   str(out), *ENGINE, *flags])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(STORIES),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            *ENGINE,
+            *flags,
+        ]
+    )
     return rc, capsys.readouterr().err
 
 
@@ -305,15 +398,25 @@ def test_cli_records_and_resume_mid_completion(tmp_path, capsys, monkeypatch):
     assert [c["index"] for c in pair["outputs"]] == [0, 1]
     for c, sep in zip(pair["outputs"], (recs["s14"], recs["s15"]), strict=True):
         assert list(c) == ["index", "text", "token_ids", "finish_reason", "stop_reason"]
-        assert {k: c[k] for k in c if k != "index"} == \
-            {k: sep[k] for k in ("text", "token_ids", "finish_reason", "stop_reason")}
+        assert {k: c[k] for k in c if k != "index"} == {
+            k: sep[k] for k in ("text", "token_ids", "finish_reason", "stop_reason")
+        }
     assert [len(c["token_ids"]) for c in pair["outputs"]] == [25, 11]
-    assert pair["usage"] == {"prompt_tokens": recs["s14"]["usage"]["prompt_tokens"],
-                             "completion_tokens": 36}
+    assert pair["usage"] == {
+        "prompt_tokens": recs["s14"]["usage"]["prompt_tokens"],
+        "completion_tokens": 36,
+    }
     assert recs["free"]["outputs"][0] != recs["free"]["outputs"][1]
     # n = 1 records keep their shape.
-    assert list(recs["greedy"]) == ["id", "text", "token_ids", "finish_reason", "stop_reason",
-                                    "usage", "metrics"]
+    assert list(recs["greedy"]) == [
+        "id",
+        "text",
+        "token_ids",
+        "finish_reason",
+        "stop_reason",
+        "usage",
+        "metrics",
+    ]
 
     # Interrupted after completion 1 finished (token 11) and before completion 0 did (25).
     out = tmp_path / "out.jsonl"
@@ -337,7 +440,7 @@ def test_cli_records_and_resume_mid_completion(tmp_path, capsys, monkeypatch):
     assert all(len(c["token_ids"]) > 5 for c in saved["free"]["completions"])
     assert comps[1]["token_ids"] == pair["outputs"][1]["token_ids"][:-1]  # finished: all but last
     assert 11 <= len(comps[0]["token_ids"]) < 25
-    assert comps[0]["token_ids"] == pair["outputs"][0]["token_ids"][:len(comps[0]["token_ids"])]
+    assert comps[0]["token_ids"] == pair["outputs"][0]["token_ids"][: len(comps[0]["token_ids"])]
     rc, err = _run(tmp_path, capsys, out)
     assert rc == 0 and not part.exists(), err
     got = _by_id(out)
@@ -354,8 +457,16 @@ def test_cli_n_flag(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text(PROMPT + "\n")
     out = tmp_path / "o.jsonl"
-    args = ["generate", "--model", str(STORIES), "--prompts", str(prompts), "--out", str(out),
-            *ENGINE]
+    args = [
+        "generate",
+        "--model",
+        str(STORIES),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        *ENGINE,
+    ]
     assert cli.main([*args, "--n", "0"]) == 2
     assert "n must be in [1, 128]" in capsys.readouterr().err
     assert cli.main([*args, "--n", "2", "--temperature", "0", "--max-tokens", "6"]) == 0

@@ -1,4 +1,5 @@
-"""``jaxinfer.compile.warmup``: the keys it enumerates cover every step the real scheduler makes, and
+"""``jaxinfer.compile.warmup``: the keys it enumerates cover every step the real scheduler makes,
+and
 after it a workload inside its keys compiles nothing, leaves the KV pool's pages alone and gives
 llama2.c's greedy reference outputs.
 
@@ -14,13 +15,13 @@ from conftest import STORIES, stories_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxinfer.compile.warmup import all_keys, precompile, serving_keys, with_sample_keys
 from jaxinfer.engine.batch import build_step_batch, next_pow2
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.models.kv_cache import NULL_PAGE, PageAllocator
-from jaxinfer.compile.warmup import all_keys, precompile, serving_keys, with_sample_keys
 from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
-from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 from jaxinfer.engine.scheduler import Scheduler, Sequence
+from jaxinfer.models.kv_cache import NULL_PAGE, PageAllocator
+from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 
 
 @st.composite
@@ -30,10 +31,14 @@ def serving_runs(draw):
     max_model_len = draw(st.integers(16, 160))
     max_num_seqs = draw(st.integers(1, 10))
     ecfg = EngineConfig(
-        max_model_len=max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=page_size,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=draw(st.integers(max_num_seqs, 160)),
         max_prefill_seqs=draw(st.integers(1, 6)),
-        num_pages=0, enable_prefix_caching=draw(st.booleans()))
+        num_pages=0,
+        enable_prefix_caching=draw(st.booleans()),
+    )
     per_seq = ecfg.max_pages_per_seq
     num_pages = draw(st.integers(per_seq + 1, max_num_seqs * per_seq + 1))  # small: preemption
     shared = draw(st.lists(st.integers(3, 30), min_size=0, max_size=2 * page_size))
@@ -49,16 +54,26 @@ def serving_runs(draw):
 def scheduled_keys(ecfg: EngineConfig, num_pages: int, reqs) -> list[tuple[tuple, int]]:
     """(bucket key, prefill rows) of every step the real scheduler makes for ``reqs`` (each
     sampled token appended at once, as the engine without async scheduling does)."""
-    alloc = (PrefixCachingAllocator(num_pages, ecfg.page_size, ("t",))
-             if ecfg.enable_prefix_caching else PageAllocator(num_pages))
-    sched = Scheduler(alloc, ecfg.page_size, ecfg.max_num_seqs, ecfg.max_num_batched_tokens,
-                      ecfg.max_prefill_seqs)
+    alloc = (
+        PrefixCachingAllocator(num_pages, ecfg.page_size, ("t",))
+        if ecfg.enable_prefix_caching
+        else PageAllocator(num_pages)
+    )
+    sched = Scheduler(
+        alloc, ecfg.page_size, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs
+    )
     out, step = [], 0
     while step <= 40 or sched.has_work():
         for i, (prompt, max_tokens, at) in enumerate(reqs):
             if at == step:
-                sched.add(Sequence(str(i), list(prompt),
-                                   SamplingParams(temperature=0.0, max_tokens=max_tokens), 0))
+                sched.add(
+                    Sequence(
+                        str(i),
+                        list(prompt),
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                        0,
+                    )
+                )
         step += 1
         s = sched.schedule()
         if not s.rows:
@@ -70,8 +85,10 @@ def scheduled_keys(ecfg: EngineConfig, num_pages: int, reqs) -> list[tuple[tuple
             seq.num_computed += row.num_new
             if seq.num_computed == seq.num_tokens:
                 seq.output_ids.append(3 + len(seq.output_ids) % 20)
-                if (len(seq.output_ids) >= seq.params.max_tokens
-                        or seq.num_tokens >= ecfg.max_model_len):
+                if (
+                    len(seq.output_ids) >= seq.params.max_tokens
+                    or seq.num_tokens >= ecfg.max_model_len
+                ):
                     sched.finish(seq, "length")
         assert step < 2000, "the scheduler made no progress"
     return out
@@ -94,12 +111,23 @@ def test_enumerated_keys_cover_every_scheduled_step(run):
 def test_enumerated_keys_cover_the_limits_edges(budget, page_size, max_model_len):
     """Chunks that fill the token budget exactly, rows at max_model_len, one page over a
     power of two: the edges a random draw rarely reaches."""
-    ecfg = EngineConfig(max_model_len=max_model_len, page_size=page_size, max_num_seqs=5,
-                        max_num_batched_tokens=budget, max_prefill_seqs=2, num_pages=0,
-                        enable_prefix_caching=False)
+    ecfg = EngineConfig(
+        max_model_len=max_model_len,
+        page_size=page_size,
+        max_num_seqs=5,
+        max_num_batched_tokens=budget,
+        max_prefill_seqs=2,
+        num_pages=0,
+        enable_prefix_caching=False,
+    )
     n = max_model_len - 1
-    reqs = [(list(range(3, 3 + n)), 1, 0), ([3] * (page_size + 1), n - page_size, 0),
-            ([4] * (budget - 1), 2, 1), ([5] * 2, 3, 2), ([6] * budget, 1, 3)]
+    reqs = [
+        (list(range(3, 3 + n)), 1, 0),
+        ([3] * (page_size + 1), n - page_size, 0),
+        ([4] * (budget - 1), 2, 1),
+        ([5] * 2, 3, 2),
+        ([6] * budget, 1, 3),
+    ]
     reqs = [(p[:n], min(t, max_model_len - len(p[:n])), at) for p, t, at in reqs]
     every = {k[1] for k in all_keys(ecfg) if k[0] == "forward"}
     got = scheduled_keys(ecfg, 5 * ecfg.max_pages_per_seq + 1, reqs)
@@ -111,10 +139,20 @@ def test_sample_keys_follow_each_new_row_count():
     # each new B' gets the general variant without controls or logprobs and the all-greedy one
     keys = with_sample_keys([(4, 0, 0, 8), (0, 32, 1, 4), (8, 0, 0, 4), (1, 32, 1, 4)])
     G = "greedy"
-    assert keys == [("forward", (4, 0, 0, 8)), ("sample", 4, False, 0), ("sample", 4, False, 0, G),
-                    ("forward", (0, 32, 1, 4)), ("sample", 1, False, 0), ("sample", 1, False, 0, G),
-                    ("forward", (8, 0, 0, 4)), ("sample", 8, False, 0), ("sample", 8, False, 0, G),
-                    ("forward", (1, 32, 1, 4)), ("sample", 2, False, 0), ("sample", 2, False, 0, G)]
+    assert keys == [
+        ("forward", (4, 0, 0, 8)),
+        ("sample", 4, False, 0),
+        ("sample", 4, False, 0, G),
+        ("forward", (0, 32, 1, 4)),
+        ("sample", 1, False, 0),
+        ("sample", 1, False, 0, G),
+        ("forward", (8, 0, 0, 4)),
+        ("sample", 8, False, 0),
+        ("sample", 8, False, 0, G),
+        ("forward", (1, 32, 1, 4)),
+        ("sample", 2, False, 0),
+        ("sample", 2, False, 0, G),
+    ]
 
 
 # ---------------------------------------------------------------- on a real engine
@@ -122,14 +160,25 @@ def test_sample_keys_follow_each_new_row_count():
 # Shapes no other test uses (a pool of 11 pages of 32 tokens), so the jit caches start without
 # them in any test process. Block-table width M is 4 for every step (128 / 32 = 4 pages). Layers
 # as a scan: a third less compile time than unrolled, the same precompile path.
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, page_size=32,
-              kv_pages=11, compilation_cache=False, unroll_layers=False)
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    page_size=32,
+    kv_pages=11,
+    compilation_cache=False,
+    unroll_layers=False,
+)
 # The steps of ``run_staggered`` (async scheduling): A's prefill, A's decode, A's last decode
 # beside B's prefill, B's decode alone; each forward followed by its sampling step of
 # B' = next_pow2(Td + Bp) rows; every row greedy, so the all-greedy sampling variant.
-WORKLOAD_KEYS = [("forward", (0, 32, 1, 4)), ("sample", 1, *GREEDY_FLAGS),
-                 ("forward", (1, 0, 0, 4)),
-                 ("forward", (1, 32, 1, 4)), ("sample", 2, *GREEDY_FLAGS)]
+WORKLOAD_KEYS = [
+    ("forward", (0, 32, 1, 4)),
+    ("sample", 1, *GREEDY_FLAGS),
+    ("forward", (1, 0, 0, 4)),
+    ("forward", (1, 32, 1, 4)),
+    ("sample", 2, *GREEDY_FLAGS),
+]
 # What precompile(WORKLOAD_KEYS) compiles: each B' also gets its general sampling variant.
 PRECOMPILED = WORKLOAD_KEYS + [("sample", 1, False, 0), ("sample", 2, False, 0)]
 A_TOKENS = 4  # A's output: the first tokens of its reference, still decoding when B arrives
@@ -148,9 +197,17 @@ def reference_cases(llm):
     for case in stories_reference():
         if case["max_steps"] <= 64:
             ids = llm.tokenizer.encode(case["prompt"])
-            out.append((ids, SamplingParams(temperature=0.0, stop_token_ids=(1,),
-                                            max_tokens=case["max_steps"] - (len(ids) - 1)),
-                        case["expected"]))
+            out.append(
+                (
+                    ids,
+                    SamplingParams(
+                        temperature=0.0,
+                        stop_token_ids=(1,),
+                        max_tokens=case["max_steps"] - (len(ids) - 1),
+                    ),
+                    case["expected"],
+                )
+            )
     assert len(out) == 2
     return out
 
@@ -264,39 +321,48 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
             progress(i, len(fwd), k)
 
     monkeypatch.setattr(jaxinfer.compile.warmup, "precompile", fake_precompile)
-    ecfg = EngineConfig(max_model_len=128, page_size=32, max_num_seqs=4,
-                        max_num_batched_tokens=64)
+    ecfg = EngineConfig(max_model_len=128, page_size=32, max_num_seqs=4, max_num_batched_tokens=64)
     n = sum(k[0] == "forward" for k in serving_keys(ecfg))
     llm = types.SimpleNamespace(engines=[types.SimpleNamespace(ecfg=ecfg, name=i) for i in (0, 1)])
     said = []
     precompile_engines(llm, "serving", said.append, interval=0.0)
     assert calls == [(0, n), (1, n)]
     assert [m.split(" step")[0] for m in said] == (
-        [f"compiling {k}/{2 * n}" for k in range(1, 2 * n + 1)] + [f"compiled {2 * n}"])
+        [f"compiling {k}/{2 * n}" for k in range(1, 2 * n + 1)] + [f"compiled {2 * n}"]
+    )
     assert said[-1].startswith(f"compiled {2 * n} step shapes (serving) in ")
     # cover (the default): a cover of all_keys, and at every sampled-row count the sampling
     # variants with logits controls and with logprobs (penalties, min_tokens, logprobs requests)
     got = []
-    monkeypatch.setattr(jaxinfer.compile.warmup, "precompile",
-                        lambda engine, keys, progress: got.append(keys))
+    monkeypatch.setattr(
+        jaxinfer.compile.warmup, "precompile", lambda engine, keys, progress: got.append(keys)
+    )
     for e in llm.engines:
         e.cfg = types.SimpleNamespace(vocab_size=512)
     precompile_engines(llm, "cover", said.append)
     rows = {k[1] for k in got[0] if k[0] == "sample" and k[2:] == (False, 0)}
     assert rows == {k[1] for k in got[0] if k[0] == "sample" and k[2:] == GREEDY_FLAGS}
-    assert rows and {k for k in got[0] if k[0] == "sample"
-                     and k[2:] not in ((False, 0), GREEDY_FLAGS)} == {
-        ("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, 20), (True, 20))}
+    assert rows and {
+        k for k in got[0] if k[0] == "sample" and k[2:] not in ((False, 0), GREEDY_FLAGS)
+    } == {("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, 20), (True, 20))}
     llm.engines[1].spec = object()  # a speculative engine
     with pytest.raises(UsageError, match="--warmup requests"):
         precompile_engines(llm, "serving", said.append)
 
 
-@pytest.mark.parametrize("ecfg", [
-    EngineConfig(max_model_len=512, page_size=8),  # the server's defaults on stories260K
-    EngineConfig(max_model_len=256, page_size=16, max_num_seqs=16, max_num_batched_tokens=128,
-                 max_prefill_seqs=4),
-])
+@pytest.mark.parametrize(
+    "ecfg",
+    [
+        EngineConfig(max_model_len=512, page_size=8),  # the server's defaults on stories260K
+        EngineConfig(
+            max_model_len=256,
+            page_size=16,
+            max_num_seqs=16,
+            max_num_batched_tokens=128,
+            max_prefill_seqs=4,
+        ),
+    ],
+)
 def test_cover_keys_cover_every_step_shape_within_one_bucket(ecfg):
     """Every key of all_keys has a cover key at most one bucket up in each dimension (worked
     out here from the bucket rules: decode rows 1 -> 4, else x2; 0 stays 0), and the cover is
@@ -313,5 +379,6 @@ def test_cover_keys_cover_every_step_shape_within_one_bucket(ecfg):
         assert any(all(k[d] <= c[d] <= up(k[d], d) for d in range(4)) for c in fwd), k
     assert 0 < len(fwd) * 4 < len(every), (len(fwd), len(every))
     # each cover key comes with its plain sampling variants (general and all-greedy)
-    assert {("sample", next_pow2(c[0] + c[2]), *f) for c in fwd
-            for f in ((False, 0), GREEDY_FLAGS)} <= set(cover)
+    assert {
+        ("sample", next_pow2(c[0] + c[2]), *f) for c in fwd for f in ((False, 0), GREEDY_FLAGS)
+    } <= set(cover)

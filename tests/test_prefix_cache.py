@@ -17,8 +17,8 @@ from test_engine import reference_requests
 
 from jaxinfer.engine import prefix_cache
 from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
 from jaxinfer.sampling.sampler import SamplingParams
-from jaxinfer.engine.scheduler import Scheduler, Sequence, SeqStatus
 
 Z = 8  # page size of every engine here (the CPU default)
 
@@ -38,8 +38,10 @@ def _run_host_workload(prompts, max_tokens, num_pages, budget, max_seqs):
     alloc = PrefixCachingAllocator(num_pages, Z, ("test",))
     sched = Scheduler(alloc, Z, max_seqs, budget, max_prefill_seqs=4)
     pool: dict[tuple[int, int], tuple[int, ...]] = {}
-    seqs = [Sequence(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens), 0)
-            for i, p in enumerate(prompts)]
+    seqs = [
+        Sequence(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens), 0)
+        for i, p in enumerate(prompts)
+    ]
     for s in seqs:
         sched.add(s)
     for _ in range(10_000):
@@ -52,11 +54,14 @@ def _run_host_workload(prompts, max_tokens, num_pages, budget, max_seqs):
         for r in out.rows:  # writes first (each layer writes before any row attends)
             t = toks[id(r.seq)]
             for p in range(r.seq.num_computed, r.seq.num_computed + r.num_new):
-                pool[(r.seq.pages[p // Z], p % Z)] = tuple(t[:p + 1])
+                pool[(r.seq.pages[p // Z], p % Z)] = tuple(t[: p + 1])
         for r in out.rows:
             t, end = toks[id(r.seq)], r.seq.num_computed + r.num_new
             for p in range(end):
-                assert pool.get((r.seq.pages[p // Z], p % Z)) == tuple(t[:p + 1]), (r.seq.request_id, p)
+                assert pool.get((r.seq.pages[p // Z], p % Z)) == tuple(t[: p + 1]), (
+                    r.seq.request_id,
+                    p,
+                )
         for r in out.rows:
             seq = r.seq
             seq.num_computed += r.num_new
@@ -74,19 +79,24 @@ def _expected_output(prompt, max_tokens):
     t = list(prompt)
     for _ in range(max_tokens):
         t.append(hash(tuple(t)) % 50)
-    return t[len(prompt):]
+    return t[len(prompt) :]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     base=st.lists(st.integers(0, 3), min_size=1, max_size=40),
-    cuts=st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(0, 3), max_size=12)),
-                  min_size=1, max_size=10),
+    cuts=st.lists(
+        st.tuples(st.integers(0, 40), st.lists(st.integers(0, 3), max_size=12)),
+        min_size=1,
+        max_size=10,
+    ),
     max_tokens=st.integers(1, 12),
     num_pages=st.integers(8, 40),
     budget=st.sampled_from([8, 16, 64]),
 )
-def test_host_pool_never_serves_a_foreign_or_evicted_page(base, cuts, max_tokens, num_pages, budget):
+def test_host_pool_never_serves_a_foreign_or_evicted_page(
+    base, cuts, max_tokens, num_pages, budget
+):
     # Prompts share prefixes of random lengths (page-aligned or not, whole prompts, none) over a
     # 4-token alphabet, so many pages collide in content; small pools force eviction and
     # preemption. Sequences fit the pool alone (the engine checks this at construction).
@@ -174,7 +184,7 @@ def test_llama2c_references_reproduced_from_shared_pages(cached_llm):
         assert len(out.token_ids) > k + 4
         prompts.append(ids + out.token_ids[:k])
         params.append(dataclasses.replace(sp, max_tokens=sp.max_tokens - k))
-    for (ids, _, expected), p, sp in zip(refs, prompts, params, strict=True):  # alone
+    for (_ids, _, expected), p, sp in zip(refs, prompts, params, strict=True):  # alone
         out = llm.generate([p], sp)[0]
         assert llm.tokenizer.decode(p + out.token_ids) == expected
         assert out.metrics.num_cached_tokens == 3 * Z
@@ -185,17 +195,31 @@ def _shared_prefix_batch(tok):
     """Prompts sharing prefixes of many lengths with a base prompt: page-aligned (16), not
     (13), one token longer than a page (9), the whole base, the base plus one token, none."""
     rng = np.random.default_rng(0)
-    base = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play "
-                      "with her toys in the big garden behind the house.")
+    base = tok.encode(
+        "Once upon a time, there was a little girl named Lily. She loved to play "
+        "with her toys in the big garden behind the house."
+    )
     assert len(base) > 24
 
     def tail(n):
         return [int(x) for x in rng.integers(3, 500, n)]
 
-    prompts = [base, base[:16] + tail(7), base[:13] + tail(11), base[:9] + tail(5), list(base),
-               base + tail(1), tail(20), base[:16] + tail(7), base[:8], base[:2] + tail(3)]
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=100 + i, max_tokens=12 + i)
-              for i in range(len(prompts))]
+    prompts = [
+        base,
+        base[:16] + tail(7),
+        base[:13] + tail(11),
+        base[:9] + tail(5),
+        list(base),
+        base + tail(1),
+        tail(20),
+        base[:16] + tail(7),
+        base[:8],
+        base[:2] + tail(3),
+    ]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=100 + i, max_tokens=12 + i)
+        for i in range(len(prompts))
+    ]
     return prompts, params
 
 
@@ -237,7 +261,9 @@ def test_first_token_logprobs_of_a_fully_cached_prompt(cached_llm, plain_llm, le
     for w, g in zip(want.logprobs, got.logprobs, strict=True):
         np.testing.assert_allclose(g.logprob, w.logprob, rtol=1e-5, atol=1e-5)  # f32
         assert [t for t, _ in g.top] == [t for t, _ in w.top]
-        np.testing.assert_allclose([x for _, x in g.top], [x for _, x in w.top], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            [x for _, x in g.top], [x for _, x in w.top], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_tiny_pool_evicts_and_preempts_with_identical_outputs(stories_dir):
@@ -248,13 +274,31 @@ def test_tiny_pool_evicts_and_preempts_with_identical_outputs(stories_dir):
     kw = dict(max_num_seqs=32, max_model_len=96, kv_pages=20, compilation_cache=False)
     cached, plain = LLM(stories_dir, **kw), LLM(stories_dir, enable_prefix_caching=False, **kw)
     tok = cached.tokenizer
-    heads = [tok.encode("Once upon a time, there was a little dog named Max."),
-             tok.encode("Tom and his dog went to the park to play ball.")]
-    prompts = [heads[i % 2] + tok.encode(w) for i, w in
-               enumerate(["He", "She ran", "It was fun", "They", "The sun", "A bird", "Mom",
-                          "Then", "One day", "Later"])]
-    params = [SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=32)
-              for i in range(len(prompts))]
+    heads = [
+        tok.encode("Once upon a time, there was a little dog named Max."),
+        tok.encode("Tom and his dog went to the park to play ball."),
+    ]
+    prompts = [
+        heads[i % 2] + tok.encode(w)
+        for i, w in enumerate(
+            [
+                "He",
+                "She ran",
+                "It was fun",
+                "They",
+                "The sun",
+                "A bird",
+                "Mom",
+                "Then",
+                "One day",
+                "Later",
+            ]
+        )
+    ]
+    params = [
+        SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=32)
+        for i in range(len(prompts))
+    ]
     want = plain.generate(prompts, params)
     got = cached.generate(prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -279,12 +323,21 @@ def test_cli_summary_hit_rate_and_no_prefix_caching(tmp_path, capsys):
     from test_cli import _records, _run, _write_jsonl
 
     header = "Once upon a time, there was a little girl named Lily. She loved to play outside. "
-    recs = [{"id": f"q{i}", "prompt": header + q, "max_tokens": 5}
-            for i, q in enumerate(["Tom", "One day", "The sun was", "She"])]
+    recs = [
+        {"id": f"q{i}", "prompt": header + q, "max_tokens": 5}
+        for i, q in enumerate(["Tom", "One day", "The sun was", "She"])
+    ]
     prompts = _write_jsonl(tmp_path / "p.jsonl", recs)
     rc_on, on = _run(tmp_path, prompts, tmp_path / "on.jsonl", "--temperature", "0", capsys=capsys)
-    rc_off, off = _run(tmp_path, prompts, tmp_path / "off.jsonl", "--temperature", "0",
-                       "--no-prefix-caching", capsys=capsys)
+    rc_off, off = _run(
+        tmp_path,
+        prompts,
+        tmp_path / "off.jsonl",
+        "--temperature",
+        "0",
+        "--no-prefix-caching",
+        capsys=capsys,
+    )
     assert rc_on == rc_off == 0
     got_on, got_off = _records(tmp_path / "on.jsonl"), _records(tmp_path / "off.jsonl")
     assert [r["token_ids"] for r in got_on] == [r["token_ids"] for r in got_off]
@@ -299,9 +352,11 @@ def test_cli_summary_hit_rate_and_no_prefix_caching(tmp_path, capsys):
 def test_n_samples_prefill_the_prompt_once(cached_llm):
     # The n completions are admitted together: the first computes the prompt's full pages, the
     # others read them (cached as soon as the step that writes them is scheduled).
-    ids = cached_llm.tokenizer.encode("Once upon a time, there was a little dog named Max. "
-                                      "He liked to run in the park with his friend.")
-    ids = ids + [ids[-1]] * (4 * Z + 3 - len(ids)) if len(ids) < 4 * Z + 3 else ids[:4 * Z + 3]
+    ids = cached_llm.tokenizer.encode(
+        "Once upon a time, there was a little dog named Max. "
+        "He liked to run in the park with his friend."
+    )
+    ids = ids + [ids[-1]] * (4 * Z + 3 - len(ids)) if len(ids) < 4 * Z + 3 else ids[: 4 * Z + 3]
     cached_llm.engine.allocator.clear_cache()  # earlier tests cached prompts with this start
     before = cached_llm.prefix_cache_stats()
     out = cached_llm.generate([ids], SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=6))[0]

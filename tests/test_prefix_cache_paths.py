@@ -30,8 +30,15 @@ from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.sampling.sampler import SamplingParams
 
 Z = 8
-SIZES = dict(max_model_len=32, page_size=Z, num_pages=12, max_num_seqs=4, max_num_batched_tokens=32,
-             max_prefill_seqs=4, unroll_layers=False)  # lax.scan: compiles ~2x faster
+SIZES = dict(
+    max_model_len=32,
+    page_size=Z,
+    num_pages=12,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    max_prefill_seqs=4,
+    unroll_layers=False,
+)  # lax.scan: compiles ~2x faster
 TEXT = "Once upon a time, in a small town, there lived a kind old man who"
 
 
@@ -87,8 +94,12 @@ def assert_same(on, off):
         assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), a.request_id
         if b.logprobs is not None:
             assert [lp.token_id for lp in a.logprobs] == a.token_ids
-            np.testing.assert_allclose([lp.logprob for lp in a.logprobs],
-                                       [lp.logprob for lp in b.logprobs], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                [lp.logprob for lp in a.logprobs],
+                [lp.logprob for lp in b.logprobs],
+                rtol=1e-5,
+                atol=1e-5,
+            )
 
 
 def cached_tokens_formula(prompt, earlier) -> int:
@@ -100,8 +111,9 @@ def cached_tokens_formula(prompt, earlier) -> int:
     for ids, out in earlier:
         computed = (list(ids) + list(out.token_ids))[:-1]
         n = 0
-        while (n + 1) * Z <= min(len(computed), len(prompt) - 1) and \
-                computed[n * Z:(n + 1) * Z] == list(prompt[n * Z:(n + 1) * Z]):
+        while (n + 1) * Z <= min(len(computed), len(prompt) - 1) and computed[
+            n * Z : (n + 1) * Z
+        ] == list(prompt[n * Z : (n + 1) * Z]):
             n += 1
         best = max(best, n * Z)
     return best
@@ -112,9 +124,15 @@ def waves_for(base, max_tokens=3, logprobs=2):
     sequences) and its own requests share pages admitted in the same step. Prefixes page-aligned
     (16) and not (19), a prompt equal to an earlier one, one a token longer than a page (9),
     greedy and seeded rows."""
+
     def sp(i):
-        return SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=max_tokens,
-                              ignore_eos=True, logprobs=logprobs)
+        return SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            seed=i,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            logprobs=logprobs,
+        )
 
     p19, p16 = base[:19], base[:16]
     wave1 = [(p19 + [37, 81, 5], sp(0)), (p16 + [9, 11, 400, 2, 70], sp(1))]
@@ -122,14 +140,16 @@ def waves_for(base, max_tokens=3, logprobs=2):
     def wave2(outs):
         a, b = (ids + o.token_ids for (ids, _), o in zip(wave1, outs[:2], strict=True))
         assert len(a) == 25 and len(b) == 24
-        return [(a[:24] + [7], sp(7)),  # 24 computed tokens of w0-0: a page its decode filled
-                # 24 known tokens of w0-1, its last (sampled, never computed): 16 cached
-                (b + [7], sp(8)),
-                (p19 + [37, 81, 5], sp(2)),  # whole prompt cached but its last token's page
-                (p19 + [300, 301], sp(3)),  # 19-token prefix: two full pages
-                (p19 + [302, 303, 304], sp(4)),  # the same, admitted in the same step
-                (p16 + [9, 11, 400, 2, 70, 71], sp(5)),  # aligned prefix + more
-                (base[:9], sp(6))]  # one token longer than a page
+        return [
+            (a[:24] + [7], sp(7)),  # 24 computed tokens of w0-0: a page its decode filled
+            # 24 known tokens of w0-1, its last (sampled, never computed): 16 cached
+            (b + [7], sp(8)),
+            (p19 + [37, 81, 5], sp(2)),  # whole prompt cached but its last token's page
+            (p19 + [300, 301], sp(3)),  # 19-token prefix: two full pages
+            (p19 + [302, 303, 304], sp(4)),  # the same, admitted in the same step
+            (p16 + [9, 11, 400, 2, 70, 71], sp(5)),  # aligned prefix + more
+            (base[:9], sp(6)),
+        ]  # one token longer than a page
 
     return [wave1, wave2]
 
@@ -143,7 +163,7 @@ def check_hits(eng, waves, outs):
     firsts = [ids for ids, _ in waves[1](outs[:n1])[:2]]
     want = [cached_tokens_formula(ids, earlier) for ids in firsts]
     assert want == [24, 16]
-    assert [o.metrics.num_cached_tokens for o in outs[n1:n1 + 2]] == want
+    assert [o.metrics.num_cached_tokens for o in outs[n1 : n1 + 2]] == want
     assert sum(o.metrics.num_cached_tokens for o in outs) == stats["hit_tokens"]
     return stats
 
@@ -200,10 +220,14 @@ def test_preemption_and_recompute(stories, base_ids):
     """A pool too small for the rows (11 pages for 4 rows of up to 4): sequences are preempted
     and recomputed (from the cache: their own pages stay cached when freed), cached pages are
     evicted."""
-    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=12, ignore_eos=True,
-                         logprobs=2) for i in range(6)]  # logprobs: the sampling steps compiled
+    sp = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=12, ignore_eos=True, logprobs=2
+        )
+        for i in range(6)
+    ]  # logprobs: the sampling steps compiled
     prompts = [base_ids[:17] + [40 + i] for i in range(3)]
-    prompts += [[1] + base_ids[5 + 3 * i:21 + 3 * i] for i in range(3)]
+    prompts += [[1] + base_ids[5 + 3 * i : 21 + 3 * i] for i in range(3)]
     waves = [list(zip(prompts, sp, strict=True))]
     on = make_engine(stories, True)
     outs_on = run_waves(on, waves)
@@ -255,8 +279,9 @@ def test_batch_invariant_bitwise(stories, base_ids):
     outs_off = run_waves(make_engine(stories, False, **kw), waves)
     for a, b in zip(outs_on, outs_off, strict=True):
         assert a.token_ids == b.token_ids
-        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == \
-            [(lp.token_id, lp.logprob, lp.top) for lp in b.logprobs]
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs] == [
+            (lp.token_id, lp.logprob, lp.top) for lp in b.logprobs
+        ]
     check_hits(on, waves, outs_on)
 
 
@@ -279,11 +304,21 @@ def _pallas_waves(prefix, max_tokens=2):
 
 
 def _pallas_check(cfg, params, tokenizer, attn_impl, waves):
-    kw = dict(max_model_len=32, page_size=16, num_pages=6, max_num_seqs=2,
-              max_num_batched_tokens=32, max_prefill_seqs=2, unroll_layers=False)
-    engines = {c: Engine(cfg, params, tokenizer, EngineConfig(**kw, attn_impl=attn_impl,
-                                                              enable_prefix_caching=c))
-               for c in (True, False)}
+    kw = dict(
+        max_model_len=32,
+        page_size=16,
+        num_pages=6,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        max_prefill_seqs=2,
+        unroll_layers=False,
+    )
+    engines = {
+        c: Engine(
+            cfg, params, tokenizer, EngineConfig(**kw, attn_impl=attn_impl, enable_prefix_caching=c)
+        )
+        for c in (True, False)
+    }
     outs = {c: run_waves(e, waves) for c, e in engines.items()}
     assert_same(outs[True], outs[False])
     assert outs[True][1].metrics.num_cached_tokens == 16
@@ -291,8 +326,13 @@ def _pallas_check(cfg, params, tokenizer, attn_impl, waves):
 
 
 def test_pallas_tpu_kernel_interpret(stories, base_ids):
-    _pallas_check(stories.config, stories.params, stories.tokenizer, "pallas_tpu_interpret",
-                  _pallas_waves(base_ids))
+    _pallas_check(
+        stories.config,
+        stories.params,
+        stories.tokenizer,
+        "pallas_tpu_interpret",
+        _pallas_waves(base_ids),
+    )
 
 
 def test_pallas_gpu_kernel_interpret():
@@ -301,8 +341,17 @@ def test_pallas_gpu_kernel_interpret():
     from jaxinfer.models.config import ModelConfig
     from jaxinfer.models.params import init_random
 
-    cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    cfg = ModelConfig(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     params = init_random(cfg, jax.random.key(0), scale=0.3)
     prefix = np.random.default_rng(0).integers(3, 64, 20).tolist()
     _pallas_check(cfg, params, _IdsOnly(), "pallas_gpu_interpret", _pallas_waves(prefix))
@@ -352,8 +401,10 @@ def test_speculative_rejected_drafts_never_poison_shared_pages(stories, base_ids
     # sharing no page with the others): its prefill and verify rounds then have the two-row
     # buckets of wave 2 (a lone row has buckets of its own), and the mate's lone tail rounds
     # share one bucket: 3 compiled round shapes per method instead of 5.
-    mate = ([1, 450, 451, 452], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
-                                                logprobs=2))
+    mate = (
+        [1, 450, 451, 452],
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+    )
     assert base_ids[1] != 450
     engines = {c: _spec_engine(stories, c, method, draft) for c in (True, False)}
     first = {c: run_waves(e, [[(a, sp), mate]]) for c, e in engines.items()}
@@ -392,8 +443,9 @@ def test_tensor_and_data_parallel_with_prefix_aware_routing():
     (``draw_seeds``), not the routing, so seedless sampled rows equal the caching-off run's."""
     script = Path(__file__).with_name("prefix_cache_sharded_check.py")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     on, off = report["on"], report["off"]

@@ -20,8 +20,14 @@ from jaxinfer.llm import LLM
 from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams
 
 FAMILIES = ["llama2", "gemma2"]
-ENGINE = dict(max_model_len=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=7,
-              compilation_cache=False, skip_tokenizer_init=True)
+ENGINE = dict(
+    max_model_len=32,
+    page_size=8,
+    max_num_seqs=4,
+    max_num_batched_tokens=7,
+    compilation_cache=False,
+    skip_tokenizer_init=True,
+)
 LOGPROB_ATOL = 1e-4  # f32 vs transformers f32, as test_family_engine_parity (logits max_rel 1e-4)
 GAP = 1e-3  # top ids are compared where neighbouring logprobs differ by more than this
 
@@ -36,13 +42,14 @@ def family(request, tmp_path_factory):
 
 def check_against(ref_lp, prompt: list[int], got, k: int) -> None:
     """``got`` (RequestOutput.prompt_logprobs) equals the reference at every position."""
-    assert got is not None and len(got) == len(prompt), (None if got is None else len(got))
+    assert got is not None and len(got) == len(prompt), None if got is None else len(got)
     assert got[0] is None
     for i in range(1, len(prompt)):
         e, row = got[i], ref_lp[i - 1]
         assert e.token_id == prompt[i], i
-        np.testing.assert_allclose(e.logprob, row[prompt[i]], rtol=0, atol=LOGPROB_ATOL,
-                                   err_msg=f"position {i}")
+        np.testing.assert_allclose(
+            e.logprob, row[prompt[i]], rtol=0, atol=LOGPROB_ATOL, err_msg=f"position {i}"
+        )
         assert len(e.top) == k
         order = np.argsort(-row, kind="stable")[:k]
         np.testing.assert_allclose([v for _, v in e.top], row[order], rtol=0, atol=LOGPROB_ATOL)
@@ -57,8 +64,10 @@ def test_prompt_logprobs_equal_transformers(family):
     decode = H.random_ids(5, 1)
     a = H.random_ids(21, 2)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = llm.generate([decode, a], [greedy, SamplingParams(temperature=0, max_tokens=2,
-                                                             prompt_logprobs=5, ignore_eos=True)])
+    outs = llm.generate(
+        [decode, a],
+        [greedy, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5, ignore_eos=True)],
+    )
     assert outs[0].prompt_logprobs is None and len(outs[0].token_ids) == 12
     assert all(o.error is None for o in outs)
     check_against(ref(a), a, outs[1].prompt_logprobs, 5)
@@ -67,10 +76,14 @@ def test_prompt_logprobs_equal_transformers(family):
 
     # Prefix caching: a's first two pages (16 tokens) are cached now.
     b = a[:16] + H.random_ids(6, 3)
-    outs = llm.generate([list(b), list(b), decode],
-                        [SamplingParams(temperature=0, max_tokens=1),
-                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
-                         greedy])
+    outs = llm.generate(
+        [list(b), list(b), decode],
+        [
+            SamplingParams(temperature=0, max_tokens=1),
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+            greedy,
+        ],
+    )
     assert outs[0].metrics.num_cached_tokens == 16  # the cache holds b's prefix
     assert outs[1].metrics.num_cached_tokens == 0  # ... which prompt logprobs must not read
     check_against(ref(b), b, outs[1].prompt_logprobs, 0)
@@ -80,8 +93,9 @@ def test_prompt_logprobs_equal_transformers(family):
 def test_preempted_prompt_recomputed_without_duplicates(family):
     llm, ref = family
     eng, p = llm.engine, H.random_ids(24, 4)
-    eng.add_request("pre", p, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2,
-                                             ignore_eos=True))
+    eng.add_request(
+        "pre", p, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    )
     outs, steps = [], 0
     while eng.has_unfinished():
         outs += eng.step()
@@ -113,10 +127,14 @@ def test_bad_prompt_logprobs_fail_alone(family):
         check_request(sp, 256, False, True)
     # A request the engine refuses fails alone; the others in the batch complete.
     p = H.random_ids(6, 5)
-    outs = llm.generate([p, p + [10**6], p],
-                        [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
-                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
-                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)])
+    outs = llm.generate(
+        [p, p + [10**6], p],
+        [
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20),
+        ],
+    )
     assert outs[0].error is None and len(outs[0].prompt_logprobs) == 6
     assert "outside the vocabulary" in outs[1].error
     assert outs[2].error is None and len(outs[2].prompt_logprobs[1].top) == 20
@@ -133,13 +151,15 @@ def test_tiles_cover_every_slot(family, monkeypatch):
     llm, _ = family
     eng = llm.engine
     monkeypatch.setattr(plp, "TILE", 8)
-    hidden = jnp.asarray(np.random.default_rng(0).normal(size=(21, eng.cfg.hidden_size)),
-                         jnp.float32)
+    hidden = jnp.asarray(
+        np.random.default_rng(0).normal(size=(21, eng.cfg.hidden_size)), jnp.float32
+    )
     targets = jnp.asarray(H.random_ids(21, 6), jnp.int32)
     out = plp.token_logprobs(eng.params, eng.cfg, hidden, targets, 4)
     full = H.log_softmax(np.asarray(compute_logits(eng.params, eng.cfg, hidden)))
-    np.testing.assert_allclose(out.logprobs, full[np.arange(21), np.asarray(targets)],
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        out.logprobs, full[np.arange(21), np.asarray(targets)], rtol=0, atol=1e-5
+    )
     np.testing.assert_allclose(out.top_logprobs, -np.sort(-full, -1)[:, :4], rtol=0, atol=1e-5)
 
 
@@ -153,16 +173,37 @@ def test_cli_records_prompt_logprobs(tmp_path, stories_dir):
 
     story = json.loads((stories_dir / "greedy_reference.json").read_text())[0]
     assert story["prompt"] == ""
-    recs = [{"id": "story", "prompt": story["expected"][:120], "prompt_logprobs": 2},
-            {"id": "bad", "prompt": "Tom", "prompt_logprobs": MAX_LOGPROBS + 1},
-            {"id": "flag", "prompt": "Tom"},
-            {"id": "off", "prompt": "Tom", "prompt_logprobs": None}]
+    recs = [
+        {"id": "story", "prompt": story["expected"][:120], "prompt_logprobs": 2},
+        {"id": "bad", "prompt": "Tom", "prompt_logprobs": MAX_LOGPROBS + 1},
+        {"id": "flag", "prompt": "Tom"},
+        {"id": "off", "prompt": "Tom", "prompt_logprobs": None},
+    ]
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    rc = cli.main(["generate", "--model", str(stories_dir), "--prompts", str(prompts),
-                   "--out", str(out), "--max-model-len", "64", "--max-num-seqs", "4",
-                   "--no-progress", "--quiet", "--temperature", "0", "--max-tokens", "1",
-                   "--prompt-logprobs", "0"])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(stories_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-model-len",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--no-progress",
+            "--quiet",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "1",
+            "--prompt-logprobs",
+            "0",
+        ]
+    )
     assert rc == 0
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     plp = got["story"]["prompt_logprobs"]

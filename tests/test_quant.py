@@ -97,14 +97,20 @@ def test_quantized_linear_specs_match_einsum():
     q = quantize_tensor(wq, 0, 1)
     wdeq = jnp.transpose(dequantize(q), (2, 0, 1))  # back to [D, N, H]
     np.testing.assert_allclose(
-        qlinear(x, q, "TD,DNH->TNH", "dot"), jnp.einsum("TD,DNH->TNH", x, wdeq), rtol=1e-5, atol=1e-6
+        qlinear(x, q, "TD,DNH->TNH", "dot"),
+        jnp.einsum("TD,DNH->TNH", x, wdeq),
+        rtol=1e-5,
+        atol=1e-6,
     )
     wo = 0.1 * jax.random.normal(k, (3, 4, 16))  # [N, H, D]
     qo = quantize_tensor(wo, 0, 2)
     xo = jax.random.normal(k, (5, 3, 4))
     wodeq = jnp.transpose(dequantize(qo), (1, 2, 0))
     np.testing.assert_allclose(
-        qlinear(xo, qo, "TNH,NHD->TD", "dot"), jnp.einsum("TNH,NHD->TD", xo, wodeq), rtol=1e-5, atol=1e-6
+        qlinear(xo, qo, "TNH,NHD->TD", "dot"),
+        jnp.einsum("TNH,NHD->TD", xo, wodeq),
+        rtol=1e-5,
+        atol=1e-6,
     )
     # Per-output-channel quantization error is at most half a step, the step max|w| / 127 over
     # the contracted axes computed here: D for wq [D, N, H], (N, H) for wo [N, H, D], I for the
@@ -125,12 +131,21 @@ def test_fused_int8_projections_within_bounds(mode):
     # bounds as in the tests above: w8a16 two-digit, w8a8 one digit (and really one digit).
     from jaxinfer.models.config import ModelConfig
     from jaxinfer.models.forward import linear_parts
-    from jaxinfer.models.params import out_in_projections, param_shapes, params_from_flat, unstack_layers
+    from jaxinfer.models.params import (
+        out_in_projections,
+        param_shapes,
+        params_from_flat,
+        unstack_layers,
+    )
 
     cfg = ModelConfig("llama", 64, 32, 48, 2, 4, 2, 8)
     rng = np.random.default_rng(3)
-    params = params_from_flat({n: jnp.asarray(0.05 * rng.standard_normal(shape), jnp.float32)
-                               for n, shape in param_shapes(cfg).items()})
+    params = params_from_flat(
+        {
+            n: jnp.asarray(0.05 * rng.standard_normal(shape), jnp.float32)
+            for n, shape in param_shapes(cfg).items()
+        }
+    )
     x = rng.standard_normal((3, 32))
     s1 = _np_step(x, -1)  # [R, 1], max|x_r| / 127 computed here
     groups = [("wqkv", ("wq", "wk", "wv")), ("w_gate_up", ("w_gate", "w_up"))]
@@ -142,8 +157,11 @@ def test_fused_int8_projections_within_bounds(mode):
         for stacked in (False, True):
             fp = out_in_projections(qp if stacked else unstack_layers(qp))
             for layer in range(2):
-                lp = (jax.tree.map(lambda a, i=layer: a[i], fp.layers) if stacked
-                      else fp.layers[layer])
+                lp = (
+                    jax.tree.map(lambda a, i=layer: a[i], fp.layers)
+                    if stacked
+                    else fp.layers[layer]
+                )
                 assert lp.wq is None and lp.w_gate is None and lp.wqkv.act == qp.layers.wq.act
                 out.append([linear_parts(x, getattr(lp, f)) for f, _ in groups])
         return qp, out
@@ -370,8 +388,14 @@ def test_kv_bytes_count_scales_and_pallas_takes_an_int8_cache(stories_dir):
     assert kv_bytes_per_token(cfg, jnp.float32) == 2 * 2 * 2 * 8 * 4
     assert kv_bytes_per_token(cfg, jnp.int8) == 2 * 2 * 2 * (8 + 4)
     # The Pallas kernels read int8 pages (greedy tokens == XLA's: tests/test_engine_pallas.py).
-    llm = LLM(stories_dir, max_model_len=16, max_num_seqs=2, attn_impl="pallas_tpu_interpret",
-              kv_cache_dtype="int8", compilation_cache=False)
+    llm = LLM(
+        stories_dir,
+        max_model_len=16,
+        max_num_seqs=2,
+        attn_impl="pallas_tpu_interpret",
+        kv_cache_dtype="int8",
+        compilation_cache=False,
+    )
     kv = llm.engine.kv
     assert kv.k_pages.dtype == jnp.int8 and kv.k_scales.shape == kv.k_pages.shape[:-1]
 
@@ -379,11 +403,14 @@ def test_kv_bytes_count_scales_and_pallas_takes_an_int8_cache(stories_dir):
 # ---------------------------------------------------------------- scales against numpy (issue 16)
 
 
-@pytest.mark.parametrize("shape,num_lead,num_in", [
-    ((48, 40), 0, 1),  # [in, out]
-    ((3, 16, 4, 8), 1, 1),  # [L, D, N, H]: wq
-    ((3, 4, 8, 16), 1, 2),  # [L, N, H, D]: wo, two contracted axes
-])
+@pytest.mark.parametrize(
+    "shape,num_lead,num_in",
+    [
+        ((48, 40), 0, 1),  # [in, out]
+        ((3, 16, 4, 8), 1, 1),  # [L, D, N, H]: wq
+        ((3, 4, 8, 16), 1, 2),  # [L, N, H, D]: wo, two contracted axes
+    ],
+)
 def test_weight_scales_are_max_over_127_in_numpy(shape, num_lead, num_in):
     """Per-output-channel scales == max|w| / 127 over the contracted axes and values ==
     round(w / s), computed here in numpy (AQT's symmetric int8, the module docstring's rule)."""
@@ -413,11 +440,13 @@ def test_model_weight_scales_are_max_over_127_in_numpy(stories_dir):
     for name, num_in in LAYER_PROJECTIONS.items():
         w = np.asarray(getattr(m.params.layers, name), np.float32)  # [L, *in, *out]
         ref = np.abs(w).max(axis=tuple(range(1, 1 + num_in))) / 127
-        np.testing.assert_allclose(np.asarray(getattr(qp.layers, name).scales), ref, rtol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(getattr(qp.layers, name).scales), ref, rtol=1e-6, err_msg=name
+        )
     emb = np.asarray(m.params.embed, np.float32)  # [V, D]
-    np.testing.assert_allclose(np.asarray(qp.embed.scales), np.abs(emb).max(axis=1) / 127,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(qp.embed.scales), np.abs(emb).max(axis=1) / 127, rtol=1e-6
+    )
 
 
 def test_kv_scales_are_max_over_127_per_token_and_head_in_numpy():
@@ -439,8 +468,13 @@ def test_kv_scales_are_max_over_127_per_token_and_head_in_numpy():
     cfg = ModelConfig("llama", 32, 16, 32, 2, 4, 2, 8)
     v = -2 * x
     slots = np.array([4, 5, 17, 30, 9])  # Z = 4: pages 1, 1, 4, 7, 2
-    kv = write_kv(init_kv_cache(cfg, 8, 4, jnp.int8), jnp.int32(1), jnp.asarray(x), jnp.asarray(v),
-                  jnp.asarray(slots, jnp.int32))
+    kv = write_kv(
+        init_kv_cache(cfg, 8, 4, jnp.int8),
+        jnp.int32(1),
+        jnp.asarray(x),
+        jnp.asarray(v),
+        jnp.asarray(slots, jnp.int32),
+    )
     page, off = slots // 4, slots % 4
     ks = np.asarray(kv.k_scales)[1][:, page, off].T  # [T, K]
     vs = np.asarray(kv.v_scales)[1][:, page, off].T
@@ -461,8 +495,13 @@ def test_kv_float_writes_at_their_slots():
     rng = np.random.default_rng(8)
     k, v = (rng.standard_normal((5, 2, 8)).astype(np.float32) for _ in range(2))
     slots = np.array([4, 5, 17, 30, 9])
-    kv = write_kv(init_kv_cache(cfg, 8, 4, jnp.float32), jnp.int32(1), jnp.asarray(k),
-                  jnp.asarray(v), jnp.asarray(slots, jnp.int32))
+    kv = write_kv(
+        init_kv_cache(cfg, 8, 4, jnp.float32),
+        jnp.int32(1),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(slots, jnp.int32),
+    )
     kp, vp = np.asarray(kv.k_pages), np.asarray(kv.v_pages)  # [L, K, P, Z, H]
     for t, slot in enumerate(slots):
         np.testing.assert_array_equal(kp[1, :, slot // 4, slot % 4], k[t])

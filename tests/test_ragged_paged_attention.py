@@ -43,8 +43,9 @@ def pairwise(backend):
     for gi, g in enumerate(GQAS):
         for zi, z in enumerate(PAGES):
             s = gi + zi
-            out.append((DTYPES[s % 2], z, g, HEAD_DIMS[backend][s % 3], 0, None,
-                        KINDS[(2 * gi + zi) % 3]))
+            out.append(
+                (DTYPES[s % 2], z, g, HEAD_DIMS[backend][s % 3], 0, None, KINDS[(2 * gi + zi) % 3])
+            )
     return out
 
 
@@ -82,18 +83,28 @@ def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8
     vp = jnp.stack([jnp.zeros_like(cast(v_pages)), cast(v_pages)])
     scales, ref_pages = (), (kp, vp)
     if int8:
-        (kp, ks, kd), (vp, vs, vd) = (numpy_int8_pages(np.stack([0 * x, x]))
-                                      for x in (k_pages, v_pages))
+        (kp, ks, kd), (vp, vs, vd) = (
+            numpy_int8_pages(np.stack([0 * x, x])) for x in (k_pages, v_pages)
+        )
         kp, vp, scales, ref_pages = jnp.asarray(kp), jnp.asarray(vp), (ks, vs), (kd, vd)
-    meta = (jnp.asarray(md.kv_lens), jnp.asarray(md.block_tables), jnp.asarray(md.cu_q_lens),
-            jnp.int32(window), jnp.int32(1))
+    meta = (
+        jnp.asarray(md.kv_lens),
+        jnp.asarray(md.block_tables),
+        jnp.asarray(md.cu_q_lens),
+        jnp.int32(window),
+        jnp.int32(1),
+    )
     kw = dict(num_decode=md.num_decode, scale=h**-0.5, softcap=softcap)
-    kernel = jax.jit(lambda *a: ragged_paged_attention(
-        *a, **kw, backend=backend, interpret=interpret, block_sizes=BlockSizes(ppb, 16)))
+    kernel = jax.jit(
+        lambda *a: ragged_paged_attention(
+            *a, **kw, backend=backend, interpret=interpret, block_sizes=BlockSizes(ppb, 16)
+        )
+    )
     out = np.asarray(kernel(cast(q), kp, vp, *meta, *scales), np.float64)
     with jax.default_matmul_precision("highest"):  # on a device, an f32 reference in f32
-        ref = np.asarray(ragged_paged_attention_reference(cast(q), *ref_pages, *meta, **kw),
-                         np.float64)
+        ref = np.asarray(
+            ragged_paged_attention_reference(cast(q), *ref_pages, *meta, **kw), np.float64
+        )
     live = np.concatenate([np.arange(tok, tok + ql) for tok, ql, *_ in rows])
     np.testing.assert_allclose(out[live], ref[live], **TOL[jnp.float32 if int8 else dtype])
     assert np.isfinite(out).all()  # padding tokens too: their K/V reach the null page
@@ -121,8 +132,11 @@ CASES = [("tpu", *c) for c in pick(pairwise("tpu"))] + [("gpu", *c) for c in pic
 # sliding window and soft-cap (Gemma 2/3, Mistral)
 
 
-@pytest.mark.parametrize("backend,dtype,page_size,gqa,head_dim,window,softcap,kind", CASES,
-                         ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize(
+    "backend,dtype,page_size,gqa,head_dim,window,softcap,kind",
+    CASES,
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
 def test_kernel_equals_reference(backend, dtype, page_size, gqa, head_dim, window, softcap, kind):
     run_case(backend, dtype, page_size, gqa, head_dim, window, softcap, kind)
 
@@ -143,16 +157,31 @@ def test_int8_pages_equal_reference_on_dequantized_pages(backend):
     # queries: f32 tolerance, as the kernel attends the dequantized pages in f32 like the
     # reference. One-page KV blocks on TPU (a third of the interpret time of two); the GPU
     # kernel needs >= 16 keys per block.
-    run_case(backend, jnp.bfloat16, 8, 2, 32, 6, None, kind="mixed", int8=True,
-             ppb=1 if backend == "tpu" else 2)
+    run_case(
+        backend,
+        jnp.bfloat16,
+        8,
+        2,
+        32,
+        6,
+        None,
+        kind="mixed",
+        int8=True,
+        ppb=1 if backend == "tpu" else 2,
+    )
 
 
 def test_int8_pages_need_both_scales():
     q = jnp.zeros((2, 4, 32), jnp.float32)
     i8, f32 = jnp.zeros((1, 2, 4, 8, 32), jnp.int8), jnp.zeros((1, 2, 4, 8, 32), jnp.float32)
     scales = jnp.ones((1, 2, 4, 8), jnp.float32)
-    meta = (jnp.ones(2, jnp.int32), jnp.ones((2, 2), jnp.int32), jnp.arange(3, dtype=jnp.int32),
-            jnp.int32(0), jnp.int32(0))
+    meta = (
+        jnp.ones(2, jnp.int32),
+        jnp.ones((2, 2), jnp.int32),
+        jnp.arange(3, dtype=jnp.int32),
+        jnp.int32(0),
+        jnp.int32(0),
+    )
     kw = dict(num_decode=2, scale=1.0, backend="tpu", interpret=True)
     with pytest.raises(ValueError, match="int8 pages with k_scales None.*supported are int8"):
         ragged_paged_attention(q, i8, i8, *meta, **kw)
@@ -167,25 +196,42 @@ def test_decode_only_launches_no_prefill_kernel(backend):
     interpret = interpret_for(backend)
     q = jnp.zeros((8, 4, 64), jnp.float32)
     pages = jnp.zeros((1, 2, 9, 16, 64), jnp.float32)
-    args = (q, pages, pages, jnp.ones(8, jnp.int32), jnp.ones((8, 4), jnp.int32),
-            jnp.arange(9, dtype=jnp.int32), jnp.int32(0), jnp.int32(0))
+    args = (
+        q,
+        pages,
+        pages,
+        jnp.ones(8, jnp.int32),
+        jnp.ones((8, 4), jnp.int32),
+        jnp.arange(9, dtype=jnp.int32),
+        jnp.int32(0),
+        jnp.int32(0),
+    )
 
     def calls(num_decode):
-        jaxpr = jax.make_jaxpr(lambda *a: ragged_paged_attention(
-            *a, num_decode=num_decode, scale=1.0, backend=backend, interpret=interpret))(*args)
-        return [str(e.params.get("name", e.params.get("name_and_src_info", "")))
-                for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        jaxpr = jax.make_jaxpr(
+            lambda *a: ragged_paged_attention(
+                *a, num_decode=num_decode, scale=1.0, backend=backend, interpret=interpret
+            )
+        )(*args)
+        return [
+            str(e.params.get("name", e.params.get("name_and_src_info", "")))
+            for e in jaxpr.eqns
+            if e.primitive.name == "pallas_call"
+        ]
 
     assert len(calls(8)) == 1 and len(calls(4)) == 2 and len(calls(0)) == 1
 
 
-@pytest.mark.parametrize("backend,kw,match", [
-    ("tpu", dict(head_dim=12, page_size=16), "head_dim=12 .*multiples of 8"),
-    ("tpu", dict(head_dim=64, page_size=4), "page_size=4 .*multiples of 8"),
-    ("gpu", dict(head_dim=96, page_size=16), "head_dim=96 .*powers of two"),
-    ("gpu", dict(head_dim=64, page_size=12), "page_size=12"),
-    ("cuda", dict(head_dim=64, page_size=16), "backend='cuda'.*supported"),
-])
+@pytest.mark.parametrize(
+    "backend,kw,match",
+    [
+        ("tpu", dict(head_dim=12, page_size=16), "head_dim=12 .*multiples of 8"),
+        ("tpu", dict(head_dim=64, page_size=4), "page_size=4 .*multiples of 8"),
+        ("gpu", dict(head_dim=96, page_size=16), "head_dim=96 .*powers of two"),
+        ("gpu", dict(head_dim=64, page_size=12), "page_size=12"),
+        ("cuda", dict(head_dim=64, page_size=16), "backend='cuda'.*supported"),
+    ],
+)
 def test_unsupported_combination_names_it(backend, kw, match):
     with pytest.raises(ValueError, match=match):
         check_supported(backend, num_heads=8, num_kv_heads=2, **kw)

@@ -61,17 +61,27 @@ def _tokenizer_files(d: Path) -> None:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=[chr(c) for c in range(32, 127)])
+    trainer = trainers.BpeTrainer(
+        vocab_size=256,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=[chr(c) for c in range(32, 127)],
+    )
     tok.train_from_iterator(CORPUS + [c["expected"] for c in stories_reference()], trainer)
     assert tok.get_vocab_size() == 256
     assert [tok.token_to_id(s) for s in SPECIALS] == list(range(len(SPECIALS)))
     tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 1)])
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 1)]
+    )
     tok.save(str(d / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-              "eos_token": "<|eot_id|>", "pad_token": "<pad>",
-              "clean_up_tokenization_spaces": False, "chat_template": TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "pad_token": "<pad>",
+        "clean_up_tokenization_spaces": False,
+        "chat_template": TEMPLATE,
+    }
     (d / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -95,9 +105,13 @@ def _hf_greedy(model, ids: list[int], new: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=new,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def _hf_text(hf_tok, prompt: list[int], ids: list[int], **kw) -> str:
@@ -105,7 +119,7 @@ def _hf_text(hf_tok, prompt: list[int], ids: list[int], **kw) -> str:
     the prompt's context, less the prompt's text)."""
     full, head = hf_tok.decode(prompt + ids, **kw), hf_tok.decode(prompt, **kw)
     assert full.startswith(head), (full, head)
-    return full[len(head):]
+    return full[len(head) :]
 
 
 def _hf_logits(model, ids: list[int]) -> np.ndarray:
@@ -116,14 +130,16 @@ def _hf_logits(model, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
-def test_chat_and_messages_records_render_and_generate_as_transformers(chat_model, tmp_path,
-                                                                       monkeypatch, capsys):
+def test_chat_and_messages_records_render_and_generate_as_transformers(
+    chat_model, tmp_path, monkeypatch, capsys
+):
     path, llm, hf_tok, model = chat_model
     sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     outs = llm.chat(CONVERSATIONS, sp)
     for conv, out in zip(CONVERSATIONS, outs, strict=True):
-        want = hf_tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)
+        want = hf_tok.apply_chat_template(
+            conv, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         assert out.error is None and out.prompt_token_ids == want
         assert out.token_ids == _hf_greedy(model, want, NEW)
         assert out.text == _hf_text(hf_tok, want, out.token_ids, skip_special_tokens=True)
@@ -138,11 +154,28 @@ def test_chat_and_messages_records_render_and_generate_as_transformers(chat_mode
     # LLM: the record path, not the loading, is under test here).
     monkeypatch.setattr(cli, "_load_llm", lambda args: llm)
     prompts, out = tmp_path / "chat.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"c{i}", "messages": c}) + "\n"
-                               for i, c in enumerate(CONVERSATIONS)))
-    rc = cli.main(["generate", "--model", str(path), "--prompts", str(prompts), "--out", str(out),
-                   "--no-progress", "--temperature", "0", "--max-tokens", str(NEW),
-                   "--ignore-eos"])
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"c{i}", "messages": c}) + "\n" for i, c in enumerate(CONVERSATIONS)
+        )
+    )
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(path),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            str(NEW),
+            "--ignore-eos",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     summary = json.loads(captured.out)
@@ -167,22 +200,25 @@ def test_presence_penalty_min_p_and_special_tokens_through_the_engine(chat_model
     penalties = {"presence": 2.0, "presence_neg": -1.0}
     rows = {
         "greedy": SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-        **{k: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, presence_penalty=v)
-           for k, v in penalties.items()},
-        "min_p": SamplingParams(temperature=temp, min_p=min_p, seed=0, max_tokens=n,
-                                ignore_eos=True),
+        **{
+            k: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, presence_penalty=v)
+            for k, v in penalties.items()
+        },
+        "min_p": SamplingParams(
+            temperature=temp, min_p=min_p, seed=0, max_tokens=n, ignore_eos=True
+        ),
         "plain": SamplingParams(temperature=temp, seed=0, max_tokens=n, ignore_eos=True),
-        "specials": SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                   skip_special_tokens=False),
+        "specials": SamplingParams(
+            temperature=0.0, max_tokens=n, ignore_eos=True, skip_special_tokens=False
+        ),
         "skipped": SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
     }
     prompts = {k: fox if k in ("specials", "skipped") else lily for k in rows}
-    outs = dict(zip(rows, llm.generate(list(prompts.values()), list(rows.values())),
-                    strict=True))
+    outs = dict(zip(rows, llm.generate(list(prompts.values()), list(rows.values())), strict=True))
     logits = {}  # f64[n, V]: the distribution each generated token was drawn from
     for k, o in outs.items():
         p = prompts[k]
-        logits[k] = _hf_logits(model, p + o.token_ids)[len(p) - 1:-1].astype(np.float64)
+        logits[k] = _hf_logits(model, p + o.token_ids)[len(p) - 1 : -1].astype(np.float64)
     for k in ("greedy", "specials"):
         assert outs[k].token_ids == [int(np.argmax(x)) for x in logits[k]], k
 
@@ -200,9 +236,11 @@ def test_presence_penalty_min_p_and_special_tokens_through_the_engine(chat_model
             top2 = np.sort(want)[-2:]
             assert top2[1] - top2[0] > 1e-4, (k, i)  # clear of f32 noise (~1e-5 here)
             assert tok == int(np.argmax(want)), (k, i, toks)
-            alt = {"none": logits[k][i],
-                   "prompt counted": logits[k][i] - pen * (seen | np.isin(vocab, prompts[k])),
-                   "per occurrence": logits[k][i] - pen * np.bincount(toks[:i], minlength=256)}
+            alt = {
+                "none": logits[k][i],
+                "prompt counted": logits[k][i] - pen * (seen | np.isin(vocab, prompts[k])),
+                "per occurrence": logits[k][i] - pen * np.bincount(toks[:i], minlength=256),
+            }
             for name, x in alt.items():
                 differs[name] += tok != int(np.argmax(x))
     assert min(differs.values()) >= 1, differs
@@ -235,8 +273,8 @@ def test_quantized_untied_lm_head(chat_model, tmp_path, capsys, monkeypatch):
     numpy-dequantized head."""
     from safetensors import safe_open
 
-    from jaxinfer.models.attention import dense_attn_fn
     from jaxinfer.loaders import load
+    from jaxinfer.models.attention import dense_attn_fn
     from jaxinfer.models.forward import compute_logits, forward
     from jaxinfer.quant import QTensor, quantize
 
@@ -257,8 +295,10 @@ def test_quantized_untied_lm_head(chat_model, tmp_path, capsys, monkeypatch):
     np.testing.assert_allclose(np.asarray(head.scales), scales, rtol=F32_EPS, atol=0)  # 1 ulp
     mem = quantize(load(path).params, "int8", lm_head=True)
     assert jax.tree.structure(mem) == jax.tree.structure(m.params)
-    assert all(np.array_equal(a, b) for a, b in
-               zip(jax.tree.leaves(mem), jax.tree.leaves(m.params), strict=True))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(mem), jax.tree.leaves(m.params), strict=True)
+    )
 
     @jax.jit
     def hidden_and_logits(params, tokens):  # i32[S] -> final-normed f32[S, D], f32[S, V]
@@ -295,6 +335,7 @@ def test_compilation_cache_is_on_by_default_in_the_documented_place(monkeypatch,
     monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", "0")
     assert llm_module.enable_compilation_cache() is None and calls == []
 
+
 # ------------------------------------------------------------------ stories260K: llama2.c outputs
 
 BOS = 1
@@ -314,8 +355,12 @@ def reference():
     cases = [c for c in stories_reference() if c["max_steps"] == 64]
     assert len(cases) == 2
     prompts = [tok.encode(c["prompt"]) for c in cases]
-    params = [SamplingParams(temperature=0.0, max_tokens=c["max_steps"] - (len(p) - 1),
-                             stop_token_ids=[BOS]) for c, p in zip(cases, prompts, strict=True)]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=c["max_steps"] - (len(p) - 1), stop_token_ids=[BOS]
+        )
+        for c, p in zip(cases, prompts, strict=True)
+    ]
 
     def check(token_ids, what):
         for c, p, ids in zip(cases, prompts, token_ids, strict=True):
@@ -326,7 +371,8 @@ def reference():
 
 
 def test_quantize_and_train_draft_heads_then_generate_from_both_directories(
-        tmp_path, capsys, monkeypatch, reference):
+    tmp_path, capsys, monkeypatch, reference
+):
     """The README's workflow on stories260K: ``jaxinfer quantize`` writes int8 weights (numpy
     scales, bit for bit what quantizing in memory gives); a few steps of ``jaxinfer
     train-draft-heads`` write a heads directory; ``jaxinfer generate --model DIR --speculative
@@ -348,17 +394,38 @@ def test_quantize_and_train_draft_heads_then_generate_from_both_directories(
     assert isinstance(q, QTensor) and q.values.dtype == jnp.int8
     scales = np.abs(w).max(axis=1) / np.float32(127)
     np.testing.assert_allclose(np.asarray(q.scales), scales, rtol=F32_EPS, atol=0)  # 1 ulp
-    np.testing.assert_array_equal(np.asarray(q.values),
-                                  np.round(np.swapaxes(w, 1, 2) / scales[..., None]))
+    np.testing.assert_array_equal(
+        np.asarray(q.values), np.round(np.swapaxes(w, 1, 2) / scales[..., None])
+    )
     mem = quantize(float_params, "int8")
     assert jax.tree.structure(mem) == jax.tree.structure(saved.params)
-    assert all(np.array_equal(a, b) for a, b in
-               zip(jax.tree.leaves(mem), jax.tree.leaves(saved.params), strict=True))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(mem), jax.tree.leaves(saved.params), strict=True)
+    )
 
     heads = tmp_path / "heads"
-    rc = cli.main(["train-draft-heads", "--model", str(STORIES), "--out", str(heads),
-                   "--num-heads", "2", "--num-sequences", "8", "--gen-tokens", "16",
-                   "--steps", "3", "--batch-size", "32", "--held-out", "0.25"])
+    rc = cli.main(
+        [
+            "train-draft-heads",
+            "--model",
+            str(STORIES),
+            "--out",
+            str(heads),
+            "--num-heads",
+            "2",
+            "--num-sequences",
+            "8",
+            "--gen-tokens",
+            "16",
+            "--steps",
+            "3",
+            "--batch-size",
+            "32",
+            "--held-out",
+            "0.25",
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 3 and len(summary["held_out_top1_agreement"]) == 2
@@ -366,14 +433,43 @@ def test_quantize_and_train_draft_heads_then_generate_from_both_directories(
     assert (heads / "loss.png").stat().st_size > 0
 
     recs = tmp_path / "p.jsonl"
-    lines = [{"id": str(i), "prompt_token_ids": p, "max_tokens": params[i].max_tokens,
-              "stop_token_ids": [BOS]} for i, p in enumerate(prompts)]
+    lines = [
+        {
+            "id": str(i),
+            "prompt_token_ids": p,
+            "max_tokens": params[i].max_tokens,
+            "stop_token_ids": [BOS],
+        }
+        for i, p in enumerate(prompts)
+    ]
     recs.write_text("".join(json.dumps(r) + "\n" for r in lines))
     out = tmp_path / "out.jsonl"
-    rc = cli.main(["generate", "--model", str(qdir), "--prompts", str(recs), "--out", str(out),
-                   "--max-model-len", "256", "--page-size", "64", "--max-num-seqs", "4",
-                   "--no-progress", "--temperature", "0", "--speculative", "heads",
-                   "--draft-heads", str(heads), "--num-speculative-tokens", "2"])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(qdir),
+            "--prompts",
+            str(recs),
+            "--out",
+            str(out),
+            "--max-model-len",
+            "256",
+            "--page-size",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--no-progress",
+            "--temperature",
+            "0",
+            "--speculative",
+            "heads",
+            "--draft-heads",
+            str(heads),
+            "--num-speculative-tokens",
+            "2",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     check([got[str(i)]["token_ids"] for i in range(len(prompts))], "int8 dir + heads dir")
@@ -387,8 +483,13 @@ def test_draft_model_from_a_checkpoint_path(reference):
     from jaxinfer.llm import LLM
 
     prompts, params, check = reference
-    llm = LLM(STORIES, speculative="draft-model", draft_model=str(AIDREAMS),
-              num_speculative_tokens=2, **STORY_ENGINE)
+    llm = LLM(
+        STORIES,
+        speculative="draft-model",
+        draft_model=str(AIDREAMS),
+        num_speculative_tokens=2,
+        **STORY_ENGINE,
+    )
     dcfg = llm.engine.draft_cfg
     assert (dcfg.num_layers, dcfg.num_heads, dcfg.head_dim) == (4, 4, 16)
     outs = llm.generate(prompts, params)

@@ -32,8 +32,14 @@ def _records(path: Path, stories: Path) -> None:
     for i, c in enumerate(cases):
         ids = tok.encode(c["prompt"])
         if c["max_steps"] == 64:
-            lines.append({"id": str(i), "prompt_token_ids": ids, "stop_token_ids": [BOS],
-                          "max_tokens": c["max_steps"] - (len(ids) - 1)})
+            lines.append(
+                {
+                    "id": str(i),
+                    "prompt_token_ids": ids,
+                    "stop_token_ids": [BOS],
+                    "max_tokens": c["max_steps"] - (len(ids) - 1),
+                }
+            )
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -45,32 +51,55 @@ def _script(mode: str, work: Path, stories: Path) -> dict:
 
     hits = []
     jax.monitoring.register_event_listener(
-        lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)
+        lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None
+    )
     report = {"devices": jax.device_count()}
     built = []
     load = cli._load_llm
     cli._load_llm = lambda args: built.append(load(args)) or built[-1]
     out = work / f"{mode}.jsonl"
-    report["dp_rc"] = cli.main(["generate", "--model", str(stories), "--prompts",
-                                str(work / "prompts.jsonl"), "--out", str(out),
-                                "--data-parallel-size", "2", "--temperature", "0", *ENGINE])
+    report["dp_rc"] = cli.main(
+        [
+            "generate",
+            "--model",
+            str(stories),
+            "--prompts",
+            str(work / "prompts.jsonl"),
+            "--out",
+            str(out),
+            "--data-parallel-size",
+            "2",
+            "--temperature",
+            "0",
+            *ENGINE,
+        ]
+    )
     report["dp_records"] = [json.loads(x) for x in out.read_text().splitlines()]
-    report["dp_replicas"] = [{"devices": sorted(str(d) for d in e.params.embed.devices()),
-                              "steps_compiled": e.num_compilations} for e in built[0].engines]
+    report["dp_replicas"] = [
+        {
+            "devices": sorted(str(d) for d in e.params.embed.devices()),
+            "steps_compiled": e.num_compilations,
+        }
+        for e in built[0].engines
+    ]
     report["cache_hits"] = len(hits)
     if mode == "second":
         return report
     from jaxinfer.llm import LLM
 
     llm = LLM(stories, max_model_len=64, max_num_seqs=2, compilation_cache=False)
-    report["default"] = {"mesh": llm.mesh is not None, "engines": len(llm.engines),
-                         "tp": llm.sharding_plan.tp,
-                         "embed_devices": len(llm.engine.params.embed.devices())}
-    refusals = {"quant_tp": dict(tensor_parallel_size=2, quantization="int8"),
-                "quant_dp": dict(data_parallel_size=2, quantization="w8a8"),
-                "spec_tp": dict(tensor_parallel_size=2, speculative="ngram"),
-                "spec_dp": dict(data_parallel_size=2, speculative="draft-model",
-                                draft_model="self")}
+    report["default"] = {
+        "mesh": llm.mesh is not None,
+        "engines": len(llm.engines),
+        "tp": llm.sharding_plan.tp,
+        "embed_devices": len(llm.engine.params.embed.devices()),
+    }
+    refusals = {
+        "quant_tp": dict(tensor_parallel_size=2, quantization="int8"),
+        "quant_dp": dict(data_parallel_size=2, quantization="w8a8"),
+        "spec_tp": dict(tensor_parallel_size=2, speculative="ngram"),
+        "spec_dp": dict(data_parallel_size=2, speculative="draft-model", draft_model="self"),
+    }
     for name, kw in refusals.items():
         try:
             LLM(stories, max_model_len=64, max_num_seqs=2, compilation_cache=False, **kw)
@@ -81,10 +110,21 @@ def _script(mode: str, work: Path, stories: Path) -> dict:
 
 
 def _run(mode: str, work: Path, stories: Path, cache: Path) -> dict:
-    env = {**os.environ, "XLA_FLAGS": FLAGS, "JAXINFER_CACHE_DIR": str(cache),
-           "JAXINFER_COMPILATION_CACHE": "1", "JAXINFER_SHARED": str(stories.parents[1])}
-    proc = subprocess.run([sys.executable, __file__, mode, str(work), str(stories)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": FLAGS,
+        "JAXINFER_CACHE_DIR": str(cache),
+        "JAXINFER_COMPILATION_CACHE": "1",
+        "JAXINFER_SHARED": str(stories.parents[1]),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, mode, str(work), str(stories)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -110,8 +150,10 @@ def test_data_parallel_default_sizes_refusals_and_compilation_cache(tmp_path, st
 
     tok = load_tokenizer(stories_dir / "tok512.model", vocab_size=512)
     cases = stories_reference()
-    prompts = {json.loads(x)["id"]: json.loads(x)["prompt_token_ids"]
-               for x in (tmp_path / "prompts.jsonl").read_text().splitlines()}
+    prompts = {
+        json.loads(x)["id"]: json.loads(x)["prompt_token_ids"]
+        for x in (tmp_path / "prompts.jsonl").read_text().splitlines()
+    }
     assert first["dp_rc"] == 0 and len(first["dp_records"]) == len(prompts) == 2
     for r in first["dp_records"]:
         assert "error" not in r, r
@@ -123,11 +165,13 @@ def test_data_parallel_default_sizes_refusals_and_compilation_cache(tmp_path, st
 
     # Quantization and speculative decoding on a mesh are refused, saying what is unsupported.
     for name in ("quant_tp", "quant_dp"):
-        assert first[name] == ("ValueError: quantization with tensor/data parallel is not "
-                               "supported yet"), first[name]
+        assert first[name] == (
+            "ValueError: quantization with tensor/data parallel is not supported yet"
+        ), first[name]
     for name in ("spec_tp", "spec_dp"):
-        assert first[name] == ("ValueError: speculative decoding does not support sharded "
-                               "engines yet"), first[name]
+        assert first[name] == (
+            "ValueError: speculative decoding does not support sharded engines yet"
+        ), first[name]
 
     # The persistent cache: the first run wrote it; a second identical run hits it, adds no
     # forward-step file, and gives the same records. (The cache keeps compiles over 0.5 s: a
@@ -159,9 +203,17 @@ def test_default_parallelism_uses_all_devices_only_when_the_weights_do_not_fit()
     from jaxinfer.models.config import ModelConfig
     from jaxinfer.models.sharding import default_parallelism
 
-    cfg = ModelConfig("llama", vocab_size=512, hidden_size=64, intermediate_size=172,
-                      num_layers=5, num_heads=8, num_kv_heads=4, head_dim=8,
-                      tie_word_embeddings=True)
+    cfg = ModelConfig(
+        "llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=172,
+        num_layers=5,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     # Independent count: embedding, per layer q/k/v/o + gate/up/down + two norms, final norm.
     per_layer = 64 * (8 + 4 + 4) * 8 + 8 * 8 * 64 + 3 * 64 * 172 + 2 * 64
     need = (512 * 64 + 5 * per_layer + 64) * 4  # float32 bytes, tied head

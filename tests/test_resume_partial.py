@@ -23,12 +23,13 @@ import pytest
 from jaxinfer.cli import main as cli
 from jaxinfer.cli import partial as partial_mod
 from jaxinfer.engine.core import Engine
-from jaxinfer.outputs import TokenLogprob
 from jaxinfer.engine.resume import ResumeState
+from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.params import SamplingParams
 
-SHARED = Path(os.environ.get("JAXINFER_SHARED",
-                             Path(__file__).resolve().parents[1].parent / "shared"))
+SHARED = Path(
+    os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
+)
 STORIES = SHARED / "models" / "stories260K"
 ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]  # test_cli's shapes
 LOGPROB_ATOL = 1e-5
@@ -43,11 +44,16 @@ def _same_logprobs(got, want, where) -> None:
         return
     norm = [lp if isinstance(lp, dict) else dataclasses.asdict(lp) for lp in got]
     ref = [lp if isinstance(lp, dict) else dataclasses.asdict(lp) for lp in want]
-    assert [(x["token_id"], [t[0] for t in x["top"]]) for x in norm] == \
-        [(x["token_id"], [t[0] for t in x["top"]]) for x in ref], where
-    np.testing.assert_allclose([[x["logprob"], *[t[1] for t in x["top"]]] for x in norm],
-                               [[x["logprob"], *[t[1] for t in x["top"]]] for x in ref],
-                               rtol=0, atol=LOGPROB_ATOL, err_msg=str(where))
+    assert [(x["token_id"], [t[0] for t in x["top"]]) for x in norm] == [
+        (x["token_id"], [t[0] for t in x["top"]]) for x in ref
+    ], where
+    np.testing.assert_allclose(
+        [[x["logprob"], *[t[1] for t in x["top"]]] for x in norm],
+        [[x["logprob"], *[t[1] for t in x["top"]]] for x in ref],
+        rtol=0,
+        atol=LOGPROB_ATOL,
+        err_msg=str(where),
+    )
 
 
 # ----------------------------------------------------------------------------- engine level
@@ -70,20 +76,34 @@ def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
     cases = {  # name -> params; "u" has no seed: the engine draws one
         "greedy": SamplingParams(temperature=0, max_tokens=24, logprobs=1),
         "seeded": SamplingParams(temperature=0.8, seed=5, max_tokens=24, logprobs=2),
-        "u": SamplingParams(temperature=0.8, max_tokens=24, repetition_penalty=1.3,
-                            presence_penalty=0.5, frequency_penalty=0.3, logprobs=1),
+        "u": SamplingParams(
+            temperature=0.8,
+            max_tokens=24,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            logprobs=1,
+        ),
         # Greedy would end at output token 10 ("."); min_tokens bans it up to 14 tokens.
-        "min": SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[DOT], min_tokens=14,
-                              logprobs=1),
+        "min": SamplingParams(
+            temperature=0, max_tokens=40, stop_token_ids=[DOT], min_tokens=14, logprobs=1
+        ),
         # The greedy text ", there was a little girl named" spans tokens 5 ("g") to 8 (" named").
         "stop": SamplingParams(temperature=0, max_tokens=24, stop=["girl named"], logprobs=1),
     }
     seeds = dict(zip(cases, llm.draw_seeds(list(cases.values())), strict=True))
     assert seeds["seeded"] == 5
     # The reference: plain requests, the drawn seed given as the request's own.
-    ref = dict(zip(cases, llm.generate([PROMPT] * len(cases),
-                                       [dataclasses.replace(p, seed=seeds[c])
-                                        for c, p in cases.items()]), strict=True))
+    ref = dict(
+        zip(
+            cases,
+            llm.generate(
+                [PROMPT] * len(cases),
+                [dataclasses.replace(p, seed=seeds[c]) for c, p in cases.items()],
+            ),
+            strict=True,
+        )
+    )
     assert ref["min"].finish_reason == "stop" and ref["min"].stop_reason == DOT
     assert len(ref["min"].token_ids) > 14
     assert ref["stop"].stop_reason == "girl named" and ref["stop"].text == ", there was a little "
@@ -100,10 +120,13 @@ def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
 
     outs = {}
     for i in range(0, len(reqs), 8):  # 8 rows at most: the CLI tests' decode bucket
-        part = reqs[i:i + 8]
-        for o in llm.generate_stream([PROMPT] * len(part), [cases[c] for c, _ in part],
-                                     request_ids=[f"{c}/{k}" for c, k in part],
-                                     resume=[state(c, k) for c, k in part]):
+        part = reqs[i : i + 8]
+        for o in llm.generate_stream(
+            [PROMPT] * len(part),
+            [cases[c] for c, _ in part],
+            request_ids=[f"{c}/{k}" for c, k in part],
+            resume=[state(c, k) for c, k in part],
+        ):
             outs.setdefault(o.request_id, []).append(o)
     for c, k in reqs:
         got = outs[f"{c}/{k}"][-1]
@@ -112,8 +135,12 @@ def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
             assert got.error is not None and "already finished" in got.error, got.error
             continue
         assert got.error is None, (c, k, got.error)
-        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
-            (want.token_ids, want.text, want.finish_reason, want.stop_reason), (c, k)
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_reason,
+        ), (c, k)
         _same_logprobs(got.logprobs, want.logprobs, (c, k))
         assert got.logprobs[:k] == want.logprobs[:k]  # carried over as they were
         assert got.metrics.resumed_tokens == k
@@ -128,21 +155,41 @@ def test_resume_is_bitwise_in_batch_invariant_mode():
     from jaxinfer.llm import LLM
 
     # test_batch_invariant's SIZES, so both share their compiled steps.
-    inv = LLM(STORIES, max_model_len=32, max_num_seqs=8, kv_pages=8, compilation_cache=False,
-              batch_invariant=True)
-    params = [SamplingParams(temperature=0.8, seed=5, max_tokens=20, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=20, logprobs=1)]
+    inv = LLM(
+        STORIES,
+        max_model_len=32,
+        max_num_seqs=8,
+        kv_pages=8,
+        compilation_cache=False,
+        batch_invariant=True,
+    )
+    params = [
+        SamplingParams(temperature=0.8, seed=5, max_tokens=20, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=20, logprobs=1),
+    ]
     ref = inv.generate([PROMPT] * 2, params)
     reqs = [(i, k) for i in range(2) for k in (1, 10, 19)]
-    outs = {o.request_id: o for o in inv.generate_stream(
-        [PROMPT] * len(reqs), [params[i] for i, _ in reqs],
-        request_ids=[f"{i}/{k}" for i, k in reqs],
-        resume=[ResumeState(5, tuple(ref[i].token_ids[:k]), tuple(ref[i].logprobs[:k]))
-                for i, k in reqs]) if o.finished}
+    outs = {
+        o.request_id: o
+        for o in inv.generate_stream(
+            [PROMPT] * len(reqs),
+            [params[i] for i, _ in reqs],
+            request_ids=[f"{i}/{k}" for i, k in reqs],
+            resume=[
+                ResumeState(5, tuple(ref[i].token_ids[:k]), tuple(ref[i].logprobs[:k]))
+                for i, k in reqs
+            ],
+        )
+        if o.finished
+    }
     for i, k in reqs:
         got, want = outs[f"{i}/{k}"], ref[i]
-        assert (got.token_ids, got.text, got.finish_reason, got.logprobs) == \
-            (want.token_ids, want.text, want.finish_reason, want.logprobs), (i, k)
+        assert (got.token_ids, got.text, got.finish_reason, got.logprobs) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.logprobs,
+        ), (i, k)
 
 
 def test_bad_resume_states_are_refused_naming_the_problem(llm):
@@ -177,8 +224,15 @@ def _records() -> list[dict]:
         {**base, "id": "unseeded", "temperature": 0.8},
         {**base, "id": "stop", "temperature": 0, "stop": ["One day"]},
         {**base, "id": "logprobs", "temperature": 0.8, "logprobs": 2},
-        {**base, "id": "penalties", "temperature": 0.8, "repetition_penalty": 1.2,
-         "presence_penalty": 0.4, "frequency_penalty": 0.2, "seed": 3},
+        {
+            **base,
+            "id": "penalties",
+            "temperature": 0.8,
+            "repetition_penalty": 1.2,
+            "presence_penalty": 0.4,
+            "frequency_penalty": 0.2,
+            "seed": 3,
+        },
         {**base, "id": "short", "temperature": 0, "max_tokens": 3},
         {**base, "id": "min", "temperature": 0, "stop_token_ids": [DOT], "min_tokens": 14},
         {**base, "id": "late-logprobs", "temperature": 0.8, "logprobs": 1, "prompt": "The sun"},
@@ -192,8 +246,19 @@ def _write(path: Path, records: list[dict]) -> Path:
 
 
 def _main(prompts: Path, out: Path, capsys, *flags: str) -> tuple[int, dict, str]:
-    rc = cli.main(["generate", "--model", str(STORIES), "--prompts", str(prompts), "--out",
-                   str(out), *ENGINE, *flags])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(STORIES),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            *ENGINE,
+            *flags,
+        ]
+    )
     cap = capsys.readouterr()
     return rc, json.loads(cap.out.strip().splitlines()[-1]), cap.err
 
@@ -255,8 +320,19 @@ def reference(tmp_path_factory):
     """The uninterrupted run's records (its partial file is removed at the end)."""
     d = tmp_path_factory.mktemp("ref")
     prompts, out = _write(d / "p.jsonl", _records()), d / "out.jsonl"
-    rc = cli.main(["generate", "--model", str(STORIES), "--prompts", str(prompts), "--out",
-                   str(out), *ENGINE, "--quiet"])
+    rc = cli.main(
+        [
+            "generate",
+            "--model",
+            str(STORIES),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            *ENGINE,
+            "--quiet",
+        ]
+    )
     assert rc == 0
     assert not partial_mod.partial_path(out).exists()
     recs = _by_id(out)
@@ -265,7 +341,8 @@ def reference(tmp_path_factory):
 
 
 def test_sigterm_then_ctrl_c_then_resume_gives_the_uninterrupted_records(
-        tmp_path, capsys, monkeypatch, reference):
+    tmp_path, capsys, monkeypatch, reference
+):
     prompts, out = _write(tmp_path / "p.jsonl", _records()), tmp_path / "out.jsonl"
     part = partial_mod.partial_path(out)
     with monkeypatch.context() as m:
@@ -291,13 +368,14 @@ def test_sigterm_then_ctrl_c_then_resume_gives_the_uninterrupted_records(
     _assert_same_records(got, reference)
     # The last run computed fewer tokens than a from-scratch rerun of its records would sample.
     lines = out.read_text().splitlines()
-    last = [json.loads(x) for x in lines[summary["skipped"]:]]
+    last = [json.loads(x) for x in lines[summary["skipped"] :]]
     assert summary["resumed_tokens"] == sum(r["metrics"]["resumed_tokens"] for r in last) > 0
     assert hook.sampled < sum(len(r["token_ids"]) for r in last)
 
 
 def test_a_kill_loses_at_most_the_last_interval_and_a_changed_record_starts_afresh(
-        tmp_path, capsys, monkeypatch, reference):
+    tmp_path, capsys, monkeypatch, reference
+):
     # SIGKILL, simulated in-process: the files as they are on disk at one moment of the run
     # (each write is a whole line or an atomic replace) are what a kill then leaves behind.
     prompts, out = _write(tmp_path / "p.jsonl", _records()), tmp_path / "out.jsonl"
@@ -338,8 +416,11 @@ def test_a_kill_loses_at_most_the_last_interval_and_a_changed_record_starts_afre
     assert seeded["token_ids"] == ref_seeded["token_ids"][:30]
     # Every other saved token was carried over, not recomputed.
     done_before = {json.loads(x)["id"] for x in snap["out"].decode().splitlines()}
-    carried = {rid: len(r["token_ids"]) for rid, r in saved.items()
-               if rid not in done_before and rid != "seeded"}
+    carried = {
+        rid: len(r["token_ids"])
+        for rid, r in saved.items()
+        if rid not in done_before and rid != "seeded"
+    }
     assert summary["resumed_tokens"] == sum(carried.values()) > 0
     for rid, k in carried.items():
         assert got[rid]["metrics"]["resumed_tokens"] == k, rid
@@ -350,8 +431,19 @@ def test_a_kill_loses_at_most_the_last_interval_and_a_changed_record_starts_afre
 def test_checkpoint_interval_must_be_seconds(tmp_path, capsys):
     prompts = _write(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     for bad in ["-1", "nan", "inf"]:
-        rc = cli.main(["generate", "--model", str(STORIES), "--prompts", str(prompts), "--out",
-                       str(tmp_path / "o.jsonl"), "--checkpoint-interval", bad])
+        rc = cli.main(
+            [
+                "generate",
+                "--model",
+                str(STORIES),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(tmp_path / "o.jsonl"),
+                "--checkpoint-interval",
+                bad,
+            ]
+        )
         assert rc == 2
         assert "--checkpoint-interval must be a number of seconds >= 0" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
@@ -364,28 +456,47 @@ SETTINGS = {k: None for k in partial_mod.SETTINGS} | {"model": "/m", "dtype": "f
 
 
 def _doc(requests, settings=SETTINGS, **kw) -> dict:
-    return {"format": partial_mod.FORMAT, "version": partial_mod.VERSION, "settings": settings,
-            "requests": requests, **kw}
+    return {
+        "format": partial_mod.FORMAT,
+        "version": partial_mod.VERSION,
+        "settings": settings,
+        "requests": requests,
+        **kw,
+    }
 
 
 def test_partial_file_is_trusted_only_when_it_fits(tmp_path):
     path = tmp_path / "o.jsonl.partial.json"
-    good = {"id": "a", "fingerprint": "f", "seed": 7, "token_ids": [1, 2],
-            "logprobs": [{"token_id": 1, "logprob": -0.5, "top": [[1, -0.5]]},
-                         {"token_id": 2, "logprob": -1.0, "top": [[2, -1.0]]}]}
+    good = {
+        "id": "a",
+        "fingerprint": "f",
+        "seed": 7,
+        "token_ids": [1, 2],
+        "logprobs": [
+            {"token_id": 1, "logprob": -0.5, "top": [[1, -0.5]]},
+            {"token_id": 2, "logprob": -1.0, "top": [[2, -1.0]]},
+        ],
+    }
     cases = [
         (b"{not json", "is not valid JSON"),
         (json.dumps(dict(_doc([good]), version=99)).encode(), "of version 1"),
-        (json.dumps(_doc([good], settings=SETTINGS | {"dtype": "bfloat16"})).encode(),
-         "other settings (dtype)"),
+        (
+            json.dumps(_doc([good], settings=SETTINGS | {"dtype": "bfloat16"})).encode(),
+            "other settings (dtype)",
+        ),
     ]
     for raw, words in cases:
         path.write_bytes(raw)
         warnings = []
         assert partial_mod.load(path, SETTINGS, warnings.append) == {}
         assert len(warnings) == 1 and words in warnings[0] and str(path) in warnings[0], warnings
-    bad = [dict(good, id="b", seed="7"), dict(good, id="c", token_ids=[1, True]),
-           dict(good, id="d", logprobs=[{"token_id": 1}]), dict(good), "x"]
+    bad = [
+        dict(good, id="b", seed="7"),
+        dict(good, id="c", token_ids=[1, True]),
+        dict(good, id="d", logprobs=[{"token_id": 1}]),
+        dict(good),
+        "x",
+    ]
     path.write_text(json.dumps(_doc([good, *bad])))
     warnings = []
     entries = partial_mod.load(path, SETTINGS, warnings.append)
@@ -395,10 +506,12 @@ def test_partial_file_is_trusted_only_when_it_fits(tmp_path):
         "request 2: field 'token_ids' missing or of the wrong type",
         "request 3: a logprob is not {token_id, logprob, top}",
         "request 4: id 'a' repeated",
-        "request 5: not an object"]
+        "request 5: not an object",
+    ]
     fp, state = entries["a"]
-    assert fp == "f" and state == ResumeState(7, (1, 2), (TokenLogprob(1, -0.5, [(1, -0.5)]),
-                                                          TokenLogprob(2, -1.0, [(2, -1.0)])))
+    assert fp == "f" and state == ResumeState(
+        7, (1, 2), (TokenLogprob(1, -0.5, [(1, -0.5)]), TokenLogprob(2, -1.0, [(2, -1.0)]))
+    )
     warnings = []
     assert partial_mod.load(tmp_path / "absent.json", SETTINGS, warnings.append) == {}
     assert warnings == []
@@ -410,12 +523,27 @@ def test_fingerprint_covers_the_prompt_and_every_sampling_field():
     assert fp == partial_mod.fingerprint([1, 2, 3], SamplingParams(temperature=0.8, max_tokens=16))
     assert partial_mod.fingerprint([1, 2, 4], base) != fp
     assert partial_mod.fingerprint([1, 2], base) != fp
-    changes = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
-               "repetition_penalty": 1.1, "presence_penalty": 0.1, "frequency_penalty": 0.1,
-               "seed": 1, "max_tokens": 15, "min_tokens": 1, "stop": ["x"], "stop_token_ids": [3],
-               "ignore_eos": True, "logprobs": 1, "skip_special_tokens": False,
-               "include_stop_str_in_output": True, "n": 2, "prompt_logprobs": 0,
-               "prompt_logprobs_from": 2}
+    changes = {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.1,
+        "frequency_penalty": 0.1,
+        "seed": 1,
+        "max_tokens": 15,
+        "min_tokens": 1,
+        "stop": ["x"],
+        "stop_token_ids": [3],
+        "ignore_eos": True,
+        "logprobs": 1,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "n": 2,
+        "prompt_logprobs": 0,
+        "prompt_logprobs_from": 2,
+    }
     assert set(changes) == {f.name for f in dataclasses.fields(SamplingParams)}
     for name, value in changes.items():
         assert partial_mod.fingerprint([1, 2, 3], dataclasses.replace(base, **{name: value})) != fp

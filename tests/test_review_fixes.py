@@ -9,18 +9,21 @@ import numpy as np
 import pytest
 from conftest import stories_reference
 
-from jaxinfer.models.config import check_float
 from jaxinfer.errors import TokenizerError
+from jaxinfer.models.config import check_float
 from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.tokenizers.base import SideFiles
 from jaxinfer.tokenizers.chat_template import ChatTemplateError, render_chat_template
 
 
-@pytest.mark.parametrize("source", [
-    "{{ " + "(" * 300 + "1" + ")" * 300 + " }}",  # RecursionError in jinja's parser
-    "{% for a in b %}" * 25 + "{% endfor %}" * 25,  # SyntaxError: too many nested blocks
-    "{% if true %}" * 100 + "{% endif %}" * 100,  # IndentationError
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ " + "(" * 300 + "1" + ")" * 300 + " }}",  # RecursionError in jinja's parser
+        "{% for a in b %}" * 25 + "{% endfor %}" * 25,  # SyntaxError: too many nested blocks
+        "{% if true %}" * 100 + "{% endif %}" * 100,  # IndentationError
+    ],
+)
 def test_templates_that_break_python_compile_are_the_requests_error(source):
     t0 = time.perf_counter()
     with pytest.raises(ChatTemplateError, match="does not compile"):
@@ -28,9 +31,14 @@ def test_templates_that_break_python_compile_are_the_requests_error(source):
     assert time.perf_counter() - t0 < 30  # hang guard
 
 
-@pytest.mark.parametrize("value, words", [
-    (["{{ 1 }}"], "list of"), (5, "must be a string"), ({}, "must be a string"),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        (["{{ 1 }}"], "list of"),
+        (5, "must be a string"),
+        ({}, "must be a string"),
+    ],
+)
 def test_a_chat_template_that_is_not_a_string_names_the_file(tmp_path, value, words):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": value}))
     with pytest.raises(TokenizerError, match=words) as e:
@@ -42,8 +50,9 @@ def test_a_prompt_the_tokenizer_rejects_fails_alone(stories_llm):
     llm = stories_llm
     case = stories_reference()[1]
     ids = llm.tokenizer.encode(case["prompt"])
-    sp = SamplingParams(temperature=0.0, max_tokens=case["max_steps"] - (len(ids) - 1),
-                        stop_token_ids=(1,))
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=case["max_steps"] - (len(ids) - 1), stop_token_ids=(1,)
+    )
     good, bad = llm.generate([case["prompt"], "Once \ud800"], sp)
     assert llm.tokenizer.decode(ids + good.token_ids) == case["expected"]
     assert bad.finish_reason == "error" and "cannot encode the prompt" in bad.error
@@ -59,8 +68,11 @@ def test_negative_seeds_resume_with_their_low_32_bits(stories_llm):
     assert a.error is None and a.token_ids == b.token_ids
     ids = llm.encode_prompt("Once upon a time")[0]
     llm.engine.validate(ids, sp, ResumeState(-2, tuple(a.token_ids[:3])))
-    resumed = list(llm.generate_stream(["Once upon a time"], sp,
-                                       resume=[ResumeState(-2, tuple(a.token_ids[:3]))]))[-1]
+    resumed = list(
+        llm.generate_stream(
+            ["Once upon a time"], sp, resume=[ResumeState(-2, tuple(a.token_ids[:3]))]
+        )
+    )[-1]
     assert resumed.token_ids == a.token_ids
 
 
@@ -79,8 +91,14 @@ def test_resume_never_holds_an_overlong_output_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(outfile, "MAX_RECORD_BYTES", 64)
     out = tmp_path / "o.jsonl"
-    out.write_bytes(b'{"id": "a"}\n' + b'{"id": "' + b"x" * 500 + b'"}\n' + b'{"id": "b"}\n'
-                    + b'{"id": "c", "te')
+    out.write_bytes(
+        b'{"id": "a"}\n'
+        + b'{"id": "'
+        + b"x" * 500
+        + b'"}\n'
+        + b'{"id": "b"}\n'
+        + b'{"id": "c", "te'
+    )
     warnings = []
     f = outfile.OutputFile.open(out)
     done = f.read_done(warnings.append)
@@ -108,17 +126,30 @@ def test_logprobs_on_a_vocabulary_smaller_than_the_top_list(tmp_path):
 
     from jaxinfer.llm import LLM
 
-    cfg = transformers.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1, max_position_embeddings=32,
-                                   eos_token_id=None, bos_token_id=None)
+    cfg = transformers.LlamaConfig(
+        vocab_size=8,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    llm = LLM(tmp_path, skip_tokenizer_init=True, max_model_len=16, max_num_seqs=2,
-              compilation_cache=False)
+    llm = LLM(
+        tmp_path,
+        skip_tokenizer_init=True,
+        max_model_len=16,
+        max_num_seqs=2,
+        compilation_cache=False,
+    )
     prompt = [1, 3, 5]
-    outs = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=3, logprobs=k)
-                                           for k in (0, 8)])
+    outs = llm.generate(
+        [prompt, prompt], [SamplingParams(temperature=0, max_tokens=3, logprobs=k) for k in (0, 8)]
+    )
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
     seq = prompt + outs[1].token_ids
     with torch.no_grad():
@@ -136,9 +167,11 @@ def test_logprobs_on_a_vocabulary_smaller_than_the_top_list(tmp_path):
 def test_wordwrap_of_a_huge_text_stops_at_once():
     t0 = time.perf_counter()
     with pytest.raises(ChatTemplateError, match="wordwrap"):
-        render_chat_template("{% for m in messages %}{{ m.content|wordwrap(1) }}{% endfor %}",
-                             {"messages": [{"role": "user", "content": "x" * 3_000_000}]},
-                             where="t")
+        render_chat_template(
+            "{% for m in messages %}{{ m.content|wordwrap(1) }}{% endfor %}",
+            {"messages": [{"role": "user", "content": "x" * 3_000_000}]},
+            where="t",
+        )
     assert time.perf_counter() - t0 < 30  # hang guard (it ran for minutes before)
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.engine.step import LogitsControls, jitted_sample_step, sample_step_padded
 from jaxinfer.sampling.sampler import (
     GREEDY_FLAGS,
     SAMPLING_EPS,
@@ -15,7 +16,6 @@ from jaxinfer.sampling.sampler import (
     SamplingTensors,
     sample_flags,
 )
-from jaxinfer.engine.step import LogitsControls, jitted_sample_step, sample_step_padded
 
 B, V, SLOTS = 8, 50, 16
 
@@ -42,8 +42,7 @@ def test_greedy_variant_is_numpy_argmax_lowest_id_on_ties():
     tied = (logits == logits.max(-1, keepdims=True)).sum(-1)
     assert (np.delete(tied, 4) >= 2).all()  # every row but the NaN one has a tie
     st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * B, [0] * B, [0] * B, B)
-    out, padded = jitted_sample_step()(jnp.asarray(logits), st, None, num_slots=SLOTS,
-                                       greedy=True)
+    out, padded = jitted_sample_step()(jnp.asarray(logits), st, None, num_slots=SLOTS, greedy=True)
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
     np.testing.assert_array_equal(np.asarray(padded), np.concatenate([expected, [0] * (SLOTS - B)]))
     assert np.isnan(np.asarray(out.logprobs)).all()  # not computed: nothing asked for them
@@ -53,12 +52,14 @@ def test_greedy_variant_is_numpy_argmax_lowest_id_on_ties():
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
 
 
-@pytest.mark.parametrize("temps", [[0.0], [0.0, 1e-6, 0.0], [0.0, 0.7], [SAMPLING_EPS], [0.7, 0.0],
-                                   []])
+@pytest.mark.parametrize(
+    "temps", [[0.0], [0.0, 1e-6, 0.0], [0.0, 0.7], [SAMPLING_EPS], [0.7, 0.0], []]
+)
 @pytest.mark.parametrize("controls", [False, True])
 @pytest.mark.parametrize("num_logprobs", [0, 1, 20])
-def test_flags_pick_the_greedy_variant_only_for_all_greedy_plain_rows(temps, controls,
-                                                                       num_logprobs):
+def test_flags_pick_the_greedy_variant_only_for_all_greedy_plain_rows(
+    temps, controls, num_logprobs
+):
     params = [SamplingParams(temperature=t) for t in temps]
     # greedy iff every temperature < 1e-5 (vLLM's _SAMPLING_EPS), no controls, no logprobs
     greedy = all(t < 1e-5 for t in temps) and not controls and num_logprobs == 0

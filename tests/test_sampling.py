@@ -1,4 +1,5 @@
-"""Tests of jaxinfer.sampling.sampler and jaxinfer.sampling.params: support of the filters, penalties,
+"""Tests of jaxinfer.sampling.sampler and jaxinfer.sampling.params: support of the filters,
+penalties,
 seeding, sampling frequencies, logprobs, validation and stop strings."""
 
 from __future__ import annotations

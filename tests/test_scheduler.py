@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
 from jaxinfer.models.kv_cache import OutOfPagesError, PageAllocator
 from jaxinfer.sampling.sampler import SamplingParams
-from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
 
 Z = 4  # tokens per page
 

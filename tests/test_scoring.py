@@ -16,8 +16,14 @@ from hypothesis import strategies as st
 from jaxinfer.llm import LLM
 from jaxinfer.scoring import encode_pair, rolling_windows
 
-ENGINE = dict(max_model_len=32, page_size=8, max_num_seqs=8, max_num_batched_tokens=16,
-              compilation_cache=False, skip_tokenizer_init=True)
+ENGINE = dict(
+    max_model_len=32,
+    page_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=16,
+    compilation_cache=False,
+    skip_tokenizer_init=True,
+)
 LOGPROB_ATOL = 1e-4  # per token, f32 vs transformers f32 (test_family_engine_parity)
 
 
@@ -36,16 +42,22 @@ def test_score_equals_transformers(setup):
     for _ in range(5):
         cont.append(int(ref(ctx + cont)[-1].argmax()))
     pairs += [(ctx, cont), (ctx, cont[:4] + [int(np.argsort(ref(ctx + cont[:4])[-1])[-2])])]
-    cases = [(p, None) for p in pairs[:4]] + [
-        ((ctx, []), "continuation has zero tokens"),
-        ((H.random_ids(20, 1), H.random_ids(12, 2)),
-         "context + continuation has 32 tokens (20 + 12); scoring takes at most max_model_len "
-         "- 1 = 31"),
-        ((ctx, cont), None),  # a good pair between bad ones
-        (([], [5]), "context has zero tokens"),
-        (([5, 10**6], [7]), "outside the vocabulary"),
-        (("text", [5]), "both be strings or both be lists"),
-    ] + [(p, None) for p in pairs[4:]]
+    cases = (
+        [(p, None) for p in pairs[:4]]
+        + [
+            ((ctx, []), "continuation has zero tokens"),
+            (
+                (H.random_ids(20, 1), H.random_ids(12, 2)),
+                "context + continuation has 32 tokens (20 + 12); scoring takes at most "
+                "max_model_len - 1 = 31",
+            ),
+            ((ctx, cont), None),  # a good pair between bad ones
+            (([], [5]), "context has zero tokens"),
+            (([5, 10**6], [7]), "outside the vocabulary"),
+            (("text", [5]), "both be strings or both be lists"),
+        ]
+        + [(p, None) for p in pairs[4:]]
+    )
     pairs = [p for p, _ in cases]
     bad = {i: e for i, (_, e) in enumerate(cases) if e is not None}
     res = llm.score(pairs)
@@ -58,7 +70,7 @@ def test_score_equals_transformers(setup):
             continue
         assert r.error is None, (i, r.error)
         lp = ref(c + x)
-        rows = lp[len(c) - 1:len(c) - 1 + len(x)]
+        rows = lp[len(c) - 1 : len(c) - 1 + len(x)]
         want = [rows[j, t] for j, t in enumerate(x)]
         assert r.num_tokens == len(x) and r.continuation_ids == x and r.context_ids == c
         np.testing.assert_allclose(r.token_logprobs, want, rtol=0, atol=LOGPROB_ATOL)
@@ -75,13 +87,13 @@ def _reference_rolling(ref, tokens, prefix, max_len, stride):
     tokens[e - max_len - 1:i] (written out from lm-eval's description, not from scoring.py)."""
     total, n = 0.0, len(tokens)
     first = min(max_len, n)
-    lp = ref([prefix] + tokens[:first - 1])
+    lp = ref([prefix] + tokens[: first - 1])
     total += sum(lp[i, tokens[i]] for i in range(first))
     e = first
     while e < n:
         start, e = e, min(e + stride, n)
         lo = max(0, e - max_len - 1)
-        lp = ref(tokens[lo:e - 1])
+        lp = ref(tokens[lo : e - 1])
         total += sum(lp[i - 1 - lo, tokens[i]] for i in range(start, e))
     return total
 
@@ -98,13 +110,18 @@ def test_perplexity_rolling_equals_transformers(setup):
     assert math.isclose(r.perplexity, math.exp(-r.logprob / 80))
     assert res[1].error == "text has zero tokens"
     assert res[2].error is None and res[2].num_windows == 1
-    np.testing.assert_allclose(res[2].logprob, _reference_rolling(ref, text[:5], prefix, 30, 30),
-                               rtol=0, atol=LOGPROB_ATOL * 5)
+    np.testing.assert_allclose(
+        res[2].logprob,
+        _reference_rolling(ref, text[:5], prefix, 30, 30),
+        rtol=0,
+        atol=LOGPROB_ATOL * 5,
+    )
     assert "tokenizer" in res[3].error
     r = llm.perplexity([text], stride=12)[0]
     assert r.num_tokens == 80 and r.num_windows == 1 + math.ceil(50 / 12)
-    np.testing.assert_allclose(r.logprob, _reference_rolling(ref, text, prefix, 30, 12),
-                               rtol=0, atol=LOGPROB_ATOL * 80)
+    np.testing.assert_allclose(
+        r.logprob, _reference_rolling(ref, text, prefix, 30, 12), rtol=0, atol=LOGPROB_ATOL * 80
+    )
     with pytest.raises(ValueError, match="stride"):
         llm.perplexity([text], stride=31)
 
@@ -120,7 +137,7 @@ def test_rolling_windows_score_every_token_once(n, max_len, data):
     for ctx, cont in wins[1:]:
         assert 1 <= len(cont) <= stride and len(ctx) + len(cont) == max_len + 1
         start = tokens.index(cont[0])
-        assert ctx == tokens[start - len(ctx):start]  # the tokens right before the window
+        assert ctx == tokens[start - len(ctx) : start]  # the tokens right before the window
 
 
 def test_rolling_windows_equal_lm_eval():
@@ -128,8 +145,12 @@ def test_rolling_windows_equal_lm_eval():
     tokens = list(range(3, 203))
     for max_len in (1, 7, 30):
         for context_len in sorted({1, max_len // 2 or 1, max_len}):
-            want = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(
-                tokens, prefix_token=1, max_seq_len=max_len, context_len=context_len)]
+            want = [
+                utils.make_disjoint_window(w)
+                for w in utils.get_rolling_token_windows(
+                    tokens, prefix_token=1, max_seq_len=max_len, context_len=context_len
+                )
+            ]
             got = rolling_windows(tokens, 1, max_len, max_len - context_len + 1)
             assert [tuple(map(list, w)) for w in want] == got
 
@@ -138,11 +159,19 @@ def test_text_pairs_tokenized_as_lm_eval(stories_dir):
     from jaxinfer.tokenizers.loader import load_tokenizer
 
     tok = load_tokenizer(stories_dir)
-    pairs = [("Once upon a time", " there was a girl"), ("Tom and  ", "his dog"),
-             ("She said: ", "\"hi\""), ("x", "y")]
+    pairs = [
+        ("Once upon a time", " there was a girl"),
+        ("Tom and  ", "his dog"),
+        ("She said: ", '"hi"'),
+        ("x", "y"),
+    ]
     model = pytest.importorskip("lm_eval.api.model")
-    fake = SimpleNamespace(backend="causal", tok_encode=lambda s, **kw: tok.encode(
-        s, add_special_tokens=kw.get("add_special_tokens", True)))
+    fake = SimpleNamespace(
+        backend="causal",
+        tok_encode=lambda s, **kw: tok.encode(
+            s, add_special_tokens=kw.get("add_special_tokens", True)
+        ),
+    )
     for c, x in pairs:
         assert encode_pair(tok, c, x) == tuple(model.TemplateLM._encode_pair(fake, c, x))
     # lm-eval's empty-context rule (TemplateLM.loglikelihood): [BOS] + the continuation alone.
@@ -166,8 +195,12 @@ def test_trailing_context_spaces_move_to_the_continuation():
     assert encode_pair(tok, "Q: ", "\nA") == ([1, *ords("Q:")], ords(" \nA"))
     assert encode_pair(tok, "", "2") == ([1], ords("2"))
     model = pytest.importorskip("lm_eval.api.model")
-    fake = SimpleNamespace(backend="causal", tok_encode=lambda s, **kw: tok.encode(
-        s, add_special_tokens=kw.get("add_special_tokens", True)))
+    fake = SimpleNamespace(
+        backend="causal",
+        tok_encode=lambda s, **kw: tok.encode(
+            s, add_special_tokens=kw.get("add_special_tokens", True)
+        ),
+    )
     for c, x in [("Tom and  ", "his"), ("Q: ", "\nA"), ("a\t", " b"), ("x", "y")]:
         assert encode_pair(tok, c, x) == tuple(model.TemplateLM._encode_pair(fake, c, x))
 

@@ -26,17 +26,26 @@ from jaxinfer.sampling.params import SamplingParams
 uvicorn = pytest.importorskip("uvicorn")
 
 MODEL = "stories260K"
-PROMPTS = ["Once upon a time", "Tom and his dog", "The sun was", "Lily had a red ball",
-           "One day, a little bird", "Sam", "The cat sat on the", "Mia liked to paint"]
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = [
+    "Once upon a time",
+    "Tom and his dog",
+    "The sun was",
+    "Lily had a red ball",
+    "One day, a little bird",
+    "Sam",
+    "The cat sat on the",
+    "Mia liked to paint",
+]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 class _Server:
     def __init__(self, url, state, llm, uv=None):
         self.url, self.state, self.llm, self.uv = url, state, llm, uv
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                                    timeout=60)
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +92,13 @@ def test_greedy_completions_equal_llama2c_and_streams_add_up(server):
     tok = server.llm.tokenizer
     for k, case in enumerate(stories_reference()):
         ids = tok.encode(case["prompt"])
-        kw = dict(model=MODEL, prompt=case["prompt"], temperature=0,
-                  max_tokens=case["max_steps"] - (len(ids) - 1),
-                  extra_body={"stop_token_ids": [1]})  # run.c stops on BOS
+        kw = dict(
+            model=MODEL,
+            prompt=case["prompt"],
+            temperature=0,
+            max_tokens=case["max_steps"] - (len(ids) - 1),
+            extra_body={"stop_token_ids": [1]},
+        )  # run.c stops on BOS
         r = server.client.completions.create(echo=k % 2 == 1, **kw)
         (choice,) = r.choices
         text = choice.text if k % 2 else case["prompt"] + choice.text
@@ -95,13 +108,19 @@ def test_greedy_completions_equal_llama2c_and_streams_add_up(server):
         for chunk in server.client.completions.create(stream=True, **kw):
             streamed += [c.text for c in chunk.choices]
             reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
-        assert "".join(streamed) == text[len(case["prompt"]):]
+        assert "".join(streamed) == text[len(case["prompt"]) :]
         assert reasons == [choice.finish_reason]
 
 
 def test_sse_wire_format_done_and_usage(server):
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 7, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 7,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -126,9 +145,15 @@ def test_tokens_without_text_still_stream_with_continuous_usage(server):
     tokens by)."""
     n = 12
     ref = _alone(server.llm, "Once upon a time", temperature=0, max_tokens=n)
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": n, "temperature": 0,
-            "stop": [ref.text + "#"], "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": n,
+        "temperature": 0,
+        "stop": [ref.text + "#"],
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
@@ -148,8 +173,9 @@ def test_tokens_without_text_still_stream_with_continuous_usage(server):
 def test_logprobs_seed_stop_and_n_as_llm_generate(server):
     llm, c = server.llm, server.client
     _alone(llm, "Tom and his dog", max_tokens=12, temperature=0.7, seed=11, logprobs=3)
-    r = c.completions.create(model=MODEL, prompt="Tom and his dog", max_tokens=12,
-                             temperature=0.7, seed=11, logprobs=3)
+    r = c.completions.create(
+        model=MODEL, prompt="Tom and his dog", max_tokens=12, temperature=0.7, seed=11, logprobs=3
+    )
     ref = _alone(llm, "Tom and his dog", max_tokens=12, temperature=0.7, seed=11, logprobs=3)
     (ch,) = r.choices
     assert ch.text == ref.text
@@ -157,8 +183,9 @@ def test_logprobs_seed_stop_and_n_as_llm_generate(server):
     for top, lp in zip(ch.logprobs.top_logprobs, ref.logprobs, strict=True):
         assert sorted(top.values()) == sorted({v for _, v in lp.top} | {lp.logprob})
     assert "".join(ch.logprobs.tokens) == ch.text  # token strings add up to the text
-    assert ch.logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in
-                                                            ch.logprobs.tokens[:-1]]))
+    assert ch.logprobs.text_offset == list(
+        np.cumsum([0] + [len(t) for t in ch.logprobs.tokens[:-1]])
+    )
     # echo with logprobs: the prompt's logprobs first (None for its first token), as vLLM
     kw = dict(max_tokens=6, temperature=0, logprobs=2)
     r = c.completions.create(model=MODEL, prompt="Tom and his dog", echo=True, **kw)
@@ -166,65 +193,92 @@ def test_logprobs_seed_stop_and_n_as_llm_generate(server):
     (ch,) = r.choices
     n_prompt = len(ref.prompt_token_ids)
     assert ch.text == "Tom and his dog" + ref.text
-    assert ch.logprobs.token_logprobs == [None] + [lp.logprob for lp in ref.prompt_logprobs[1:]] \
-        + [lp.logprob for lp in ref.logprobs]
+    assert ch.logprobs.token_logprobs == [None] + [lp.logprob for lp in ref.prompt_logprobs[1:]] + [
+        lp.logprob for lp in ref.logprobs
+    ]
     assert "".join(ch.logprobs.tokens) == ch.text and ch.logprobs.top_logprobs[0] is None
     assert ch.logprobs.text_offset[n_prompt] == len("Tom and his dog")
-    streamed = list(c.completions.create(model=MODEL, prompt="Tom and his dog", echo=True,
-                                         stream=True, **kw))
+    streamed = list(
+        c.completions.create(model=MODEL, prompt="Tom and his dog", echo=True, stream=True, **kw)
+    )
     assert "".join(x.choices[0].text for x in streamed) == ch.text
-    assert [v for x in streamed for v in x.choices[0].logprobs.token_logprobs] == \
-        ch.logprobs.token_logprobs
+    assert [
+        v for x in streamed for v in x.choices[0].logprobs.token_logprobs
+    ] == ch.logprobs.token_logprobs
     # vLLM's prompt_logprobs field: {token_id: {logprob, decoded_token}} per prompt token
-    r = c.completions.create(model=MODEL, prompt="Tom and his dog", max_tokens=2,
-                             temperature=0, extra_body={"prompt_logprobs": 1})
+    r = c.completions.create(
+        model=MODEL,
+        prompt="Tom and his dog",
+        max_tokens=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 1},
+    )
     plp = r.choices[0].model_extra["prompt_logprobs"]
     ref = _alone(llm, "Tom and his dog", max_tokens=2, temperature=0, prompt_logprobs=1)
     assert plp[0] is None and len(plp) == len(ref.prompt_token_ids)
     for got, lp in zip(plp[1:], ref.prompt_logprobs[1:], strict=True):
         assert got[str(lp.token_id)]["logprob"] == lp.logprob
-        assert {int(t): v["logprob"] for t, v in got.items()} == {lp.token_id: lp.logprob,
-                                                                  **dict(lp.top)}
+        assert {int(t): v["logprob"] for t, v in got.items()} == {
+            lp.token_id: lp.logprob,
+            **dict(lp.top),
+        }
     # stop strings, kept or cut, and the stop reason
     for include in (False, True):
-        r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40,
-                                 temperature=0, stop=["girl", "park"],
-                                 extra_body={"include_stop_str_in_output": include})
-        ref = _alone(llm, "Once upon a time", max_tokens=40, temperature=0,
-                     stop=["girl", "park"], include_stop_str_in_output=include)
+        r = c.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=40,
+            temperature=0,
+            stop=["girl", "park"],
+            extra_body={"include_stop_str_in_output": include},
+        )
+        ref = _alone(
+            llm,
+            "Once upon a time",
+            max_tokens=40,
+            temperature=0,
+            stop=["girl", "park"],
+            include_stop_str_in_output=include,
+        )
         assert r.choices[0].text == ref.text and ref.finish_reason == "stop"
         assert r.choices[0].text.endswith("girl") == include
         assert r.choices[0].finish_reason == "stop"
     # n: choice j is completion j of LLM.generate (seed + j), prompts in order
     # (n=2 over two prompts: 4 rows, the decode bucket of the references' 2 rows, no new shape)
-    r = c.completions.create(model=MODEL, prompt=["The sun was", "Sam"], n=2, max_tokens=10,
-                             temperature=1.0, seed=5)
+    r = c.completions.create(
+        model=MODEL, prompt=["The sun was", "Sam"], n=2, max_tokens=10, temperature=1.0, seed=5
+    )
     assert [ch.index for ch in r.choices] == list(range(4))
     tokens = 0
     for i, p in enumerate(["The sun was", "Sam"]):
         ref = _alone(llm, p, n=2, max_tokens=10, temperature=1.0, seed=5)
-        assert [ch.text for ch in r.choices[2 * i:2 * i + 2]] == [o.text for o in ref.outputs]
+        assert [ch.text for ch in r.choices[2 * i : 2 * i + 2]] == [o.text for o in ref.outputs]
         tokens += sum(len(o.token_ids) for o in ref.outputs)
     assert r.choices[0].text != r.choices[1].text  # seed + j: a prompt's choices differ
     assert r.usage.completion_tokens == tokens
     assert r.usage.prompt_tokens == len(llm.tokenizer.encode("The sun was")) + len(
-        llm.tokenizer.encode("Sam"))  # each prompt once, not n times
+        llm.tokenizer.encode("Sam")
+    )  # each prompt once, not n times
 
 
 def test_chat_renders_the_template(server, monkeypatch):
     llm = server.llm
     monkeypatch.setattr(llm.tokenizer, "chat_template", TEMPLATE)
-    msgs = [{"role": "system", "content": "Tell a story."},
-            {"role": "user", "content": "Once upon a time"}]
-    rendered = jinja2.Template(TEMPLATE).render(messages=msgs, bos_token="<s>",
-                                                add_generation_prompt=True)
+    msgs = [
+        {"role": "system", "content": "Tell a story."},
+        {"role": "user", "content": "Once upon a time"},
+    ]
+    rendered = jinja2.Template(TEMPLATE).render(
+        messages=msgs, bos_token="<s>", add_generation_prompt=True
+    )
     ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert ids[0] == 1 and 1 not in ids[1:]  # {{ bos_token }} is BOS, once
     tk = httpx.post(server.url + "/tokenize", json={"messages": msgs}, timeout=30).json()
     assert tk["tokens"] == ids and tk["count"] == len(ids)
     _alone(llm, {"prompt_token_ids": ids}, max_tokens=16, temperature=0, logprobs=2)
-    r = server.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16,
-                                              temperature=0, logprobs=True, top_logprobs=2)
+    r = server.client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2
+    )
     ref = _alone(llm, {"prompt_token_ids": ids}, max_tokens=16, temperature=0, logprobs=2)
     (ch,) = r.choices
     assert ch.message.role == "assistant" and ch.message.content == ref.text
@@ -233,8 +287,11 @@ def test_chat_renders_the_template(server, monkeypatch):
     assert all(len(e.top_logprobs) == 2 for e in ch.logprobs.content)
     assert all(bytes(e.bytes) == e.token.encode() for e in ch.logprobs.content)
     # max_completion_tokens wins over max_tokens; streamed deltas add up, role first
-    chunks = list(server.client.chat.completions.create(
-        model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0, stream=True))
+    chunks = list(
+        server.client.chat.completions.create(
+            model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
@@ -279,8 +336,12 @@ async def _stream_one(client, kw) -> list[tuple[str, str]]:
     return [(texts.get(j, ""), reasons.get(j)) for j in range(kw.get("n", 1))]
 
 
-BAD = [({"temperature": -1}, 400, "temperature"), ({"top_p": 0}, 400, "top_p"),
-       ({"model": "gpt-4"}, 404, "model"), ({"prompt": "Once " * 600}, 400, "prompt")]
+BAD = [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"model": "gpt-4"}, 404, "model"),
+    ({"prompt": "Once " * 600}, 400, "prompt"),
+]
 
 
 def test_64_concurrent_streams_equal_requests_alone_and_bad_ones_get_their_errors(server):
@@ -289,8 +350,9 @@ def test_64_concurrent_streams_equal_requests_alone_and_bad_ones_get_their_error
     bads = [{**_mixed(i), **b} for i, (b, _, _) in enumerate(BAD * 2)]
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
-                                    max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120
+        )
         async with client:
             tasks = [_stream_one(client, kw) for kw in goods + bads]
             return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 240)
@@ -333,8 +395,14 @@ def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypa
 
     monkeypatch.setattr(server.state.engine, "abort", abort)
     monkeypatch.setattr(server.state.engine, "_abort_locked", apply)
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
@@ -362,8 +430,14 @@ def test_a_stream_that_falls_behind_gets_its_backlog_merged(server):
     eng = server.llm.engine
     loop = server.uv.servers[0].get_loop()
     _wait_idle(server)
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 60,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
 
     def block_until_steps(n, timeout=20.0):  # runs on the event loop: it blocks it
         deadline = time.monotonic() + timeout
@@ -393,9 +467,14 @@ def test_queue_limit_answers_503(server, monkeypatch):
     body = {"model": MODEL, "prompt": "Sam", "max_tokens": 4, "temperature": 0}
     got = []
     with llm._loop._lock:  # the engine thread cannot take requests: they stay queued
-        threads = [threading.Thread(target=lambda: got.append(
-            httpx.post(server.url + "/v1/completions", json=body, timeout=60)))
-            for _ in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda: got.append(
+                    httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+                )
+            )
+            for _ in range(2)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
@@ -415,8 +494,11 @@ def test_queue_limit_answers_503(server, monkeypatch):
 
 
 def _post(server, path, body, raw=False):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if raw else \
-        {"json": body}
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if raw
+        else {"json": body}
+    )
     return httpx.post(server.url + path, timeout=30, **kw)
 
 
@@ -431,22 +513,42 @@ ERRORS = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [512]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
-     "stream_options"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 600]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "Once " * 600}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400,
-     "messages"),  # stories260K's tokenizer has no chat template
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}]},
+        400,
+        "messages",
+    ),  # stories260K's tokenizer has no chat template
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+        400,
+        "max_completion_tokens",
+    ),
     ("/detokenize", {"tokens": [1, 9999]}, 400, "tokens"),
     ("/tokenize", {"prompt": "x", "model": "nope"}, 404, "model"),
 ]
@@ -488,20 +590,27 @@ def test_an_engine_failure_is_a_500_for_that_request_alone(server, monkeypatch):
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
-            return await asyncio.wait_for(asyncio.gather(
-                c.post("/v1/completions", json=ok),
-                c.post("/v1/completions", json={**ok, "prompt": [1, 400, marker, 401]}),
-                c.post("/v1/completions", json={**ok, "prompt": "Sam"})), 120)
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    c.post("/v1/completions", json=ok),
+                    c.post("/v1/completions", json={**ok, "prompt": [1, 400, marker, 401]}),
+                    c.post("/v1/completions", json={**ok, "prompt": "Sam"}),
+                ),
+                120,
+            )
 
     good, bad, good2 = asyncio.run(main())
     assert bad.status_code == 500, bad.text
     assert "simulated device fault" in bad.json()["error"]["message"]
     assert bad.json()["error"]["type"] == "InternalServerError"
     monkeypatch.setattr(eng, "_forward", real)
-    assert good.json()["choices"][0]["text"] == _alone(llm, "Once upon a time", max_tokens=12,
-                                                       temperature=0).text
-    assert good2.json()["choices"][0]["text"] == _alone(llm, "Sam", max_tokens=12,
-                                                        temperature=0).text
+    assert (
+        good.json()["choices"][0]["text"]
+        == _alone(llm, "Once upon a time", max_tokens=12, temperature=0).text
+    )
+    assert (
+        good2.json()["choices"][0]["text"] == _alone(llm, "Sam", max_tokens=12, temperature=0).text
+    )
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
@@ -513,8 +622,9 @@ def _scrape(server) -> dict:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            key = s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items())
-                                   if k not in ("model_name", "le"))
+            key = s.name + "".join(
+                f",{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le")
+            )
             if "le" in s.labels:
                 continue
             out[key] = s.value
@@ -524,10 +634,15 @@ def _scrape(server) -> dict:
 def test_metrics_parse_and_count_the_work_done(server):
     _wait_idle(server)
     before = _scrape(server)
-    rs = [server.client.completions.create(model=MODEL, prompt=p, max_tokens=6 + i,
-                                           temperature=0) for i, p in enumerate(PROMPTS[:3])]
-    rs.append(server.client.completions.create(model=MODEL, prompt="Sam", max_tokens=30,
-                                               temperature=0, stop=[" the"]))
+    rs = [
+        server.client.completions.create(model=MODEL, prompt=p, max_tokens=6 + i, temperature=0)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    rs.append(
+        server.client.completions.create(
+            model=MODEL, prompt="Sam", max_tokens=30, temperature=0, stop=[" the"]
+        )
+    )
     _wait_idle(server)
     after = _scrape(server)
 
@@ -535,22 +650,26 @@ def test_metrics_parse_and_count_the_work_done(server):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert delta("jaxinfer:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in rs)
-    assert delta("jaxinfer:generation_tokens_total") == sum(r.usage.completion_tokens
-                                                            for r in rs)
+    assert delta("jaxinfer:generation_tokens_total") == sum(r.usage.completion_tokens for r in rs)
     reasons = [r.choices[0].finish_reason for r in rs]
     for reason in set(reasons):
-        assert delta(f"jaxinfer:request_success_total,finished_reason={reason}") == \
-            reasons.count(reason)
-    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-              "time_per_output_token_seconds"):
+        assert delta(f"jaxinfer:request_success_total,finished_reason={reason}") == reasons.count(
+            reason
+        )
+    for h in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "time_per_output_token_seconds",
+    ):
         assert delta(f"jaxinfer:{h}_count") == len(rs), h
         assert delta(f"jaxinfer:{h}_sum") > 0
     assert after["jaxinfer:num_requests_running"] == 0
     assert after["jaxinfer:num_requests_waiting"] == 0
     eng = server.llm.engine
     assert after["jaxinfer:num_kv_pages_total"] == eng.allocator.num_pages - 1
-    assert after["jaxinfer:num_kv_pages_used"] == eng.allocator.num_pages - 1 - \
-        eng.allocator.num_free
+    assert (
+        after["jaxinfer:num_kv_pages_used"] == eng.allocator.num_pages - 1 - eng.allocator.num_free
+    )
     assert 0 <= after["jaxinfer:prefix_cache_hit_rate"] <= 1
     assert after["jaxinfer:num_compilations"] == len(eng.compile_keys) >= 2
 
@@ -567,7 +686,6 @@ def test_models_health_tokenize_detokenize(server):
     assert r.json()["tokens"] == [403, 407, 261, 378]
     r = _post(server, "/detokenize", {"tokens": [403, 407, 261, 378]}).json()
     assert r["prompt"] == tok.decode([403, 407, 261, 378]) == "Once upon a time"
-
 
 
 def test_more_sequences_than_the_server_ever_takes_is_400_not_503(server, monkeypatch):

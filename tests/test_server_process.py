@@ -30,8 +30,7 @@ def test_port_in_use_is_a_clear_error_before_loading():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = subprocess.run(_serve("--port", str(port)), capture_output=True, text=True,
-                           timeout=120)
+        r = subprocess.run(_serve("--port", str(port)), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in r.stderr
     assert "serving" not in r.stderr  # it stopped before loading the model
@@ -49,9 +48,23 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read after the process ends
     # 32-token pages: 255 tokens need 8 pages, so decode compiles two page buckets (4, 8)
     # (--warmup requests: two small jobs; the default --warmup would compile ~40 step shapes)
-    proc = subprocess.Popen(_serve("--port", str(port), "--warmup", "requests", "--max-num-seqs",
-                                   "4", "--page-size", "32", "--log-level", "info"),
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    proc = subprocess.Popen(
+        _serve(
+            "--port",
+            str(port),
+            "--warmup",
+            "requests",
+            "--max-num-seqs",
+            "4",
+            "--page-size",
+            "32",
+            "--log-level",
+            "info",
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ},
+    )
     try:
         deadline = time.monotonic() + 240
         while True:  # the port listens only once the model is loaded and warmed up
@@ -62,8 +75,14 @@ def test_sigterm_drains_the_running_request_and_exits_0(tmp_path):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        body = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 250,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         lines: list[str] = []
         first = threading.Event()
 
@@ -105,16 +124,50 @@ def test_serve_takes_every_engine_flag_of_generate():
     gen, serve = sub["generate"], sub["serve"]
 
     def flags(p, titles):
-        return {s for g in p._action_groups if g.title in titles
-                for a in g._group_actions for s in a.option_strings}
+        return {
+            s
+            for g in p._action_groups
+            if g.title in titles
+            for a in g._group_actions
+            for s in a.option_strings
+        }
 
     engine = flags(gen, ("engine", "speculative decoding")) - {"--multihost"}
     assert engine <= flags(serve, ("engine", "speculative decoding"))
-    assert {"--model", "--tokenizer", "--skip-tokenizer-init", "--host", "--port",
-            "--max-queue", "--warmup", "--drain-timeout"} <= flags(serve, ("model", "server"))
-    args = parser.parse_args(["serve", "--model", "m", "--dtype", "bfloat16", "--port", "9",
-                              "--no-prefix-caching", "--speculative", "ngram", "--max-queue",
-                              "5", "--kv-cache-dtype", "int8"])
-    assert (args.dtype, args.port, args.enable_prefix_caching, args.speculative,
-            args.max_queue, args.kv_cache_dtype, args.host) == (
-        "bfloat16", 9, False, "ngram", 5, "int8", "127.0.0.1")
+    assert {
+        "--model",
+        "--tokenizer",
+        "--skip-tokenizer-init",
+        "--host",
+        "--port",
+        "--max-queue",
+        "--warmup",
+        "--drain-timeout",
+    } <= flags(serve, ("model", "server"))
+    args = parser.parse_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--dtype",
+            "bfloat16",
+            "--port",
+            "9",
+            "--no-prefix-caching",
+            "--speculative",
+            "ngram",
+            "--max-queue",
+            "5",
+            "--kv-cache-dtype",
+            "int8",
+        ]
+    )
+    assert (
+        args.dtype,
+        args.port,
+        args.enable_prefix_caching,
+        args.speculative,
+        args.max_queue,
+        args.kv_cache_dtype,
+        args.host,
+    ) == ("bfloat16", 9, False, "ngram", 5, "int8", "127.0.0.1")

@@ -18,10 +18,24 @@ pytest.importorskip("uvicorn")
 
 def test_sigterm_during_warmup_exits_0_with_a_message():
     # --warmup all compiles hundreds of step shapes: the SIGTERM lands in the middle of it
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model",
-                             str(STORIES), "--port", "0", "--warmup", "all"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxinfer.cli.main",
+            "serve",
+            "--model",
+            str(STORIES),
+            "--port",
+            "0",
+            "--warmup",
+            "all",
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ},
+    )
     try:
         deadline = time.monotonic() + 180
         seen = []

@@ -25,8 +25,16 @@ from jaxinfer.models.sharding import (
 )
 
 # stories260K's shape: N=8, K=4, F=172 (not a multiple of 8), D=64, V=512.
-STORIES_LIKE = ModelConfig("llama", vocab_size=512, hidden_size=64, intermediate_size=172,
-                           num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8)
+STORIES_LIKE = ModelConfig(
+    "llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=172,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+)
 
 
 def _cfg(**kw):
@@ -47,12 +55,18 @@ def test_plan_rules():
     assert field_spec(p, "layers.attn_norm") == P()
 
 
-@pytest.mark.parametrize("cfg_kw, tp, words", [
-    (dict(), 3, ["num_heads=8", "tensor_parallel_size=3"]),
-    (dict(num_heads=12, num_kv_heads=3), 2, ["num_kv_heads=3", "2"]),
-    (dict(num_heads=12, num_kv_heads=4, hidden_size=66, vocab_size=30), 4,
-     ["hidden_size=66", "vocab_size=30", "4"]),
-])
+@pytest.mark.parametrize(
+    "cfg_kw, tp, words",
+    [
+        (dict(), 3, ["num_heads=8", "tensor_parallel_size=3"]),
+        (dict(num_heads=12, num_kv_heads=3), 2, ["num_kv_heads=3", "2"]),
+        (
+            dict(num_heads=12, num_kv_heads=4, hidden_size=66, vocab_size=30),
+            4,
+            ["hidden_size=66", "vocab_size=30", "4"],
+        ),
+    ],
+)
 def test_plan_errors_name_the_numbers(cfg_kw, tp, words):
     with pytest.raises(ShardingError) as e:
         plan_sharding(_cfg(**cfg_kw), tp)
@@ -77,8 +91,9 @@ def test_replication_and_padding_are_exact():
     assert (plan.kv_repeat, plan.ffn_size) == (4, 176)
     flat = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
     flat.update({f"layers.{k}": v for k, v in params.layers.__dict__.items() if v is not None})
-    prepared = params_from_flat({k: jnp.asarray(prepare(plan, k, np.asarray(v)))
-                                 for k, v in flat.items()})
+    prepared = params_from_flat(
+        {k: jnp.asarray(prepare(plan, k, np.asarray(v))) for k, v in flat.items()}
+    )
     assert prepared.layers.wk.shape == (2, 64, 8, 8) and prepared.layers.bv.shape == (2, 8, 8)
     assert prepared.layers.w_down.shape == (2, 176, 64)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 12)), jnp.int32)
@@ -104,8 +119,9 @@ def test_quantized_scales_follow_output_channels():
 def _sharded_report():
     script = Path(__file__).with_name("sharding_check.py")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -118,8 +134,14 @@ def test_sharded_engines_equal_one_device():
     report = _sharded_report()
     # greedy outputs == one device, on every mesh
     meshes = {(r["model"], r["tp"], r["dp"]) for r in report}
-    for m in [("stories260K", 2, 1), ("stories260K", 4, 1), ("stories260K", 8, 1),
-              ("stories260K", 2, 2), ("qwen2", 4, 1), ("gemma2", 2, 1)]:
+    for m in [
+        ("stories260K", 2, 1),
+        ("stories260K", 4, 1),
+        ("stories260K", 8, 1),
+        ("stories260K", 2, 2),
+        ("qwen2", 4, 1),
+        ("gemma2", 2, 1),
+    ]:
         assert m in meshes, m
     for r in report:
         if r["tp"] * r["dp"] > 1:

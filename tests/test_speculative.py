@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import init_random, param_shapes, params_from_flat
 from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors, processed_logits
 from jaxinfer.speculative.config import SpecConfig
@@ -75,8 +75,15 @@ def one_round(q_r, tl_r, key, st_s, residual_from_p=False, accept_always=False):
     d = jax.random.categorical(key, jnp.log(q_r), shape=(N, R))
     probs = jnp.broadcast_to(q_r, (N, R, V))
     logits = jnp.broadcast_to(tl_r, (N, R + 1, V))
-    return rejection_sample(logits, d.astype(jnp.int32), jnp.full((N,), R, jnp.int32), probs,
-                            st_s, residual_from_p=residual_from_p, accept_always=accept_always)
+    return rejection_sample(
+        logits,
+        d.astype(jnp.int32),
+        jnp.full((N,), R, jnp.int32),
+        probs,
+        st_s,
+        residual_from_p=residual_from_p,
+        accept_always=accept_always,
+    )
 
 
 def _synthetic(rule: dict, st_kw: dict):
@@ -91,17 +98,28 @@ def _synthetic(rule: dict, st_kw: dict):
     def dist(logits, offset):  # softmax(processed_logits) of a [J, V] table at output index offset
         s1 = jax.tree.map(lambda x: x[:1], st)
         s1 = dataclasses.replace(s1, steps=s1.steps + offset)
-        return jax.nn.softmax(processed_logits(jnp.asarray(logits), jax.tree.map(
-            lambda x: jnp.repeat(x, logits.shape[0]), s1)), -1)
+        return jax.nn.softmax(
+            processed_logits(
+                jnp.asarray(logits), jax.tree.map(lambda x: jnp.repeat(x, logits.shape[0]), s1)
+            ),
+            -1,
+        )
 
     p = np.asarray(dist(tl, 0))
     q = np.asarray(dist(dl, 0))
 
     def at(start):  # a round whose rows begin at output index `start`
         st_s = dataclasses.replace(st, steps=st.steps + start)
-        return map(np.asarray, one_round(jnp.asarray(q[start:start + R]),
-                                         jnp.asarray(tl[start:start + R + 1]),
-                                         jax.random.key(start + 100), st_s, **rule))
+        return map(
+            np.asarray,
+            one_round(
+                jnp.asarray(q[start : start + R]),
+                jnp.asarray(tl[start : start + R + 1]),
+                jax.random.key(start + 100),
+                st_s,
+                **rule,
+            ),
+        )
 
     t1, n1 = at(0)
     t2, _ = at(1)
@@ -110,8 +128,11 @@ def _synthetic(rule: dict, st_kw: dict):
     return t1[:, 0], pair, p[0], (p[0][:, None] * p[1][None, :]).reshape(-1)
 
 
-RULES = {"correct": {}, "accept_always": {"accept_always": True},
-         "residual_from_p": {"residual_from_p": True}}
+RULES = {
+    "correct": {},
+    "accept_always": {"accept_always": True},
+    "residual_from_p": {"residual_from_p": True},
+}
 SAMPLING = [dict(temperature=1.0), dict(temperature=0.8, top_k=5, min_p=0.02)]
 
 
@@ -131,8 +152,10 @@ def test_greedy_rows_accept_while_draft_is_argmax():
     logits = jnp.asarray([[[0, 5, 1], [3, 0, 1], [0, 0, 9]]] * 3, jnp.float32)  # argmax 1, 0, 2
     # row 2: the first draft is wrong, the second right: only a prefix counts (0 accepted)
     drafts = jnp.asarray([[1, 0], [1, 2], [2, 0]], jnp.int32)
-    st = jax.tree.map(jnp.asarray, SamplingTensors.from_params(
-        [SamplingParams(temperature=0.0)] * 3, [0] * 3, [0] * 3, 3))
+    st = jax.tree.map(
+        jnp.asarray,
+        SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 3, [0] * 3, [0] * 3, 3),
+    )
     toks, n = rejection_sample(logits, drafts, jnp.asarray([2, 2, 2]), None, st)
     assert n.tolist() == [2, 1, 0]
     assert toks[0].tolist() == [1, 0, 2] and toks[1, :2].tolist() == [1, 0] and toks[2, 0] == 1
@@ -151,8 +174,12 @@ def test_bonus_token_is_drawn_from_the_last_target_distribution():
     tl[R] = rng.normal(size=V).astype(np.float32) * 1.2
     q = np.eye(V, dtype=np.float32)[drafts]  # the drafter always proposes 3, 5
     temp = 0.9
-    st = jax.tree.map(jnp.asarray, SamplingTensors.from_params(
-        [SamplingParams(temperature=temp)] * N, list(range(N)), [0] * N, N))
+    st = jax.tree.map(
+        jnp.asarray,
+        SamplingTensors.from_params(
+            [SamplingParams(temperature=temp)] * N, list(range(N)), [0] * N, N
+        ),
+    )
     toks, n = map(np.asarray, one_round(jnp.asarray(q), jnp.asarray(tl), jax.random.key(5), st))
     assert (n == R).all() and (toks[:, :R] == drafts).all()
     x = tl.astype(np.float64) / temp
@@ -178,20 +205,32 @@ class _IdTokenizer:
 
 
 def _tiny(vocab: int, seed: int, layers: int = 2, scale: float = 0.6):
-    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
-                      max_position_embeddings=64)
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     return cfg, init_random(cfg, jax.random.key(seed), scale=scale)
 
 
 def _ecfg(max_num_seqs=64, max_model_len=32):
-    return EngineConfig(max_model_len=max_model_len, page_size=8, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max(256, max_num_seqs),
-                        num_pages=max_num_seqs * (max_model_len // 8 + 1) + 1)
+    return EngineConfig(
+        max_model_len=max_model_len,
+        page_size=8,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(256, max_num_seqs),
+        num_pages=max_num_seqs * (max_model_len // 8 + 1) + 1,
+    )
 
 
 def _run(engine, prompts, params):
-    for i, (p, sp) in enumerate(zip(prompts, params)):
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=False)):
         engine.add_request(str(i), p, sp)
     done = {}
     while engine.has_unfinished():
@@ -225,12 +264,21 @@ def test_end_to_end_sampling_distribution_with_a_different_draft_model():
     # All n rows run together and their prefills share one step (max_prefill_seqs = n): the
     # prefill round and the first verify round then have the same shapes, and the compiled
     # rounds (~8 s each) are 2 or 3 instead of one per power-of-two row count on the way up.
-    ecfg = dataclasses.replace(_ecfg(max_num_seqs=n), max_prefill_seqs=n,
-                               max_num_batched_tokens=n * len(prompt))
-    eng = SpecEngine(cfg, params, _IdTokenizer(), ecfg,
-                     SpecConfig("draft-model", 2), draft_cfg=dcfg, draft_params=dparams)
-    outs = _run(eng, [prompt] * n, [SamplingParams(temperature=1.0, seed=i, max_tokens=3)
-                                    for i in range(n)])
+    ecfg = dataclasses.replace(
+        _ecfg(max_num_seqs=n), max_prefill_seqs=n, max_num_batched_tokens=n * len(prompt)
+    )
+    eng = SpecEngine(
+        cfg,
+        params,
+        _IdTokenizer(),
+        ecfg,
+        SpecConfig("draft-model", 2),
+        draft_cfg=dcfg,
+        draft_params=dparams,
+    )
+    outs = _run(
+        eng, [prompt] * n, [SamplingParams(temperature=1.0, seed=i, max_tokens=3) for i in range(n)]
+    )
     toks = np.asarray([o.token_ids for o in outs])
     pv = _chi2_pvalue(np.bincount(toks[:, 1] * v + toks[:, 2], minlength=v * v), joint)
     assert pv > ALPHA, pv
@@ -243,11 +291,21 @@ def test_end_to_end_sampling_distribution_with_a_different_draft_model():
 
 def _spec_kwargs(method, cfg, params, tmp_path=None):
     if method == "draft-model:self":
-        return "draft-model", dict(zip(("draft_cfg", "draft_params"),
-                                       load_draft_model("self", cfg, params, jnp.float32)))
+        return "draft-model", dict(
+            zip(
+                ("draft_cfg", "draft_params"),
+                load_draft_model("self", cfg, params, jnp.float32),
+                strict=False,
+            )
+        )
     if method == "draft-model:layers":
-        return "draft-model", dict(zip(("draft_cfg", "draft_params"),
-                                       truncated_draft(cfg, params, max(1, cfg.num_layers // 2))))
+        return "draft-model", dict(
+            zip(
+                ("draft_cfg", "draft_params"),
+                truncated_draft(cfg, params, max(1, cfg.num_layers // 2)),
+                strict=False,
+            )
+        )
     if method == "heads":  # random heads: any proposal must leave greedy output unchanged
         h = init_heads(params, 4)
         h = dataclasses.replace(h, w=0.3 * jax.random.normal(jax.random.key(0), h.w.shape))
@@ -286,8 +344,14 @@ def test_greedy_speculative_equals_greedy_tiny_random(method):
         assert all(o.metrics.acceptance_rate == 1.0 for o in got)
 
 
-STORY_PROMPTS = ["Once upon a time", "Lily", "The cat sat on the mat and looked at the big red ball.",
-                 "Tom had a toy car.", "Sam and Ben", "One day, a little bird"]
+STORY_PROMPTS = [
+    "Once upon a time",
+    "Lily",
+    "The cat sat on the mat and looked at the big red ball.",
+    "Tom had a toy car.",
+    "Sam and Ben",
+    "One day, a little bird",
+]
 
 
 @pytest.fixture(scope="module")
@@ -301,14 +365,22 @@ def stories(stories_dir):
     # speculative engine against the plain one on the same config, does not depend on the
     # layers' form. The unrolled form is checked by the tiny-model tests above (CPU default)
     # and on stories260K by test_readme_claims' draft-model run.
-    llm = LLM(stories_dir, max_num_seqs=8, max_model_len=64, compilation_cache=False,
-              unroll_layers=False)
+    llm = LLM(
+        stories_dir, max_num_seqs=8, max_model_len=64, compilation_cache=False, unroll_layers=False
+    )
     prompts = [llm.tokenizer.encode(p) for p in STORY_PROMPTS]
     greedy = SamplingParams(temperature=0.0, max_tokens=40)
-    pen = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3,
-                         frequency_penalty=0.2, min_tokens=5)
-    mixed = [greedy, greedy, SamplingParams(temperature=0.9, seed=1, max_tokens=25), pen,
-             SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=20), greedy]
+    pen = SamplingParams(
+        temperature=0.0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.2, min_tokens=5
+    )
+    mixed = [
+        greedy,
+        greedy,
+        SamplingParams(temperature=0.9, seed=1, max_tokens=25),
+        pen,
+        SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=20),
+        greedy,
+    ]
     ref = _run(llm.engines[0], prompts, mixed)
     return llm, prompts, greedy, mixed, ref
 
@@ -335,11 +407,21 @@ def _staircase_bigram(v: int = 32, d: int = 32):
     """A llama whose next-token logits depend only on the last token t: 1.0 for t itself, 0.5
     for t + 1, 0 elsewhere (one-hot embeddings, zero layer weights: the residual stream is the
     embedding; the LM head undoes the final RMSNorm's sqrt(d) scale). Host-built: no compiles."""
-    cfg = ModelConfig(model_type="llama", vocab_size=v, hidden_size=d, intermediate_size=64,
-                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                      max_position_embeddings=64)
-    flat = {name: (np.ones if name.endswith("norm") else np.zeros)(shape, np.float32)
-            for name, shape in param_shapes(cfg).items()}
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=v,
+        hidden_size=d,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    flat = {
+        name: (np.ones if name.endswith("norm") else np.zeros)(shape, np.float32)
+        for name, shape in param_shapes(cfg).items()
+    }
     flat["embed"] = np.eye(v, d, dtype=np.float32)
     flat["lm_head"][:v] = (np.eye(v) + 0.5 * np.roll(np.eye(v), 1, axis=1)) / np.sqrt(d)
     return cfg, params_from_flat({k: jnp.asarray(a) for k, a in flat.items()})
@@ -356,8 +438,9 @@ def test_ngram_penalties_count_the_drafts_accepted_within_a_round():
     a round that did not count its accepted drafts would repeat d_j at position j."""
     cfg, params = _staircase_bigram()
     prompt = [*range(12), 0]  # ends in 0: the first output repeats it (no penalty on the prompt)
-    sp = SamplingParams(temperature=0.0, max_tokens=10, presence_penalty=0.5,
-                        frequency_penalty=0.25)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=10, presence_penalty=0.5, frequency_penalty=0.25
+    )
     want = [0, *range(1, 10)]  # 0 (last prompt token, unpenalised), then each next t + 1
     eng = SpecEngine(cfg, params, _IdTokenizer(), _ecfg(max_num_seqs=2), SpecConfig("ngram", 4))
     got = _run(eng, [prompt], [sp])[0]
@@ -381,7 +464,9 @@ def test_heads_save_load_roundtrip(tmp_path):
     h = init_heads(params, 3)
     save_heads(h, tmp_path / "heads", meta={"x": 1})
     g = load_heads(tmp_path / "heads", cfg)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(g)))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(g), strict=False)
+    )
     with pytest.raises(ValueError, match="D, V"):
         load_heads(tmp_path / "heads", dataclasses.replace(cfg, vocab_size=32))
 

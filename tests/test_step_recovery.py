@@ -17,11 +17,18 @@ from jaxinfer.sampling.sampler import SamplingParams
 # ------------------------------------------------------------------ what the device can represent
 
 
-@pytest.mark.parametrize("field, value", [
-    ("top_p", 1e-46), ("repetition_penalty", 1e-300), ("min_p", 1e-300),
-    ("presence_penalty", 1e-300), ("frequency_penalty", -1e-45), ("temperature", 1e300),
-    ("repetition_penalty", 1e39),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 1e-46),
+        ("repetition_penalty", 1e-300),
+        ("min_p", 1e-300),
+        ("presence_penalty", 1e-300),
+        ("frequency_penalty", -1e-45),
+        ("temperature", 1e300),
+        ("repetition_penalty", 1e39),
+    ],
+)
 def test_float_fields_outside_float32_are_refused(field, value):
     with np.errstate(over="ignore"):
         f32 = np.float64(value).astype(np.float32)

@@ -16,8 +16,10 @@ TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, at
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
-@pytest.mark.parametrize("spec,w_shape,num_in", [
-    ("TD,DNH->TNH", (32, 4, 8), 1), ("TNH,NHD->TD", (4, 8, 32), 2), ("TD,DF->TF", (32, 48), 1)])
+@pytest.mark.parametrize(
+    "spec,w_shape,num_in",
+    [("TD,DNH->TNH", (32, 4, 8), 1), ("TNH,NHD->TD", (4, 8, 32), 2), ("TD,DF->TF", (32, 48), 1)],
+)
 def test_out_in_linear_equals_einsum(rows, spec, w_shape, num_in):
     rng = np.random.default_rng(rows)
     w = rng.standard_normal(w_shape).astype(np.float32)
@@ -33,16 +35,18 @@ def test_fused_linear_parts_equal_einsums(rows):
     rng = np.random.default_rng(rows)
     ws = [rng.standard_normal(s).astype(np.float32) for s in ((32, 4, 8), (32, 2, 8), (32, 2, 8))]
     x = rng.standard_normal((rows, 32)).astype(np.float32)
-    fused = OutInWeight(jnp.asarray(np.concatenate([w.reshape(32, -1).T for w in ws])), 1,
-                        ((4, 8), (2, 8), (2, 8)))
+    fused = OutInWeight(
+        jnp.asarray(np.concatenate([w.reshape(32, -1).T for w in ws])), 1, ((4, 8), (2, 8), (2, 8))
+    )
     outs = linear_parts(jnp.asarray(x), fused)
-    for out, w in zip(outs, ws):
+    for out, w in zip(outs, ws, strict=False):
         ref = np.einsum("TD,DKH->TKH", x.astype(np.float64), w.astype(np.float64))
         np.testing.assert_allclose(np.asarray(out, np.float64), ref, **TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("dtype,unroll", [(jnp.float32, True), (jnp.bfloat16, True),
-                                          (jnp.float32, False)])
+@pytest.mark.parametrize(
+    "dtype,unroll", [(jnp.float32, True), (jnp.bfloat16, True), (jnp.float32, False)]
+)
 def test_forward_with_out_in_projections(dtype, unroll):
     cfg = ModelConfig("llama", 96, 32, 64, 2, 4, 2, 8, tie_word_embeddings=True)
     params = init_random(cfg, jax.random.PRNGKey(0), dtype=dtype, scale=0.2)

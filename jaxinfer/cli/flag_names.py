@@ -12,10 +12,26 @@ import re
 # The LLM arguments the command line sets through a flag of the same name (``llm_from_args``);
 # --no-prefix-caching and --no-reuse-compiled-buckets invert theirs and are left as they are.
 FLAG_ARGS = (
-    "dtype", "max_model_len", "kv_pages", "page_size", "max_num_seqs", "max_num_batched_tokens",
-    "attn_impl", "quantization", "kv_cache_dtype", "async_scheduling", "batch_invariant",
-    "tokenizer", "skip_tokenizer_init", "seed", "tensor_parallel_size", "data_parallel_size",
-    "speculative", "num_speculative_tokens", "draft_model", "draft_heads",
+    "dtype",
+    "max_model_len",
+    "kv_pages",
+    "page_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "attn_impl",
+    "quantization",
+    "kv_cache_dtype",
+    "async_scheduling",
+    "batch_invariant",
+    "tokenizer",
+    "skip_tokenizer_init",
+    "seed",
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "speculative",
+    "num_speculative_tokens",
+    "draft_model",
+    "draft_heads",
 )
 
 _NAMES = "|".join(sorted(FLAG_ARGS, key=len, reverse=True))

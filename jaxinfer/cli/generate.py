@@ -15,12 +15,12 @@ import sys
 import threading
 import time
 
-from jaxinfer.compile.while_loading import start_for_jobs
-from jaxinfer.errors import JaxinferError
-from jaxinfer.compile.plan import start_job
-from jaxinfer.cli.prompts_file import Job, plan
 from jaxinfer.cli.output_file import OutputFile, OutputWriteError
 from jaxinfer.cli.partial import Checkpointer
+from jaxinfer.cli.prompts_file import Job, plan
+from jaxinfer.compile.plan import start_job
+from jaxinfer.compile.while_loading import start_for_jobs
+from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling.params import SamplingParams
 
 EXIT_INTERRUPTED = 130
@@ -80,8 +80,15 @@ def _encode(llm, job: Job) -> list[int] | None:
         return None
 
 
-def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dict, bar,
-              ckpt: Checkpointer, warm=None) -> None:
+def _generate(
+    llm,
+    run: list[tuple[Job, list[int]]],
+    out: OutputFile,
+    stats: dict,
+    bar,
+    ckpt: Checkpointer,
+    warm=None,
+) -> None:
     """Generates ``run`` (jobs with their prompt token ids), continuing the requests ``ckpt``
     holds partial outputs of; writes each record (and counts it in ``stats``) as its prompt
     finishes, and gives ``ckpt`` every output. ``warm``: the first step's compile started
@@ -94,8 +101,9 @@ def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dic
     start_job(llm, [ids for _, ids in run], params, resume, bar, background=True)  # k/n, ahead
     stats["resumed"] = ckpt.resumed
     t0 = time.perf_counter()
-    for res in llm.generate_stream(prompts, params, request_ids=[j.id for j, _ in run],
-                                   resume=resume):
+    for res in llm.generate_stream(
+        prompts, params, request_ids=[j.id for j, _ in run], resume=resume
+    ):
         check_terminated()
         if not res.finished:
             ckpt.update(res)
@@ -115,8 +123,15 @@ def _generate(llm, run: list[tuple[Job, list[int]]], out: OutputFile, stats: dic
             bar.set_postfix_str(f"{rate:.1f} tok/s")
 
 
-def run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say, t_start: float,
-             ckpt: Checkpointer, load_llm) -> int:
+def run_jobs(
+    args: argparse.Namespace,
+    jobs: list[Job],
+    out: OutputFile,
+    say,
+    t_start: float,
+    ckpt: Checkpointer,
+    load_llm,
+) -> int:
     """The run of ``cli.cmd_generate`` once ``out`` is open: resume, load (``load_llm(args)``,
     only when some prompt is left to run), generate, summary; returns the exit status."""
     quiet = args.quiet
@@ -154,9 +169,16 @@ def run_jobs(args: argparse.Namespace, jobs: list[Job], out: OutputFile, say, t_
 
         from jaxinfer.compile.progress import CompileProgressBar
 
-        bar = CompileProgressBar(tqdm(  # "compiling (k)" on the line while a step compiles
-            total=len(ids_run), desc="prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True
-        ), llm)
+        bar = CompileProgressBar(
+            tqdm(  # "compiling (k)" on the line while a step compiles
+                total=len(ids_run),
+                desc="prompts",
+                unit="prompt",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            ),
+            llm,
+        )
     interrupted = 0  # the exit status of an interruption (130 Ctrl-C, 143 SIGTERM), else 0
     write_error = None  # why the output file could not be written
     t_gen = time.perf_counter()
@@ -225,6 +247,8 @@ def _prefix_cache_summary(llm) -> dict:
     """The summary's prefix-cache fields: hit rate (cached prompt tokens / prompt tokens looked
     up, recomputation included), cached tokens, evictions."""
     st = llm.prefix_cache_stats() if llm is not None else {}
-    return {"prefix_cache_hit_rate": round(st.get("hit_rate", 0.0), 4),
-            "prefix_cached_tokens": st.get("hit_tokens", 0),
-            "prefix_cache_evictions": st.get("evictions", 0)}
+    return {
+        "prefix_cache_hit_rate": round(st.get("hit_rate", 0.0), 4),
+        "prefix_cached_tokens": st.get("hit_tokens", 0),
+        "prefix_cache_evictions": st.get("evictions", 0),
+    }

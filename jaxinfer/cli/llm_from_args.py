@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxinfer.errors import JaxinferError, KernelBuildError
 from jaxinfer.cli.flag_names import as_flags
 from jaxinfer.cli.prompts_file import UsageError
+from jaxinfer.errors import JaxinferError, KernelBuildError
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
@@ -53,8 +53,9 @@ def load_llm(args: argparse.Namespace):
         raise UsageError(f"--attn-impl cpu_kernel: {e}") from None
     except (JaxinferError, OSError) as e:
         msg = str(e)
-        raise UsageError(msg if msg.startswith("draft model") else
-                         f"cannot load model {args.model}: {msg}") from None
+        raise UsageError(
+            msg if msg.startswith("draft model") else f"cannot load model {args.model}: {msg}"
+        ) from None
     except ValueError as e:  # an engine setting (sizes, pool, attention implementation)
         raise UsageError(f"invalid engine setting: {as_flags(str(e))}") from None
     return llm

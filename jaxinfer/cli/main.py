@@ -10,8 +10,10 @@ A rerun with the same ``--out`` skips the ids already there (resume after a cras
 and continues the requests that were in flight from ``<out>.partial.json`` (`jaxinfer.cli.partial`).
 stdout carries one JSON summary object; progress, messages and errors go to stderr.
 
-Reading the prompts file (`jaxinfer.cli.prompts_file`: every bad line is one error record, ids) and the
-output file (`jaxinfer.cli.output_file`: one locked writer, regular files only) live in their own modules,
+Reading the prompts file (`jaxinfer.cli.prompts_file`: every bad line is one error record, ids) and
+the
+output file (`jaxinfer.cli.output_file`: one locked writer, regular files only) live in their own
+modules,
 as does the run once the output file is open (`jaxinfer.cli.generate`: generate, summary).
 Exit status: 0 done, 1 the output file could not be written (the summary has an "error"),
 2 usage error, 130/143 interrupted.
@@ -32,19 +34,45 @@ from jaxinfer.cli.generate import check_terminated as _check_terminated  # noqa:
 from jaxinfer.cli.generate import error_record as _error_record  # noqa: F401 - tests
 from jaxinfer.cli.generate import interrupt_status as _interrupt_status
 from jaxinfer.cli.generate import sigterm_as_interrupt as _sigterm_as_interrupt
-from jaxinfer.errors import JaxinferError, RequestError
-from jaxinfer.cli.prompts_file import DUPLICATE_PREFIX, PROMPT_KEYS, Job, UsageError, plan, read_jobs
 from jaxinfer.cli.llm_from_args import load_llm as _load_llm
 from jaxinfer.cli.output_file import Done, OutputFile
 from jaxinfer.cli.partial import Checkpointer, partial_path, run_settings
+from jaxinfer.cli.prompts_file import (
+    DUPLICATE_PREFIX,
+    PROMPT_KEYS,
+    Job,
+    UsageError,
+    plan,
+    read_jobs,
+)
+from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.sampling.params import SamplingParams
 
-ATTN_IMPL_CHOICES = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
-                     "pallas_gpu_interpret", "cpu_kernel")
+ATTN_IMPL_CHOICES = (
+    "auto",
+    "xla",
+    "pallas",
+    "pallas_tpu",
+    "pallas_gpu",
+    "pallas_tpu_interpret",
+    "pallas_gpu_interpret",
+    "cpu_kernel",
+)
 
 EXIT_USAGE = 2
-__all__ = ["DUPLICATE_PREFIX", "EXIT_INTERRUPTED", "EXIT_WRITE_FAILED", "PROMPT_KEYS", "Done",
-           "Job", "Terminated", "UsageError", "main", "plan", "read_jobs"]
+__all__ = [
+    "DUPLICATE_PREFIX",
+    "EXIT_INTERRUPTED",
+    "EXIT_WRITE_FAILED",
+    "PROMPT_KEYS",
+    "Done",
+    "Job",
+    "Terminated",
+    "UsageError",
+    "main",
+    "plan",
+    "read_jobs",
+]
 
 
 # ------------------------------------------------------------------------- arguments
@@ -134,8 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="pages in the KV pool (None: every sequence at full length, up to 2 GiB)",
     )
-    e.add_argument("--page-size", type=int, default=None,
-                   help="tokens per KV page (None: 8 on CPU with the XLA attention, else 16)")
+    e.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="tokens per KV page (None: 8 on CPU with the XLA attention, else 16)",
+    )
     e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded together")
     e.add_argument(
         "--max-num-batched-tokens",
@@ -144,22 +176,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one step (None: max(512, max-num-seqs))",
     )
     # = paged_attention.ATTN_IMPLS (spelled out: the CLI imports jax lazily; a test checks).
-    e.add_argument("--attn-impl", default="auto", choices=ATTN_IMPL_CHOICES,
-                   help="attention implementation: auto (on CPU cpu_kernel where the KV pool "
-                   "allows, else xla; the Pallas kernel where verified), xla, pallas (this "
-                   "backend's kernel), pallas_tpu, pallas_gpu, pallas_{tpu,gpu}_interpret "
-                   "(kernels run on CPU, for tests), cpu_kernel (XLA with a native CPU decode "
-                   "kernel built by the C++ compiler)")
+    e.add_argument(
+        "--attn-impl",
+        default="auto",
+        choices=ATTN_IMPL_CHOICES,
+        help="attention implementation: auto (on CPU cpu_kernel where the KV pool "
+        "allows, else xla; the Pallas kernel where verified), xla, pallas (this "
+        "backend's kernel), pallas_tpu, pallas_gpu, pallas_{tpu,gpu}_interpret "
+        "(kernels run on CPU, for tests), cpu_kernel (XLA with a native CPU decode "
+        "kernel built by the C++ compiler)",
+    )
     sd = g.add_argument_group("speculative decoding")
-    sd.add_argument("--speculative", default=None, choices=["draft-model", "ngram", "heads"],
-                    help="drafter: a smaller draft model, n-gram prompt lookup or Medusa heads")
-    sd.add_argument("--num-speculative-tokens", type=int, default=4,
-                    help="R, draft tokens proposed per sequence and round")
-    sd.add_argument("--draft-model", default=None,
-                    help="draft model: a checkpoint with the target's tokenizer, 'self' or "
-                    "'layers:N' (the target's first N layers)")
-    sd.add_argument("--draft-heads", default=None,
-                    help="directory of draft heads written by 'jaxinfer train-draft-heads'")
+    sd.add_argument(
+        "--speculative",
+        default=None,
+        choices=["draft-model", "ngram", "heads"],
+        help="drafter: a smaller draft model, n-gram prompt lookup or Medusa heads",
+    )
+    sd.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="R, draft tokens proposed per sequence and round",
+    )
+    sd.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model: a checkpoint with the target's tokenizer, 'self' or "
+        "'layers:N' (the target's first N layers)",
+    )
+    sd.add_argument(
+        "--draft-heads",
+        default=None,
+        help="directory of draft heads written by 'jaxinfer train-draft-heads'",
+    )
     e.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -179,24 +229,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="call jax.distributed.initialize() (one process per host; process 0 writes --out); "
         "automatic on multi-host TPU slices and with JAXINFER_MULTIHOST=1",
     )
-    e.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"],
-                   help="int8 weights: int8 (weight-only, w8a16) or w8a8 (int8 activations too); "
-                   "a checkpoint from `jaxinfer quantize` is int8 already")
-    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="dispatch each step before the previous one's tokens are read back "
-                   "(default: on, off with --speculative)")
-    e.add_argument("--batch-invariant", action="store_true",
-                   help="every request's logits, tokens and logprobs bitwise the same whatever "
-                   "else is in the batch (its size, chunking, preemption); slower, see README")
-    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse the KV pages of prompt prefixes that earlier requests "
-                   "computed (prefix caching is on by default; outputs are the same)")
-    e.add_argument("--no-reuse-compiled-buckets", dest="reuse_compiled_buckets",
-                   action="store_false", help="compile every new step shape before running it, "
-                   "instead of padding it to a compiled shape one bucket up (same outputs)")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, "
-                   "per-head scales)")
+    e.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "w8a8"],
+        help="int8 weights: int8 (weight-only, w8a16) or w8a8 (int8 activations too); "
+        "a checkpoint from `jaxinfer quantize` is int8 already",
+    )
+    e.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="dispatch each step before the previous one's tokens are read back "
+        "(default: on, off with --speculative)",
+    )
+    e.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every request's logits, tokens and logprobs bitwise the same whatever "
+        "else is in the batch (its size, chunking, preemption); slower, see README",
+    )
+    e.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not reuse the KV pages of prompt prefixes that earlier requests "
+        "computed (prefix caching is on by default; outputs are the same)",
+    )
+    e.add_argument(
+        "--no-reuse-compiled-buckets",
+        dest="reuse_compiled_buckets",
+        action="store_false",
+        help="compile every new step shape before running it, "
+        "instead of padding it to a compiled shape one bucket up (same outputs)",
+    )
+    e.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, per-head scales)",
+    )
     e.add_argument(
         "--seed",
         type=int,
@@ -266,12 +338,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=d["logprobs"],
         help="also return the n most likely tokens' logprobs per token",
     )
-    s.add_argument("--n", type=int, default=d["n"],
-                   help="completions per prompt (1..128; vLLM's n: completion i samples with "
-                   "seed + i when a seed is set); records with n > 1 hold them in 'outputs'")
-    s.add_argument("--prompt-logprobs", type=int, default=d["prompt_logprobs"], metavar="K",
-                   help="also return each prompt token's logprob and the top K (0..20) of its "
-                   "position ('prompt_logprobs' in the record: null, then one per prompt token)")
+    s.add_argument(
+        "--n",
+        type=int,
+        default=d["n"],
+        help="completions per prompt (1..128; vLLM's n: completion i samples with "
+        "seed + i when a seed is set); records with n > 1 hold them in 'outputs'",
+    )
+    s.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=d["prompt_logprobs"],
+        metavar="K",
+        help="also return each prompt token's logprob and the top K (0..20) of its "
+        "position ('prompt_logprobs' in the record: null, then one per prompt token)",
+    )
     s.add_argument(
         "--sampling-seed",
         type=int,
@@ -339,8 +420,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     defaults = sampling_defaults_from_args(args)
     if not (args.checkpoint_interval >= 0 and args.checkpoint_interval != float("inf")):
-        raise UsageError(f"--checkpoint-interval must be a number of seconds >= 0, got "
-                         f"{args.checkpoint_interval}")
+        raise UsageError(
+            f"--checkpoint-interval must be a number of seconds >= 0, got "
+            f"{args.checkpoint_interval}"
+        )
     if not args.prompts.is_file():
         raise UsageError(f"prompts file {args.prompts} does not exist or is not a file")
     if not Path(args.model).exists():
@@ -361,8 +444,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = OutputFile.open(out_path, args.prompts)  # locked, before the model loads
     # Partial states are off across hosts: every host must resume from the same state, and
     # process 0 rewrites the file while the others may still be reading it.
-    ckpt = Checkpointer(partial_path(out_path), run_settings(args), args.checkpoint_interval,
-                        say, enabled=not multihost)
+    ckpt = Checkpointer(
+        partial_path(out_path),
+        run_settings(args),
+        args.checkpoint_interval,
+        say,
+        enabled=not multihost,
+    )
     try:
         return run_jobs(args, jobs, out, say, t_start, ckpt, _load_llm)
     except BaseException:

@@ -15,7 +15,8 @@ metrics aside: ``RequestMetrics.resumed_tokens``).
   multi-host runs (every host would have to read the same state while process 0 rewrites it).
 - The seeds of requests without one are drawn when the run starts and stored at once, so even a
   request that had not started when the run stopped keeps the seed of the first run.
-- A request with ``n`` > 1 (`jaxinfer.engine.parallel_sampling`) is stored as one entry with one state
+- A request with ``n`` > 1 (`jaxinfer.engine.parallel_sampling`) is stored as one entry with one
+state
   per completion (``"completions"``: seed, token ids, logprobs). A completion that finished
   before its siblings is kept without its last token: the rerun samples that token again (same
   seed and output index: the same token) and the completion finishes as it did.
@@ -39,18 +40,29 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxinfer.errors import JaxinferError
-from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.engine.parallel_sampling import child_params
 from jaxinfer.engine.resume import ResumeState
+from jaxinfer.errors import JaxinferError
+from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.sampling.params import SamplingParams
 
 SUFFIX = ".partial.json"
 FORMAT = "jaxinfer-partial"
 VERSION = 1
-SETTINGS = ("model", "tokenizer", "skip_tokenizer_init", "dtype", "quantization",
-            "kv_cache_dtype", "max_model_len", "speculative", "num_speculative_tokens",
-            "draft_model", "draft_heads", "batch_invariant")
+SETTINGS = (
+    "model",
+    "tokenizer",
+    "skip_tokenizer_init",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "max_model_len",
+    "speculative",
+    "num_speculative_tokens",
+    "draft_model",
+    "draft_heads",
+    "batch_invariant",
+)
 """Command-line settings a partial output depends on (they change the tokens); the file
 records them and is ignored when the rerun's differ."""
 MAX_WARNINGS = 5
@@ -86,9 +98,11 @@ def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
         sampling.pop("prompt_logprobs", None)
     if sampling.get("prompt_logprobs_from") == 1:
         sampling.pop("prompt_logprobs_from", None)
-    blob = json.dumps({"prompt_token_ids": [int(t) for t in prompt_ids],
-                       "sampling": sampling}, sort_keys=True,
-                      separators=(",", ":"))
+    blob = json.dumps(
+        {"prompt_token_ids": [int(t) for t in prompt_ids], "sampling": sampling},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -105,9 +119,14 @@ def _logprob(d) -> TokenLogprob:
     if not isinstance(d, dict) or set(d) != {"token_id", "logprob", "top"}:
         raise ValueError("a logprob is not {token_id, logprob, top}")
     top = d["top"]
-    if (not _is_int(d["token_id"]) or not _is_num(d["logprob"]) or not isinstance(top, list)
-            or not all(isinstance(x, list) and len(x) == 2 and _is_int(x[0]) and _is_num(x[1])
-                       for x in top)):
+    if (
+        not _is_int(d["token_id"])
+        or not _is_num(d["logprob"])
+        or not isinstance(top, list)
+        or not all(
+            isinstance(x, list) and len(x) == 2 and _is_int(x[0]) and _is_num(x[1]) for x in top
+        )
+    ):
         raise ValueError("a logprob has a field of the wrong type")
     return TokenLogprob(d["token_id"], float(d["logprob"]), [(x[0], float(x[1])) for x in top])
 
@@ -120,8 +139,13 @@ def _check_fields(d: dict, fields) -> None:
 
 def _state(d: dict) -> ResumeState:
     """One completion's state from its record form; raises ValueError naming the field."""
-    _check_fields(d, (("seed", _is_int),
-                      ("token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v))))
+    _check_fields(
+        d,
+        (
+            ("seed", _is_int),
+            ("token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v)),
+        ),
+    )
     lps = d.get("logprobs")
     if lps is not None:
         if not isinstance(lps, list):
@@ -135,12 +159,16 @@ def _entry(d) -> tuple[str, str, ResumeState | tuple[ResumeState, ...]]:
     for a request with n > 1 (``"completions"``); raises ValueError naming the field."""
     if not isinstance(d, dict):
         raise ValueError("not an object")
-    _check_fields(d, (("id", lambda v: isinstance(v, str)),
-                      ("fingerprint", lambda v: isinstance(v, str))))
+    _check_fields(
+        d, (("id", lambda v: isinstance(v, str)), ("fingerprint", lambda v: isinstance(v, str)))
+    )
     if "completions" in d:
         comps = d["completions"]
-        if not isinstance(comps, list) or len(comps) < 2 or \
-                not all(isinstance(c, dict) for c in comps):
+        if (
+            not isinstance(comps, list)
+            or len(comps) < 2
+            or not all(isinstance(c, dict) for c in comps)
+        ):
             raise ValueError("field 'completions' is not a list of at least 2 objects")
         return d["id"], d["fingerprint"], tuple(_state(c) for c in comps)
     return d["id"], d["fingerprint"], _state(d)
@@ -163,8 +191,9 @@ MAX_PARTIAL_BYTES = 1 << 30
 """Largest partial file read back (a device, FIFO or larger file is ignored, never read)."""
 
 
-def load(path: Path, settings: dict, warn: Warn
-         ) -> dict[str, tuple[str, ResumeState | tuple[ResumeState, ...]]]:
+def load(
+    path: Path, settings: dict, warn: Warn
+) -> dict[str, tuple[str, ResumeState | tuple[ResumeState, ...]]]:
     """The usable entries of partial file ``path``: id -> (fingerprint, state), the state a tuple
     of one per completion for a request with n > 1. A missing file is
     empty; an unreadable one, another format or version, or other `settings` are warned about
@@ -172,8 +201,10 @@ def load(path: Path, settings: dict, warn: Warn
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PARTIAL_BYTES:
-            warn(f"partial file {path} is not a regular file of at most {MAX_PARTIAL_BYTES} "
-                 "bytes; ignored, in-flight work is redone")
+            warn(
+                f"partial file {path} is not a regular file of at most {MAX_PARTIAL_BYTES} "
+                "bytes; ignored, in-flight work is redone"
+            )
             return {}
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -187,15 +218,22 @@ def load(path: Path, settings: dict, warn: Warn
         warn(f"partial file {path} is not valid JSON ({e}); ignored, in-flight work is redone")
         return {}
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        warn(f"partial file {path} is not a {FORMAT} file of version {VERSION}; ignored, "
-             "in-flight work is redone")
+        warn(
+            f"partial file {path} is not a {FORMAT} file of version {VERSION}; ignored, "
+            "in-flight work is redone"
+        )
         return {}
     stored = doc.get("settings")
     if not isinstance(stored, dict) or stored != settings:
-        diff = sorted(k for k in set(settings) | set(stored if isinstance(stored, dict) else {})
-                      if not isinstance(stored, dict) or stored.get(k) != settings.get(k))
-        warn(f"partial file {path} was written with other settings ({', '.join(diff)}); "
-             "ignored, in-flight work is redone")
+        diff = sorted(
+            k
+            for k in set(settings) | set(stored if isinstance(stored, dict) else {})
+            if not isinstance(stored, dict) or stored.get(k) != settings.get(k)
+        )
+        warn(
+            f"partial file {path} was written with other settings ({', '.join(diff)}); "
+            "ignored, in-flight work is redone"
+        )
         return {}
     entries, bad = {}, []
     reqs = doc.get("requests")
@@ -225,7 +263,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     except OSError:
         os.close(fd)
@@ -253,8 +291,9 @@ class Checkpointer:
         enabled: False: nothing is read or written (multi-host runs, hosts that do not write).
     """
 
-    def __init__(self, path: Path, settings: dict, interval: float, warn: Warn,
-                 enabled: bool = True):
+    def __init__(
+        self, path: Path, settings: dict, interval: float, warn: Warn, enabled: bool = True
+    ):
         self.path, self.settings, self.interval, self.warn = path, settings, interval, warn
         self.enabled = enabled
         self.stored = load(path, settings, warn) if enabled else {}
@@ -265,8 +304,9 @@ class Checkpointer:
         self._failed = False
         self._planned = False  # until `plan` has run, the file on disk is the one to keep
 
-    def plan(self, llm, run: list[tuple[str, list[int], SamplingParams]]
-             ) -> list[ResumeState | list[ResumeState]]:
+    def plan(
+        self, llm, run: list[tuple[str, list[int], SamplingParams]]
+    ) -> list[ResumeState | list[ResumeState]]:
         """The resume state of each request of ``run`` (id, prompt ids, params), in order (for a
         request with n > 1 a list of n, one per completion): the stored one when its fingerprint
         matches and ``llm``'s engine accepts it, else a fresh start with the seed drawn now (or
@@ -298,8 +338,10 @@ class Checkpointer:
             self.states[rid] = (fp, states)
             out.append(states[0] if params.n == 1 else list(states))
         self._planned = True
-        for what, items in (("its record changed (prompt or sampling fields)", stale),
-                            ("the engine refused it", refused)):
+        for what, items in (
+            ("its record changed (prompt or sampling fields)", stale),
+            ("the engine refused it", refused),
+        ):
             for x in items[:MAX_WARNINGS]:
                 self.warn(f"partial state of id {x} not used: {what}; it starts afresh")
             if len(items) > MAX_WARNINGS:
@@ -322,8 +364,9 @@ class Checkpointer:
             toks, lps = c.token_ids, c.logprobs
             if c.finish_reason is not None:  # one of n finished first: resampled on resume
                 toks, lps = toks[:-1], None if lps is None else lps[:-1]
-            states[c.index] = ResumeState(states[c.index].seed, tuple(toks),
-                                          None if lps is None else tuple(lps))
+            states[c.index] = ResumeState(
+                states[c.index].seed, tuple(toks), None if lps is None else tuple(lps)
+            )
         if self.interval > 0 and time.monotonic() - self._last >= self.interval:
             self.flush()
 
@@ -333,14 +376,20 @@ class Checkpointer:
         self._last = time.monotonic()
         if not self.enabled or not self._planned:
             return
-        doc = {"format": FORMAT, "version": VERSION, "settings": self.settings,
-               "requests": [_state_record(rid, fp, st) for rid, (fp, st) in self.states.items()]}
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "settings": self.settings,
+            "requests": [_state_record(rid, fp, st) for rid, (fp, st) in self.states.items()],
+        }
         try:
             write_atomic(self.path, json.dumps(doc).encode("ascii"))
         except OSError as e:
             if not self._failed:
-                self.warn(f"cannot write partial file {self.path} ({e}); an interrupted run "
-                          "will redo its in-flight work")
+                self.warn(
+                    f"cannot write partial file {self.path} ({e}); an interrupted run "
+                    "will redo its in-flight work"
+                )
             self._failed = True
 
     def close(self, completed: bool) -> None:

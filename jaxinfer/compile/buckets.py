@@ -95,24 +95,36 @@ class BackgroundCompiler:
         b = sample_rows(key[0], key[2])
 
         def compile_both():
-            from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams, SamplingTensors
             from jaxinfer.engine.step import LogitsControls
+            from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams, SamplingTensors
 
             while after_first_step and getattr(e, "num_steps", 1) == 0:
                 time.sleep(0.02)
             lowered = e._forward.lower(e.params, kv, batch, e._no_prev, **static)
             logits = jax.ShapeDtypeStruct(lowered.out_info[1].shape, lowered.out_info[1].dtype)
             lowered.compile()
-            st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b,
-                                             [0] * b, pad_to=b)
+            st = SamplingTensors.from_params(
+                [SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b, pad_to=b
+            )
             v = e.cfg.vocab_size
             for flags in sample_flags:
                 controls_on, num_lp = flags[:2]
-                controls = None if not controls_on else LogitsControls(
-                    np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool))
-                e._sample.lower(logits, st, controls, num_logprobs=num_lp,
-                                num_slots=e._num_slots, batch_invariant=e.ecfg.batch_invariant,
-                                greedy=tuple(flags) == GREEDY_FLAGS).compile()
+                controls = (
+                    None
+                    if not controls_on
+                    else LogitsControls(
+                        np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool)
+                    )
+                )
+                e._sample.lower(
+                    logits,
+                    st,
+                    controls,
+                    num_logprobs=num_lp,
+                    num_slots=e._num_slots,
+                    batch_invariant=e.ecfg.batch_invariant,
+                    greedy=tuple(flags) == GREEDY_FLAGS,
+                ).compile()
 
         return compile_both
 
@@ -137,8 +149,11 @@ class BackgroundCompiler:
             fut = self._ahead.get(need.key)
             if fut is None:
                 fut = self._submit(self._compile_fn(need.key, [sample_flags]))
-            keys = [k for k in (("forward", need.key), ("sample", b, *sample_flags))
-                    if k not in compiled]
+            keys = [
+                k
+                for k in (("forward", need.key), ("sample", b, *sample_flags))
+                if k not in compiled
+            ]
             self._futures[need.key] = (keys, fut)
             self.pending.update(keys)
             return keys

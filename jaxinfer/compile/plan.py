@@ -31,12 +31,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxinfer.engine.core import Engine
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.models.kv_cache import PageAllocator
+from jaxinfer.engine.core import Engine
 from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
-from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.models.kv_cache import PageAllocator
+from jaxinfer.sampling.sampler import SamplingParams
 
 Key = tuple
 """A compile key as in ``Engine.compile_keys``."""
@@ -93,14 +93,20 @@ class _PlanEngine(Engine):
         # checks the plan against real engine runs, so a drift here shows there).
         self.cfg = types.SimpleNamespace(vocab_size=vocab_size, model_type="plan")
         self.ecfg, self.mesh, self.params, self.kv = ecfg, None, None, None
-        self.tokenizer = types.SimpleNamespace(has_text=False, eos_ids=(), bos_id=None,
-                                               path="<job plan>")
+        self.tokenizer = types.SimpleNamespace(
+            has_text=False, eos_ids=(), bos_id=None, path="<job plan>"
+        )
         if ecfg.enable_prefix_caching:
             self.allocator = PrefixCachingAllocator(ecfg.num_pages, ecfg.page_size, ("plan",))
         else:
             self.allocator = PageAllocator(ecfg.num_pages)
-        self.scheduler = Scheduler(self.allocator, ecfg.page_size, ecfg.max_num_seqs,
-                                   ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
+        self.scheduler = Scheduler(
+            self.allocator,
+            ecfg.page_size,
+            ecfg.max_num_seqs,
+            ecfg.max_num_batched_tokens,
+            ecfg.max_prefill_seqs,
+        )
         self._rng = np.random.default_rng(0)
         self._requests = {}
         self._num_slots = 1
@@ -121,9 +127,11 @@ class _PlanEngine(Engine):
 
         def sample(b, st, controls, num_logprobs, **_):
             out = types.SimpleNamespace(
-                tokens=np.full(b, token, np.int32), logprobs=np.zeros(b, np.float32),
+                tokens=np.full(b, token, np.int32),
+                logprobs=np.zeros(b, np.float32),
                 top_ids=np.zeros((b, num_logprobs), np.int32),
-                top_logprobs=np.zeros((b, num_logprobs), np.float32))
+                top_logprobs=np.zeros((b, num_logprobs), np.float32),
+            )
             return out, None
 
         self._forward, self._sample = forward, sample
@@ -138,7 +146,7 @@ class _PlanEngine(Engine):
     def _dispatch(self, sched, prev):
         out = _ENGINE_DISPATCH(self, sched, prev)
         step = self.num_dispatched = getattr(self, "num_dispatched", 0) + 1
-        for k in self.compile_keys.order[len(self.first_step):]:
+        for k in self.compile_keys.order[len(self.first_step) :]:
             self.first_step[k] = step - 1
         return out
 
@@ -172,11 +180,17 @@ class JobPlan:
         return [k[1] for k in self.keys if k[0] == "forward"]
 
 
-def plan_job(ecfg: EngineConfig, prompt_lens: Sequence[int],
-             max_tokens: int | None | Sequence[int | None], *, vocab_size: int,
-             params: SamplingParams | Sequence[SamplingParams] | None = None,
-             prompt_ids: Sequence[Sequence[int]] | None = None,
-             output_so_far: Sequence[int] | None = None, max_steps: int = 1_000_000) -> JobPlan:
+def plan_job(
+    ecfg: EngineConfig,
+    prompt_lens: Sequence[int],
+    max_tokens: int | None | Sequence[int | None],
+    *,
+    vocab_size: int,
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    output_so_far: Sequence[int] | None = None,
+    max_steps: int = 1_000_000,
+) -> JobPlan:
     """Runs the job's requests through ``Engine``'s host step loop (module docstring) and returns
     the compile keys it meets.
 
@@ -206,23 +220,33 @@ def plan_job(ecfg: EngineConfig, prompt_lens: Sequence[int],
     maxes = per(max_tokens, "max_tokens")
     plist = per(params if params is not None else SamplingParams(temperature=0.0), "params")
     done = per(output_so_far if output_so_far is not None else 0, "output_so_far")
-    for name, xs in (("max_tokens", maxes), ("params", plist), ("output_so_far", done),
-                     ("prompt_ids", prompt_ids if prompt_ids is not None else prompt_lens)):
+    for name, xs in (
+        ("max_tokens", maxes),
+        ("params", plist),
+        ("output_so_far", done),
+        ("prompt_ids", prompt_ids if prompt_ids is not None else prompt_lens),
+    ):
         if len(xs) != n:
             raise ValueError(f"plan_job: {len(xs)} {name} for {n} prompts")
     bad = [i for i, t in enumerate(prompt_lens) if not 1 <= t < ecfg.max_model_len]
     if bad:
-        raise ValueError(f"plan_job: prompt {bad[0]} has {prompt_lens[bad[0]]} tokens; expected "
-                         f"1 to max_model_len - 1 = {ecfg.max_model_len - 1}")
+        raise ValueError(
+            f"plan_job: prompt {bad[0]} has {prompt_lens[bad[0]]} tokens; expected "
+            f"1 to max_model_len - 1 = {ecfg.max_model_len - 1}"
+        )
     banned = {t for p in plist for t in p.stop_token_ids}
     token = next(t for t in range(vocab_size) if t not in banned)
     eng = _PlanEngine(ecfg, vocab_size, token)
     rng = np.random.default_rng(0)
     for i in range(n):
-        ids = (list(prompt_ids[i]) if prompt_ids is not None
-               else rng.integers(0, vocab_size, prompt_lens[i]).tolist())
-        p = dataclasses.replace(plist[i], max_tokens=maxes[i], stop=(), ignore_eos=True,
-                                prompt_logprobs=None, n=1)
+        ids = (
+            list(prompt_ids[i])
+            if prompt_ids is not None
+            else rng.integers(0, vocab_size, prompt_lens[i]).tolist()
+        )
+        p = dataclasses.replace(
+            plist[i], max_tokens=maxes[i], stop=(), ignore_eos=True, prompt_logprobs=None, n=1
+        )
         eng.add_request(str(i), ids, p, resume=None)
         seq = eng._requests[str(i)].seq
         seq.output_ids.extend([token] * done[i])
@@ -235,8 +259,12 @@ def plan_job(ecfg: EngineConfig, prompt_lens: Sequence[int],
     return JobPlan(keys, tuple(eng.first_step[k] for k in keys), eng.num_steps)
 
 
-def plan_keys(ecfg: EngineConfig, prompt_lens: Sequence[int],
-              max_tokens: int | None | Sequence[int | None], **kwargs) -> list[Key]:
+def plan_keys(
+    ecfg: EngineConfig,
+    prompt_lens: Sequence[int],
+    max_tokens: int | None | Sequence[int | None],
+    **kwargs,
+) -> list[Key]:
     """The distinct compile keys (forward and sampling) of the job, in order of first use:
     ``plan_job(...).keys`` (same arguments)."""
     return list(plan_job(ecfg, prompt_lens, max_tokens, **kwargs).keys)
@@ -252,9 +280,15 @@ def compile_ahead_enabled() -> bool:
     return v == "1"
 
 
-def start_job(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-              resume: Sequence | None = None, bar=None, compile_ahead: bool | None = None,
-              background: bool = False) -> JobPlan | None:
+def start_job(
+    llm,
+    prompt_ids: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    resume: Sequence | None = None,
+    bar=None,
+    compile_ahead: bool | None = None,
+    background: bool = False,
+) -> JobPlan | None:
     """At the start of a generate job on ``llm``: predicts its compile keys (``plan_job``, each
     output to its ``max_tokens``), gives their number to ``bar`` (``CompileProgressBar.expect``),
     and with ``compile_ahead`` (default ``compile_ahead_enabled()``) submits the predicted
@@ -272,17 +306,24 @@ def start_job(llm, prompt_ids: Sequence[Sequence[int]], params: Sequence[Samplin
     if background:
         import threading
 
-        threading.Thread(target=start_job, args=(llm, prompt_ids, params, resume, bar,
-                                                 compile_ahead), daemon=True,
-                         name="jaxinfer-job-plan").start()
+        threading.Thread(
+            target=start_job,
+            args=(llm, prompt_ids, params, resume, bar, compile_ahead),
+            daemon=True,
+            name="jaxinfer-job-plan",
+        ).start()
         return None
     try:
         return _start_job(llm, prompt_ids, params, resume, bar, compile_ahead)
     except Exception as e:  # noqa: BLE001 - the plan only informs; the job itself goes on
         import warnings
 
-        warnings.warn(f"jaxinfer: could not plan the job's compilations ({type(e).__name__}: "
-                      f"{e}); the progress line shows no total", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"jaxinfer: could not plan the job's compilations ({type(e).__name__}: "
+            f"{e}); the progress line shows no total",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 
@@ -294,17 +335,26 @@ def _start_job(llm, prompt_ids, params, resume, bar, compile_ahead) -> JobPlan |
     if any(p.n != 1 or p.prompt_logprobs is not None for p in params):
         return None
     ecfg = eng.ecfg
-    done = [len(getattr(r, "token_ids", ()) or ()) if r is not None else 0
-            for r in (resume or [None] * len(prompt_ids))]
-    rows = [(ids, p, d) for ids, p, d in zip(prompt_ids, params, done, strict=True)
-            if 1 <= len(ids) < ecfg.max_model_len
-            and (p.max_tokens is None or d < p.max_tokens)]
+    done = [
+        len(getattr(r, "token_ids", ()) or ()) if r is not None else 0
+        for r in (resume or [None] * len(prompt_ids))
+    ]
+    rows = [
+        (ids, p, d)
+        for ids, p, d in zip(prompt_ids, params, done, strict=True)
+        if 1 <= len(ids) < ecfg.max_model_len and (p.max_tokens is None or d < p.max_tokens)
+    ]
     if len(rows) != len(prompt_ids):
         return None
-    plan = plan_job(ecfg, [len(ids) for ids, _, _ in rows], [p.max_tokens for _, p, _ in rows],
-                    vocab_size=eng.cfg.vocab_size, params=[p for _, p, _ in rows],
-                    prompt_ids=[ids for ids, _, _ in rows],
-                    output_so_far=[d for _, _, d in rows])
+    plan = plan_job(
+        ecfg,
+        [len(ids) for ids, _, _ in rows],
+        [p.max_tokens for _, p, _ in rows],
+        vocab_size=eng.cfg.vocab_size,
+        params=[p for _, p, _ in rows],
+        prompt_ids=[ids for ids, _, _ in rows],
+        output_so_far=[d for _, _, d in rows],
+    )
     if bar is not None and hasattr(bar, "expect"):
         bar.expect(len(plan.keys))
     if compile_ahead is None:

@@ -59,8 +59,9 @@ class CompileProgressBar:
     def __init__(self, bar, llm, interval: float = 0.1) -> None:
         self.bar = bar
         engines = list(getattr(llm, "engines", []) or [])
-        self._engines = [e for e in engines
-                         if hasattr(e, "compile_keys") and hasattr(e, "num_steps")]
+        self._engines = [
+            e for e in engines if hasattr(e, "compile_keys") and hasattr(e, "num_steps")
+        ]
         self._watch = CompileWatch()
         self._postfix = ""
         self._shown: str | None = None
@@ -68,8 +69,9 @@ class CompileProgressBar:
         self._stop = threading.Event()
         self._thread = None
         if self._engines:
-            self._thread = threading.Thread(target=self._poll, args=(interval,), daemon=True,
-                                            name="jaxinfer-compile-progress")
+            self._thread = threading.Thread(
+                target=self._poll, args=(interval,), daemon=True, name="jaxinfer-compile-progress"
+            )
             self._thread.start()
 
     def _poll(self, interval: float) -> None:

@@ -1,6 +1,7 @@
 """Compiling an engine's step shapes ahead of use (``jaxinfer serve --warmup``).
 
-Every step's shapes are padded to buckets (``jaxinfer.engine.batch``): the forward step compiles once per
+Every step's shapes are padded to buckets (``jaxinfer.engine.batch``): the forward step compiles
+once per
 bucket tuple ``("forward", (Td, Tp, Bp, M))`` and the sampling step once per
 ``("sample", B', controls, num_logprobs)``, or ``("sample", B', False, 0, "greedy")`` for an
 all-greedy step without controls or logprobs (``sampling.sample_flags``; ``Engine.compile_keys``).
@@ -34,10 +35,10 @@ import numpy as np
 
 from jaxinfer.engine.batch import holds_within_one_bucket, next_pow2, step_buckets
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.step import LogitsControls, StepBatch
 from jaxinfer.models.kv_cache import NULL_PAGE
 from jaxinfer.models.paged_attention import AttentionMetadata
 from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams, SamplingTensors
-from jaxinfer.engine.step import LogitsControls, StepBatch
 
 Key = tuple
 """A compile key as in ``Engine.compile_keys``: ``("forward", (Td, Tp, Bp, M))``,
@@ -105,8 +106,9 @@ def all_keys(ecfg: EngineConfig) -> list[Key]:
                     continue
                 longest = -(-tokens // min(bp, rows_max, ecfg.max_num_seqs - nd))
                 if longest <= ecfg.max_model_len:
-                    fwd += sorted({bucket(nd, tokens, nb, p)
-                                   for p in range(-(-longest // z), per_seq + 1)})
+                    fwd += sorted(
+                        {bucket(nd, tokens, nb, p) for p in range(-(-longest // z), per_seq + 1)}
+                    )
     return with_sample_keys(fwd)
 
 
@@ -142,17 +144,25 @@ def dummy_step_batch(key: tuple[int, int, int, int], page_size: int) -> StepBatc
     q_lens = np.zeros(b, np.int32)
     q_lens[:td] = 1
     md = AttentionMetadata(
-        positions=np.zeros(t, np.int32), slot_mapping=np.full(t, NULL_PAGE * page_size, np.int32),
-        block_tables=np.full((b, m), NULL_PAGE, np.int32), kv_lens=np.zeros(b, np.int32),
-        cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), seq_ids=seq_ids,
-        num_decode=td)
-    return StepBatch(tokens=np.zeros(t, np.int32), md=md,
-                     logits_indices=np.zeros(sample_rows(td, bp), np.int32))
+        positions=np.zeros(t, np.int32),
+        slot_mapping=np.full(t, NULL_PAGE * page_size, np.int32),
+        block_tables=np.full((b, m), NULL_PAGE, np.int32),
+        kv_lens=np.zeros(b, np.int32),
+        cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+        seq_ids=seq_ids,
+        num_decode=td,
+    )
+    return StepBatch(
+        tokens=np.zeros(t, np.int32), md=md, logits_indices=np.zeros(sample_rows(td, bp), np.int32)
+    )
 
 
-def precompile(engine, keys: Iterable[Key] | None = None,
-               progress: Callable[[int, int, Key], None] | None = None,
-               workers: int = 1) -> PrecompileReport:
+def precompile(
+    engine,
+    keys: Iterable[Key] | None = None,
+    progress: Callable[[int, int, Key], None] | None = None,
+    workers: int = 1,
+) -> PrecompileReport:
     """Compiles ``keys`` (default ``serving_keys(engine.ecfg)``) into the engine's jit caches.
 
     Each forward key runs one dummy all-padding step (``dummy_step_batch``) through
@@ -194,14 +204,18 @@ def precompile(engine, keys: Iterable[Key] | None = None,
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"precompile: workers must be an integer >= 1, got {workers!r}")
     if hasattr(engine, "spec"):
-        raise ValueError("precompile: a speculative engine steps through its own round function "
-                         "('spec_round' keys); precompile supports the plain Engine only")
+        raise ValueError(
+            "precompile: a speculative engine steps through its own round function "
+            "('spec_round' keys); precompile supports the plain Engine only"
+        )
     fwd, smp = _split_keys(list(serving_keys(engine.ecfg) if keys is None else keys))
     rows = {sample_rows(bk[0], bk[2]) for bk in fwd}
     orphans = sorted(k for k in smp if k[1] not in rows)
     if orphans:
-        raise ValueError(f"precompile: sampling keys {orphans} have no forward key of the same "
-                         "row count B' in keys (their logits come from one)")
+        raise ValueError(
+            f"precompile: sampling keys {orphans} have no forward key of the same "
+            "row count B' in keys (their logits come from one)"
+        )
     ecfg, v = engine.ecfg, engine.cfg.vocab_size
     before = set(engine.compile_keys)
     done: list[Key] = []
@@ -213,21 +227,33 @@ def precompile(engine, keys: Iterable[Key] | None = None,
     for k, bk in enumerate(fwd, 1):
         b = sample_rows(bk[0], bk[2])
         engine.kv, logits = engine._forward(
-            engine.params, engine.kv, dummy_step_batch(bk, ecfg.page_size), prev, **static)
+            engine.params, engine.kv, dummy_step_batch(bk, ecfg.page_size), prev, **static
+        )
         engine.compile_keys.add(("forward", bk))
         done.append(("forward", bk))
-        st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b,
-                                         pad_to=b)
+        st = SamplingTensors.from_params(
+            [SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b, pad_to=b
+        )
         plain = [("sample", b, *flags) for flags in PLAIN_SAMPLE_FLAGS]
         for sk in plain + [s for s in smp if s[1] == b]:
             if sk in done:
                 continue
-            controls = None if not sk[2] else LogitsControls(
-                np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool))
-            out, prev = engine._sample(logits, st, controls, num_logprobs=sk[3],
-                                       num_slots=engine._num_slots,
-                                       batch_invariant=ecfg.batch_invariant,
-                                       greedy=sk[2:] == GREEDY_FLAGS)
+            controls = (
+                None
+                if not sk[2]
+                else LogitsControls(
+                    np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool)
+                )
+            )
+            out, prev = engine._sample(
+                logits,
+                st,
+                controls,
+                num_logprobs=sk[3],
+                num_slots=engine._num_slots,
+                batch_invariant=ecfg.batch_invariant,
+                greedy=sk[2:] == GREEDY_FLAGS,
+            )
             engine.compile_keys.add(sk)
             done.append(sk)
         prev.block_until_ready()  # the compile happened at dispatch; this bounds the device work
@@ -236,8 +262,9 @@ def precompile(engine, keys: Iterable[Key] | None = None,
     return PrecompileReport(tuple(done), len(set(done) - before), time.perf_counter() - t0)
 
 
-def _compile_ahead(engine, fwd: list[tuple[int, int, int, int]], static: dict, workers: int,
-                   progress) -> None:
+def _compile_ahead(
+    engine, fwd: list[tuple[int, int, int, int]], static: dict, workers: int, progress
+) -> None:
     """Compiles each forward bucket tuple ahead of time on ``workers`` threads (nothing runs;
     the KV pool is only read for its shape)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -246,8 +273,7 @@ def _compile_ahead(engine, fwd: list[tuple[int, int, int, int]], static: dict, w
 
     def compile_one(bk):
         batch = dummy_step_batch(bk, page_size)
-        engine._forward.lower(engine.params, engine.kv, batch, engine._no_prev,
-                              **static).compile()
+        engine._forward.lower(engine.params, engine.kv, batch, engine._no_prev, **static).compile()
         return bk
 
     with ThreadPoolExecutor(workers, thread_name_prefix="jaxinfer-precompile") as pool:
@@ -263,33 +289,64 @@ def _split_keys(keys: list) -> tuple[list[tuple[int, int, int, int]], list[Key]]
     Raises ValueError naming a malformed key."""
     fwd, smp = [], []
     for k in keys:
-        ints = lambda xs: all(isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
-                              for x in xs)
-        if (isinstance(k, tuple) and len(k) == 2 and k[0] == "forward" and isinstance(k[1], tuple)
-                and len(k[1]) == 4 and ints(k[1]) and (k[1][1] == 0) == (k[1][2] == 0)
-                and k[1][0] + k[1][1] > 0 and k[1][3] > 0):
+        ints = lambda xs: all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+            for x in xs
+        )
+        if (
+            isinstance(k, tuple)
+            and len(k) == 2
+            and k[0] == "forward"
+            and isinstance(k[1], tuple)
+            and len(k[1]) == 4
+            and ints(k[1])
+            and (k[1][1] == 0) == (k[1][2] == 0)
+            and k[1][0] + k[1][1] > 0
+            and k[1][3] > 0
+        ):
             fwd.append(k[1])
-        elif (isinstance(k, tuple) and len(k) == 4 and k[0] == "sample" and ints(k[1:2] + k[3:])
-              and k[1] > 0 and isinstance(k[2], bool)):
+        elif (
+            isinstance(k, tuple)
+            and len(k) == 4
+            and k[0] == "sample"
+            and ints(k[1:2] + k[3:])
+            and k[1] > 0
+            and isinstance(k[2], bool)
+        ):
             smp.append(k)
-        elif (isinstance(k, tuple) and len(k) == 5 and k[0] == "sample" and ints(k[1:2])
-              and k[1] > 0 and k[2:] == GREEDY_FLAGS and isinstance(k[2], bool)):
+        elif (
+            isinstance(k, tuple)
+            and len(k) == 5
+            and k[0] == "sample"
+            and ints(k[1:2])
+            and k[1] > 0
+            and k[2:] == GREEDY_FLAGS
+            and isinstance(k[2], bool)
+        ):
             smp.append(k)
         else:
-            raise ValueError(f"precompile: cannot compile key {k!r}: expected ('forward', (Td, "
-                             "Tp, Bp, M)) with Td + Tp > 0, M > 0 and Tp == 0 exactly when "
-                             "Bp == 0, ('sample', B', controls: bool, num_logprobs) or "
-                             "('sample', B', False, 0, 'greedy')")
+            raise ValueError(
+                f"precompile: cannot compile key {k!r}: expected ('forward', (Td, "
+                "Tp, Bp, M)) with Td + Tp > 0, M > 0 and Tp == 0 exactly when "
+                "Bp == 0, ('sample', B', controls: bool, num_logprobs) or "
+                "('sample', B', False, 0, 'greedy')"
+            )
     return list(dict.fromkeys(fwd)), list(dict.fromkeys(smp))
 
 
-def serving_keys(ecfg: EngineConfig, *, max_prefill_rows: int = 1,
-                 max_prefill_tokens: int | None = None) -> list[Key]:
+def serving_keys(
+    ecfg: EngineConfig, *, max_prefill_rows: int = 1, max_prefill_tokens: int | None = None
+) -> list[Key]:
     """The keys ``precompile`` compiles by default: those of ``all_keys`` with at most
     ``max_prefill_rows`` prefill rows (Bp) and ``max_prefill_tokens`` prefill tokens (Tp bucket;
     None: no limit), with their plain sampling keys (``with_sample_keys``)."""
-    fwd = [k[1] for k in all_keys(ecfg) if k[0] == "forward" and k[1][2] <= max_prefill_rows
-           and (max_prefill_tokens is None or k[1][1] <= max_prefill_tokens)]
+    fwd = [
+        k[1]
+        for k in all_keys(ecfg)
+        if k[0] == "forward"
+        and k[1][2] <= max_prefill_rows
+        and (max_prefill_tokens is None or k[1][1] <= max_prefill_tokens)
+    ]
     return with_sample_keys(fwd)
 
 
@@ -303,13 +360,17 @@ def cover_keys(keys: Iterable[Key], candidates: Iterable[Key] | None = None) -> 
 
     Source: the classic greedy approximation of set cover (Chvatal 1979)."""
     need = list(dict.fromkeys(k[1] for k in keys if k[0] == "forward"))
-    pool = need if candidates is None else list(
-        dict.fromkeys(k[1] for k in candidates if k[0] == "forward"))
+    pool = (
+        need
+        if candidates is None
+        else list(dict.fromkeys(k[1] for k in candidates if k[0] == "forward"))
+    )
     covers = {c: {n for n in need if holds_within_one_bucket(n, c)} for c in pool}
     left, picked = set(need), []
     while left:
-        best = max(pool, key=lambda c: (len(covers[c] & left), -(c[0] + c[1]),
-                                        tuple(-x for x in c)))
+        best = max(
+            pool, key=lambda c: (len(covers[c] & left), -(c[0] + c[1]), tuple(-x for x in c))
+        )
         got = covers[best] & left
         if not got:
             raise ValueError(f"cover_keys: keys {sorted(left)} are covered by no candidate")

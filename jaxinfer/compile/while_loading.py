@@ -91,8 +91,11 @@ def llm_arguments(kwargs: dict) -> dict:
     unknown = set(kwargs) - set(sig.parameters)
     if unknown:
         raise TypeError(f"LLM takes no argument(s) {sorted(unknown)}")
-    return {name: kwargs.get(name, p.default) for name, p in sig.parameters.items()
-            if p.kind is p.KEYWORD_ONLY}
+    return {
+        name: kwargs.get(name, p.default)
+        for name, p in sig.parameters.items()
+        if p.kind is p.KEYWORD_ONLY
+    }
 
 
 def unsupported(kwargs: dict) -> str | None:
@@ -152,7 +155,12 @@ def abstract_params(cfg, dtype, ecfg):
     transforms ``Engine.__init__`` applies on one device (``unroll_layers`` / ``out_in_weights``
     of ``ecfg``, default on CPU) under ``jax.eval_shape``."""
     from jaxinfer.engine.config import scan_from_tokens
-    from jaxinfer.models.params import out_in_projections, param_shapes, params_from_flat, unstack_layers
+    from jaxinfer.models.params import (
+        out_in_projections,
+        param_shapes,
+        params_from_flat,
+        unstack_layers,
+    )
 
     flat = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in param_shapes(cfg).items()}
     cpu = jax.default_backend() == "cpu"
@@ -175,8 +183,9 @@ def abstract_kv(cfg, ecfg, kv_dtype):
     page_major = ecfg.kv_page_major
     if page_major is None:
         page_major = jax.default_backend() == "cpu"  # XLA attention, one device (``unsupported``)
-    return jax.eval_shape(lambda: init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, kv_dtype,
-                                                page_major))
+    return jax.eval_shape(
+        lambda: init_kv_cache(cfg, ecfg.num_pages, ecfg.page_size, kv_dtype, page_major)
+    )
 
 
 def first_step_keys(ecfg, vocab_size: int, prompt_ids, params, output_so_far=None) -> list[tuple]:
@@ -190,8 +199,9 @@ def first_step_keys(ecfg, vocab_size: int, prompt_ids, params, output_so_far=Non
     eng = _PlanEngine(ecfg, vocab_size, token)
     done = list(output_so_far) if output_so_far is not None else [0] * len(params)
     for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=True)):
-        eng.add_request(str(i), list(ids), dataclasses.replace(p, stop=(), ignore_eos=True),
-                        resume=None)
+        eng.add_request(
+            str(i), list(ids), dataclasses.replace(p, stop=(), ignore_eos=True), resume=None
+        )
         eng._requests[str(i)].seq.output_ids.extend([token] * done[i])
     while eng.has_unfinished() and getattr(eng, "num_dispatched", 0) == 0:
         eng._run_step()
@@ -201,8 +211,18 @@ def first_step_keys(ecfg, vocab_size: int, prompt_ids, params, output_so_far=Non
 def _abstract_of(tree) -> list:
     """(treedef, per leaf (shape, dtype, weak_type, committed)) of params or a KV pool."""
     leaves, treedef = jax.tree.flatten(tree)
-    return [treedef, [(tuple(x.shape), jnp.dtype(x.dtype), bool(getattr(x, "weak_type", False)),
-                       bool(getattr(x, "committed", False))) for x in leaves]]
+    return [
+        treedef,
+        [
+            (
+                tuple(x.shape),
+                jnp.dtype(x.dtype),
+                bool(getattr(x, "weak_type", False)),
+                bool(getattr(x, "committed", False)),
+            )
+            for x in leaves
+        ],
+    ]
 
 
 def start_for_jobs(args, jobs) -> FirstStepCompile:
@@ -211,8 +231,9 @@ def start_for_jobs(args, jobs) -> FirstStepCompile:
     (``jobs.Job``, in the order they run)."""
     from jaxinfer.cli.llm_from_args import llm_kwargs
 
-    return FirstStepCompile.start(args.model, llm_kwargs(args), [j.prompt for j in jobs],
-                                  [j.sampling for j in jobs])
+    return FirstStepCompile.start(
+        args.model, llm_kwargs(args), [j.prompt for j in jobs], [j.sampling for j in jobs]
+    )
 
 
 class FirstStepCompile:
@@ -238,8 +259,9 @@ class FirstStepCompile:
             self._planned.set()
 
     @classmethod
-    def start(cls, model: str | os.PathLike, llm_kwargs: dict, prompts, sampling
-              ) -> FirstStepCompile:
+    def start(
+        cls, model: str | os.PathLike, llm_kwargs: dict, prompts, sampling
+    ) -> FirstStepCompile:
         """Starts the background compile for a job of ``prompts`` (``LLM.encode_prompt``'s
         forms) with ``sampling`` (``SamplingParams`` or their dicts, one per prompt) on ``LLM(model,
         **llm_kwargs)``. Never raises for the job's sake: a bad argument or checkpoint gives an
@@ -256,8 +278,12 @@ class FirstStepCompile:
         self = cls()
         # Not a daemon: the interpreter waits for it at exit (a process that ends while XLA
         # compiles on a daemon thread aborts, "terminate called ...", status 134).
-        threading.Thread(target=self._run, args=(model, kwargs, list(prompts), list(sampling)),
-                         daemon=False, name=THREAD_NAME).start()
+        threading.Thread(
+            target=self._run,
+            args=(model, kwargs, list(prompts), list(sampling)),
+            daemon=False,
+            name=THREAD_NAME,
+        ).start()
         return self
 
     def _run(self, model, kwargs: dict, prompts: list, sampling: list) -> None:
@@ -280,15 +306,15 @@ class FirstStepCompile:
     def _plan(self, model, kwargs: dict, prompts: list, sampling: list):
         """Config, tokenizer, the first prompts' ids, ``EngineConfig``, the first step's keys
         and the abstract arguments; returns the compile function (None when skipped)."""
-        from jaxinfer.engine.batch import decode_bucket, next_pow2
         from jaxinfer.compile.buckets import BackgroundCompiler
+        from jaxinfer.engine.batch import decode_bucket, next_pow2
         from jaxinfer.engine.config import kv_cache_dtype
+        from jaxinfer.engine.step import jitted_forward_step, jitted_sample_step
         from jaxinfer.llm import encode_prompt, engine_config
         from jaxinfer.loaders import _resolve_dtype
         from jaxinfer.models.paged_attention import engine_attn_impl
-        from jaxinfer.sampling.sampler import SamplingParams
         from jaxinfer.models.sharding import plan_sharding
-        from jaxinfer.engine.step import jitted_forward_step, jitted_sample_step
+        from jaxinfer.sampling.sampler import SamplingParams
 
         cfg, tok = read_model_config(model, kwargs["tokenizer"], kwargs["skip_tokenizer_init"])
         if cfg is None:
@@ -332,17 +358,34 @@ class FirstStepCompile:
         if len(fwd) != 1 or len(keys) != 1 + len(flags):
             self.reason = f"first step keys {keys} (one forward key and its sampling expected)"
             return None
-        impl, _ = engine_attn_impl(ecfg.attn_impl, page_major=akv.page_major,  # as Engine's
-                                   kv_dtype=akv.k_pages.dtype, batch_invariant=ecfg.batch_invariant)
+        impl, _ = engine_attn_impl(
+            ecfg.attn_impl,
+            page_major=akv.page_major,  # as Engine's
+            kv_dtype=akv.k_pages.dtype,
+            batch_invariant=ecfg.batch_invariant,
+        )
         ecfg = dataclasses.replace(ecfg, attn_impl=impl)
         num_slots = next_pow2(decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs))
         stand_in = SimpleNamespace(  # what BackgroundCompiler's compile function reads
-            cfg=run_cfg, ecfg=ecfg, params=aparams, kv=akv, _forward=jitted_forward_step(),
-            _sample=jitted_sample_step(), _num_slots=num_slots, num_steps=0,
-            _no_prev=jax.ShapeDtypeStruct((num_slots,), jnp.int32))
+            cfg=run_cfg,
+            ecfg=ecfg,
+            params=aparams,
+            kv=akv,
+            _forward=jitted_forward_step(),
+            _sample=jitted_sample_step(),
+            _num_slots=num_slots,
+            num_steps=0,
+            _no_prev=jax.ShapeDtypeStruct((num_slots,), jnp.int32),
+        )
         self.keys = keys
-        self._mine = dict(cfg=run_cfg, ecfg=ecfg, num_slots=num_slots, params=_abstract_of(aparams),
-                          kv=_abstract_of(akv), forward=fwd[0])
+        self._mine = dict(
+            cfg=run_cfg,
+            ecfg=ecfg,
+            num_slots=num_slots,
+            params=_abstract_of(aparams),
+            kv=_abstract_of(akv),
+            forward=fwd[0],
+        )
         return BackgroundCompiler(stand_in)._compile_fn(fwd[0], flags or [(False, 0)])
 
     def adopt(self, llm, prompt_ids, params, resume=None) -> bool:
@@ -377,14 +420,21 @@ class FirstStepCompile:
         e, mine = engines[0], self._mine
         if hasattr(e, "spec") or e.mesh is not None:
             return "a speculative or sharded engine"
-        for name, real in (("cfg", e.cfg), ("ecfg", e.ecfg), ("num_slots", e._num_slots),
-                           ("params", _abstract_of(e.params)), ("kv", _abstract_of(e.kv))):
+        for name, real in (
+            ("cfg", e.cfg),
+            ("ecfg", e.ecfg),
+            ("num_slots", e._num_slots),
+            ("params", _abstract_of(e.params)),
+            ("kv", _abstract_of(e.kv)),
+        ):
             if mine[name] != real:
                 return f"the loaded engine's {name} differs from the one derived before loading"
         if any(p.n != 1 or p.prompt_logprobs is not None for p in params):
             return "n > 1 or prompt logprobs"
-        done = [len(getattr(r, "token_ids", ()) or ()) if r is not None else 0
-                for r in (resume or [None] * len(prompt_ids))]
+        done = [
+            len(getattr(r, "token_ids", ()) or ()) if r is not None else 0
+            for r in (resume or [None] * len(prompt_ids))
+        ]
         keys = first_step_keys(e.ecfg, e.cfg.vocab_size, prompt_ids, params, done)
         if keys != self.keys:
             return f"the first step's keys are {keys}, not the predicted {self.keys}"

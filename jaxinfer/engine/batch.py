@@ -11,10 +11,10 @@ import dataclasses
 
 import numpy as np
 
-from jaxinfer.models.kv_cache import NULL_PAGE
-from jaxinfer.models.paged_attention import AttentionMetadata
 from jaxinfer.engine.scheduler import ScheduleOutput
 from jaxinfer.engine.step import StepBatch
+from jaxinfer.models.kv_cache import NULL_PAGE
+from jaxinfer.models.paged_attention import AttentionMetadata
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -62,8 +62,13 @@ def decode_bucket(num_decode: int) -> int:
     return 1 if num_decode == 1 else next_pow2(num_decode, MIN_DECODE_ROWS)
 
 
-def step_buckets(num_decode: int, num_prefill_tokens: int, num_prefill_rows: int,
-                 max_pages: int, max_pages_per_seq: int) -> Buckets:
+def step_buckets(
+    num_decode: int,
+    num_prefill_tokens: int,
+    num_prefill_rows: int,
+    max_pages: int,
+    max_pages_per_seq: int,
+) -> Buckets:
     """The buckets of a step of ``num_decode`` decode rows and ``num_prefill_rows`` prefill rows
     of ``num_prefill_tokens`` tokens in all, whose longest row spans ``max_pages`` pages."""
     return Buckets(
@@ -89,13 +94,18 @@ def holds_within_one_bucket(need: tuple, key: tuple) -> bool:
 def exact_buckets(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int) -> Buckets:
     """The smallest buckets holding the scheduled rows (``step_buckets``)."""
     pf = sched.prefill
-    return step_buckets(len(sched.decode), sum(r.num_new for r in pf), len(pf),
-                        max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows),
-                        max_pages_per_seq)
+    return step_buckets(
+        len(sched.decode),
+        sum(r.num_new for r in pf),
+        len(pf),
+        max(-(-(r.seq.num_computed + r.num_new) // page_size) for r in sched.rows),
+        max_pages_per_seq,
+    )
 
 
-def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: int,
-                     buckets: Buckets | None = None) -> tuple[StepBatch, Buckets]:
+def build_step_batch(
+    sched: ScheduleOutput, page_size: int, max_pages_per_seq: int, buckets: Buckets | None = None
+) -> tuple[StepBatch, Buckets]:
     """numpy StepBatch of the scheduled rows (each row's pages must already be allocated),
     padded to ``buckets`` (default: ``exact_buckets``; larger ones pad further).
 
@@ -128,19 +138,26 @@ def build_step_batch(sched: ScheduleOutput, page_size: int, max_pages_per_seq: i
         start = seq.num_computed
         pos = np.arange(start, start + n, dtype=np.int32)
         pages = np.asarray(seq.pages, np.int32)
-        tokens[tok:tok + n] = [seq.token_at(j) for j in range(start, start + n)]
-        positions[tok:tok + n] = pos
-        slots[tok:tok + n] = pages[pos // page_size] * page_size + pos % page_size
-        seq_ids[tok:tok + n] = r
-        block_tables[r, :len(pages)] = pages
+        tokens[tok : tok + n] = [seq.token_at(j) for j in range(start, start + n)]
+        positions[tok : tok + n] = pos
+        slots[tok : tok + n] = pages[pos // page_size] * page_size + pos % page_size
+        seq_ids[tok : tok + n] = r
+        block_tables[r, : len(pages)] = pages
         kv_lens[r] = start + n
         q_lens[r] = n
         logits_indices[r] = tok + n - 1
         tok += n
     seq_ids[:td] = np.arange(td, dtype=np.int32)  # decode padding rows own their padding token
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    md = AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=block_tables,
-                           kv_lens=kv_lens, cu_q_lens=cu_q_lens, seq_ids=seq_ids, num_decode=td)
+    md = AttentionMetadata(
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=block_tables,
+        kv_lens=kv_lens,
+        cu_q_lens=cu_q_lens,
+        seq_ids=seq_ids,
+        num_decode=td,
+    )
     return StepBatch(tokens=tokens, md=md, logits_indices=logits_indices), bk
 
 

@@ -66,7 +66,8 @@ class EngineConfig:
             (``jaxinfer.engine.prefix_cache``); outputs are unchanged.
         batch_invariant: every row's logits bitwise the same whatever else is in the batch
             (its size and composition, chunking, async scheduling, preemption), at a cost in
-            speed (``jaxinfer.models.batch_invariant``). Needs ``attn_impl`` resolving to "xla" and no
+            speed (``jaxinfer.models.batch_invariant``). Needs ``attn_impl`` resolving to "xla" and
+            no
             mesh (ValueError otherwise).
         reuse_compiled_buckets: a step whose exact shape is not compiled yet runs padded to a
             compiled one at most one bucket larger in each dimension, until the shape has been
@@ -95,8 +96,13 @@ class EngineConfig:
     reuse_compiled_buckets: bool = True
 
     def __post_init__(self):
-        for name, low in (("max_model_len", 2), ("page_size", 1), ("max_num_seqs", 1),
-                          ("max_num_batched_tokens", 1), ("max_prefill_seqs", 1)):
+        for name, low in (
+            ("max_model_len", 2),
+            ("page_size", 1),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("max_prefill_seqs", 1),
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
@@ -104,11 +110,18 @@ class EngineConfig:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"scan_layers_from_tokens must be None or an integer >= 0, got {v!r}")
         if v and self.batch_invariant is True:
-            raise ValueError(f"scan_layers_from_tokens={v} with batch_invariant=True: a step's "
-                             "loop form would follow its token count, and a row's bits with it; "
-                             "use 0 or None")
-        for name in ("unroll_layers", "out_in_weights", "kv_page_major", "keep_host_memory",
-                     "async_scheduling"):
+            raise ValueError(
+                f"scan_layers_from_tokens={v} with batch_invariant=True: a step's "
+                "loop form would follow its token count, and a row's bits with it; "
+                "use 0 or None"
+            )
+        for name in (
+            "unroll_layers",
+            "out_in_weights",
+            "kv_page_major",
+            "keep_host_memory",
+            "async_scheduling",
+        ):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be True, False or None, got {v!r}")

@@ -1,7 +1,8 @@
 """Engine core: requests in, one device step at a time, outputs out.
 
 Owns the loaded model, the KV page pool, the scheduler and the per-request host state
-(detokenizer, stop checks, metrics: ``jaxinfer.engine.request_output``). ``LLM`` (``jaxinfer.llm``) is
+(detokenizer, stop checks, metrics: ``jaxinfer.engine.request_output``). ``LLM`` (``jaxinfer.llm``)
+is
 the user-facing API over it.
 """
 
@@ -13,10 +14,15 @@ import time
 import jax
 import numpy as np
 
-import jaxinfer.engine.prompt_logprobs as plp
-from jaxinfer.engine.batch import build_step_batch, decode_bucket, exact_buckets, next_pow2, row_index
 import jaxinfer.compile.buckets as bucket_reuse
-from jaxinfer.models.config import ModelConfig
+import jaxinfer.engine.prompt_logprobs as plp
+from jaxinfer.engine.batch import (
+    build_step_batch,
+    decode_bucket,
+    exact_buckets,
+    next_pow2,
+    row_index,
+)
 from jaxinfer.engine.config import (  # noqa: F401 - re-exported: jaxinfer.engine.core's public names
     KV_CACHE_DTYPES,
     EngineConfig,
@@ -25,15 +31,20 @@ from jaxinfer.engine.config import (  # noqa: F401 - re-exported: jaxinfer.engin
     kv_cache_dtype,
     scan_from_tokens,
 )
-from jaxinfer.errors import RequestError
 from jaxinfer.engine.host_memory import keep_freed_host_memory
-from jaxinfer.models.kv_cache import PageAllocator, init_kv_cache
-from jaxinfer.outputs import RequestOutput, TokenLogprob
-from jaxinfer.models.paged_attention import XLA_IMPLS, check_attn_impl, engine_attn_impl
-from jaxinfer.models.params import Params, out_in_projections, unstack_layers
 from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
 from jaxinfer.engine.request_output import RequestState, advance, build_output
 from jaxinfer.engine.resume import ResumeState, check_resume
+from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
+from jaxinfer.engine.step import LogitsControls, jitted_forward_step, jitted_sample_step
+from jaxinfer.engine.step_controls import has_penalties, logits_controls, needs_controls
+from jaxinfer.errors import RequestError
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.kv_cache import PageAllocator, init_kv_cache
+from jaxinfer.models.paged_attention import XLA_IMPLS, check_attn_impl, engine_attn_impl
+from jaxinfer.models.params import Params, out_in_projections, unstack_layers
+from jaxinfer.models.sharding import to_host
+from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.sampling.sampler import (
     GREEDY_FLAGS,
     MAX_LOGPROBS,
@@ -42,10 +53,6 @@ from jaxinfer.sampling.sampler import (
     draw_seed,
     sample_flags,
 )
-from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
-from jaxinfer.models.sharding import to_host
-from jaxinfer.engine.step import LogitsControls, jitted_forward_step, jitted_sample_step
-from jaxinfer.engine.step_controls import has_penalties, logits_controls, needs_controls
 from jaxinfer.tokenizers import IncrementalDetokenizer, Tokenizer
 from jaxinfer.tokenizers.ids_only import no_tokenizer_message
 
@@ -80,31 +87,44 @@ class Engine:
     is that resolved name too (the static argument of every jitted step).
     """
 
-    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
-                 mesh=None):
-        impl = check_attn_impl(cfg, ecfg.attn_impl, ecfg.page_size, ecfg.num_pages,
-                               ecfg.max_pages_per_seq)
+    def __init__(
+        self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig, mesh=None
+    ):
+        impl = check_attn_impl(
+            cfg, ecfg.attn_impl, ecfg.page_size, ecfg.num_pages, ecfg.max_pages_per_seq
+        )
         page_major = ecfg.kv_page_major
         if page_major is None:
             page_major = jax.default_backend() == "cpu" and impl in XLA_IMPLS and mesh is None
         elif page_major and impl not in XLA_IMPLS:
-            raise ValueError(f"kv_page_major=True needs attn_impl resolving to 'xla' (got {impl!r}): "
-                             "the Pallas kernels read the head-major pool")
+            raise ValueError(
+                f"kv_page_major=True needs attn_impl resolving to 'xla' (got {impl!r}): "
+                "the Pallas kernels read the head-major pool"
+            )
         elif page_major and mesh is not None:
-            raise ValueError("kv_page_major=True is not supported with a mesh: sharded KV pools are "
-                             "head-major")
+            raise ValueError(
+                "kv_page_major=True is not supported with a mesh: sharded KV pools are head-major"
+            )
         self.kv_page_major = page_major
         if ecfg.batch_invariant and (impl != "xla" or mesh is not None):
             raise ValueError(
                 "batch_invariant=True runs its own XLA attention on one device: "
-                + (f"attn_impl={ecfg.attn_impl!r} (resolved {impl!r}) is not supported with it; "
-                   "use 'xla' or 'auto'" if impl != "xla" else
-                   "tensor/data parallel engines are not supported with it yet"))
+                + (
+                    f"attn_impl={ecfg.attn_impl!r} (resolved {impl!r}) is not supported with it; "
+                    "use 'xla' or 'auto'"
+                    if impl != "xla"
+                    else "tensor/data parallel engines are not supported with it yet"
+                )
+            )
         kv_dtype = kv_cache_dtype(ecfg, params)
         # Every jitted step's static attn_impl: "auto" resolved for this engine's pool.
         impl, self.attn_impl_reason = engine_attn_impl(
-            ecfg.attn_impl, page_major=page_major, kv_dtype=kv_dtype, mesh=mesh,
-            batch_invariant=ecfg.batch_invariant)
+            ecfg.attn_impl,
+            page_major=page_major,
+            kv_dtype=kv_dtype,
+            mesh=mesh,
+            batch_invariant=ecfg.batch_invariant,
+        )
         self.attn_impl, ecfg = impl, dataclasses.replace(ecfg, attn_impl=impl)
         if kv_dtype == np.int8 and mesh is not None:
             raise ValueError("kv_cache_dtype='int8' with a sharded engine is not supported yet")
@@ -145,17 +165,25 @@ class Engine:
             self.allocator = PrefixCachingAllocator(ecfg.num_pages, ecfg.page_size, extra)
         else:
             self.allocator = PageAllocator(ecfg.num_pages)
-        self.scheduler = Scheduler(self.allocator, ecfg.page_size, ecfg.max_num_seqs,
-                                   ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
+        self.scheduler = Scheduler(
+            self.allocator,
+            ecfg.page_size,
+            ecfg.max_num_seqs,
+            ecfg.max_num_batched_tokens,
+            ecfg.max_prefill_seqs,
+        )
         self._rng = np.random.default_rng(ecfg.seed)
         self._requests: dict[str, RequestState] = {}
         self._sample = jitted_sample_step()
         # Rows of the widest step's sampling (``build_step_batch``): the prev_tokens length.
-        self._num_slots = next_pow2(decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs))
+        self._num_slots = next_pow2(
+            decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs)
+        )
         self._no_prev = jax.numpy.zeros(self._num_slots, jax.numpy.int32)
         if mesh is not None:  # placed as the sampling step's output: one compile per forward shape
-            self._no_prev = jax.device_put(self._no_prev, jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec()))
+            self._no_prev = jax.device_put(
+                self._no_prev, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            )
         self._async = ecfg.async_scheduling is not False
         self._inflight: _InFlight | None = None
         # Step-failure recovery (``step``): sequences the current attempt's device work covers,
@@ -174,23 +202,30 @@ class Engine:
             self.stop_ids.add(tokenizer.bos_id)
 
     def _new_kv_cache(self):
-        """A fresh, zeroed KV page pool for this engine (sharded over the mesh when there is one)."""
+        """A fresh, zeroed KV page pool for this engine (sharded over the mesh if there is one)."""
         ecfg = self.ecfg
         if self.mesh is None:
-            return init_kv_cache(self.cfg, ecfg.num_pages, ecfg.page_size, self._kv_dtype,
-                                 self.kv_page_major)
+            return init_kv_cache(
+                self.cfg, ecfg.num_pages, ecfg.page_size, self._kv_dtype, self.kv_page_major
+            )
         from jaxinfer.models.sharding import sharded_kv_cache
 
-        return sharded_kv_cache(self.cfg, ecfg.num_pages, ecfg.page_size, self.params.embed.dtype,
-                                self.mesh)
+        return sharded_kv_cache(
+            self.cfg, ecfg.num_pages, ecfg.page_size, self.params.embed.dtype, self.mesh
+        )
 
     def prefix_cache_stats(self) -> dict:
         """Prefix-cache counters (``PrefixCachingAllocator.stats``: queried_tokens, hit_tokens,
         hit_rate, evictions, cached_pages); all zero with prefix caching off."""
         if isinstance(self.allocator, PrefixCachingAllocator):
             return self.allocator.stats()
-        return {"queried_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evictions": 0,
-                "cached_pages": 0}
+        return {
+            "queried_tokens": 0,
+            "hit_tokens": 0,
+            "hit_rate": 0.0,
+            "evictions": 0,
+            "cached_pages": 0,
+        }
 
     def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
         """Tokens of ``prompt_ids`` this engine's prefix cache holds now (0 with caching off);
@@ -208,12 +243,15 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams,
-                 resume: ResumeState | None = None) -> None:
+    def validate(
+        self, prompt_ids: list[int], params: SamplingParams, resume: ResumeState | None = None
+    ) -> None:
         """Raises RequestError when a request cannot run (or cannot resume from ``resume``: see
         ``add_request``)."""
         if len(prompt_ids) == 0:
-            raise RequestError("prompt has zero tokens (empty prompt on a tokenizer that adds no BOS)")
+            raise RequestError(
+                "prompt has zero tokens (empty prompt on a tokenizer that adds no BOS)"
+            )
         if len(prompt_ids) >= self.ecfg.max_model_len:
             raise RequestError(
                 f"prompt has {len(prompt_ids)} tokens; max_model_len={self.ecfg.max_model_len} "
@@ -225,16 +263,24 @@ class Engine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})"
             )
         if params.logprobs is not None and params.logprobs > min(MAX_LOGPROBS, self.cfg.vocab_size):
-            raise RequestError(f"logprobs={params.logprobs} > {MAX_LOGPROBS} or the vocabulary "
-                               f"size {self.cfg.vocab_size}")
+            raise RequestError(
+                f"logprobs={params.logprobs} > {MAX_LOGPROBS} or the vocabulary "
+                f"size {self.cfg.vocab_size}"
+            )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size}) "
-                "and could never be generated")
+                "and could never be generated"
+            )
         self._check_stop_strings(params)
-        plp.check_request(params, self.cfg.vocab_size, self.ecfg.batch_invariant,
-                          type(self)._run_step is not Engine._run_step, len(prompt_ids))
+        plp.check_request(
+            params,
+            self.cfg.vocab_size,
+            self.ecfg.batch_invariant,
+            type(self)._run_step is not Engine._run_step,
+            len(prompt_ids),
+        )
         if resume is not None:
             self._new_request("validate", prompt_ids, params, None, resume)
 
@@ -247,8 +293,14 @@ class Engine:
         engine's host RNG (advancing it), as ``add_request`` does for a request without one."""
         return draw_seed(params, self._rng)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, resume: ResumeState | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        resume: ResumeState | None = None,
+    ) -> None:
         """Queues a validated request (call ``validate`` first). With ``resume`` it continues a
         partial output exactly (``jaxinfer.engine.resume``): seed ``resume.seed``, output so far
         ``resume.token_ids``, replayed through ``_advance``; its outputs hold the whole output
@@ -260,32 +312,50 @@ class Engine:
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}")
         if params.n != 1:
-            raise RequestError(f"n={params.n}: an engine request is one sequence; n > 1 is run as "
-                               "n requests by LLM / EngineLoop (jaxinfer.engine.parallel_sampling)")
+            raise RequestError(
+                f"n={params.n}: an engine request is one sequence; n > 1 is run as "
+                "n requests by LLM / EngineLoop (jaxinfer.engine.parallel_sampling)"
+            )
         self._check_stop_strings(params)
         req = self._new_request(request_id, prompt_ids, params, prompt, resume)
         self._requests[request_id] = req
         self.scheduler.add(req.seq)
 
-    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     prompt: str | None, resume: ResumeState | None) -> RequestState:
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        resume: ResumeState | None,
+    ) -> RequestState:
         """A request's host state, with ``resume``'s tokens replayed. Raises RequestError."""
         if resume is not None:
             check_resume(resume, params, self.cfg.vocab_size)
         seed = self.draw_seed(params) if resume is None else resume.seed
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params, seed)
         has_text = getattr(self.tokenizer, "has_text", True)  # duck-typed tokenizers have text
-        detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
-                 if has_text else None)
-        req = RequestState(seq, prompt, detok,
-                           prompt_logprobs=None if params.prompt_logprobs is None
-                           else [None] * params.prompt_logprobs_from)
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
+            if has_text
+            else None
+        )
+        req = RequestState(
+            seq,
+            prompt,
+            detok,
+            prompt_logprobs=None
+            if params.prompt_logprobs is None
+            else [None] * params.prompt_logprobs_from,
+        )
         if resume is not None:
             lps = resume.logprobs or [None] * len(resume.token_ids)
             for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
                 if (reason := self._advance(req, int(tok), lp)) is not None:
-                    raise RequestError(f"the partial output has already finished ({reason!r} at "
-                                       f"output token {i} of {len(resume.token_ids)})")
+                    raise RequestError(
+                        f"the partial output has already finished ({reason!r} at "
+                        f"output token {i} of {len(resume.token_ids)})"
+                    )
             req.resumed = len(resume.token_ids)
         return req
 
@@ -314,8 +384,11 @@ class Engine:
             return self._recover(e)
         if self._isolate:  # an isolated request that sampled a token is innocent
             got = {o.request_id for o in results}
-            self._isolate = [s for s in self._isolate
-                             if s.status is not SeqStatus.FINISHED and s.request_id not in got]
+            self._isolate = [
+                s
+                for s in self._isolate
+                if s.status is not SeqStatus.FINISHED and s.request_id not in got
+            ]
         return results
 
     def _schedule(self):
@@ -331,8 +404,12 @@ class Engine:
         if self._inflight is None:
             self._inflight = self._dispatch(self._schedule(), None)
         done, self._inflight = self._inflight, None
-        if (self._async and not self._isolate and self.scheduler.has_work()
-                and not any(has_penalties(seq.params) for seq, _ in done.sampled)):
+        if (
+            self._async
+            and not self._isolate
+            and self.scheduler.has_work()
+            and not any(has_penalties(seq.params) for seq, _ in done.sampled)
+        ):
             # Penalties need the output tokens' counts on the host: those rows wait for them.
             sched = self.scheduler.schedule()
             if sched.rows and self._needs_compile(sched):
@@ -354,13 +431,18 @@ class Engine:
         if self._compiler is not None and self._compiler.pending:
             self.compile_keys.difference_update(self._compiler.poll())
             usable = self.compile_keys - self._compiler.pending  # counted, not ready yet
-        if (("forward", need.key) in usable or not self.ecfg.reuse_compiled_buckets
-                or any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)):
+        if (
+            ("forward", need.key) in usable
+            or not self.ecfg.reuse_compiled_buckets
+            or any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)
+        ):
             return need
         want_lp = any(r.seq.params.logprobs is not None for r in sched.rows)
-        flags = sample_flags((r.seq.params for r in sched.rows),
-                             any(needs_controls(r.seq) for r in sched.rows),
-                             min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0)
+        flags = sample_flags(
+            (r.seq.params for r in sched.rows),
+            any(needs_controls(r.seq) for r in sched.rows),
+            min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0,
+        )
         chosen = bucket_reuse.choose_buckets(need, usable, flags)
         if chosen != need and self._wanted.get(need.key, 0) >= bucket_reuse.REUSE_STEPS:
             if self._compiler is None or need.key in self._compiler.failed:
@@ -376,8 +458,10 @@ class Engine:
         self._culprits = [seq for seq, _ in done.sampled]
         results = self._collect(done)
         sched = dataclasses.replace(
-            sched, decode=[r for r in sched.decode if r.seq.status is not SeqStatus.FINISHED],
-            prefill=[r for r in sched.prefill if r.seq.status is not SeqStatus.FINISHED])
+            sched,
+            decode=[r for r in sched.decode if r.seq.status is not SeqStatus.FINISHED],
+            prefill=[r for r in sched.prefill if r.seq.status is not SeqStatus.FINISHED],
+        )
         if sched.rows:
             self._culprits = [row.seq for row in sched.rows]
             try:
@@ -388,7 +472,9 @@ class Engine:
 
     def _reset_device_state(self) -> None:
         """After a failed step: a fresh KV pool when the failed call had consumed (donated) it."""
-        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(self.kv)):
+        if any(
+            getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(self.kv)
+        ):
             self.kv = self._new_kv_cache()
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
@@ -425,7 +511,7 @@ class Engine:
         return results
 
     def fail_request(self, request_id: str, error: str) -> RequestOutput:
-        """Ends a queued or running request with ``finish_reason`` "error" and returns its output."""
+        """Ends a queued or running request with ``finish_reason`` "error"; returns its output."""
         req = self._requests[request_id]
         req.error = error
         self.scheduler.finish(req.seq, "error")
@@ -470,20 +556,40 @@ class Engine:
         prev_tokens = prev.next_tokens if prev is not None else self._no_prev
         plan = plp.plan_step(rows, batch.logits_indices, len(batch.tokens))
         if plan is None:
-            self.kv, logits = self._forward(self.params, self.kv, batch, prev_tokens, cfg=self.cfg,
-                                            attn_impl=self.ecfg.attn_impl,
-                                            batch_invariant=self.ecfg.batch_invariant)
+            self.kv, logits = self._forward(
+                self.params,
+                self.kv,
+                batch,
+                prev_tokens,
+                cfg=self.cfg,
+                attn_impl=self.ecfg.attn_impl,
+                batch_invariant=self.ecfg.batch_invariant,
+            )
         else:
             k = plp.num_top(self.cfg.vocab_size)
             self.compile_keys.add(("forward_prompt_logprobs", bk.key, k))
             fwd = plp.jitted_forward_step_prompt_logprobs(
-                None if self.mesh is None else self._forward_out_shardings())
-            self.kv, logits, plan_out = fwd(self.params, self.kv, batch, prev_tokens, plan.targets,
-                                            cfg=self.cfg, attn_impl=self.ecfg.attn_impl, num_top=k)
-        out, next_tokens = self._sample(logits, st, controls, num_logprobs=num_lp,
-                                        greedy=flags == GREEDY_FLAGS,
-                                        num_slots=self._num_slots,
-                                        batch_invariant=self.ecfg.batch_invariant)
+                None if self.mesh is None else self._forward_out_shardings()
+            )
+            self.kv, logits, plan_out = fwd(
+                self.params,
+                self.kv,
+                batch,
+                prev_tokens,
+                plan.targets,
+                cfg=self.cfg,
+                attn_impl=self.ecfg.attn_impl,
+                num_top=k,
+            )
+        out, next_tokens = self._sample(
+            logits,
+            st,
+            controls,
+            num_logprobs=num_lp,
+            greedy=flags == GREEDY_FLAGS,
+            num_slots=self._num_slots,
+            batch_invariant=self.ecfg.batch_invariant,
+        )
         sampled = []
         for row, r in rows:
             seq = row.seq
@@ -493,19 +599,23 @@ class Engine:
             seq.pending.append(-(r + 1))
             n_out = len(seq.output_ids) + len(seq.pending)
             p = seq.params
-            if ((p.max_tokens is not None and n_out >= p.max_tokens)
-                    or seq.num_tokens >= self.ecfg.max_model_len):
+            if (
+                p.max_tokens is not None and n_out >= p.max_tokens
+            ) or seq.num_tokens >= self.ecfg.max_model_len:
                 seq.pending_final = True  # finishes on this token whatever it is
             sampled.append((seq, r))
-        return _InFlight(out, next_tokens, sampled, num_lp,
-                         None if plan is None else (plan, plan_out))
+        return _InFlight(
+            out, next_tokens, sampled, num_lp, None if plan is None else (plan, plan_out)
+        )
 
     def _collect(self, done: _InFlight) -> list[RequestOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and appends them."""
         out, num_lp = done.out, done.num_logprobs
         tokens = to_host(out.tokens)
         lps = to_host(out.logprobs)
-        top_ids, top_lps = (to_host(out.top_ids), to_host(out.top_logprobs)) if num_lp else (None, None)
+        top_ids, top_lps = (
+            (to_host(out.top_ids), to_host(out.top_logprobs)) if num_lp else (None, None)
+        )
         if done.prompt_lp is not None:  # before the sampled tokens: outputs hold them complete
             plan, plan_out = done.prompt_lp
             self._culprits += [seq for seq, _, _ in plan.entries]  # mid-prefill rows too
@@ -520,8 +630,14 @@ class Engine:
             lp = None
             if seq.params.logprobs is not None:
                 n = seq.params.logprobs
-                lp = TokenLogprob(int(tokens[r]), float(lps[r]),
-                                  [(int(i), float(x)) for i, x in zip(top_ids[r, :n], top_lps[r, :n])])
+                lp = TokenLogprob(
+                    int(tokens[r]),
+                    float(lps[r]),
+                    [
+                        (int(i), float(x))
+                        for i, x in zip(top_ids[r, :n], top_lps[r, :n], strict=False)
+                    ],
+                )
             results.append(self._append(seq, int(tokens[r]), lp, now))
         return results
 
@@ -534,7 +650,9 @@ class Engine:
 
         return step_out_shardings(self.mesh)
 
-    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
+    def _append(
+        self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float
+    ) -> RequestOutput:
         req = self._requests[seq.request_id]
         if seq.first_token_time is None:
             seq.first_token_time = now

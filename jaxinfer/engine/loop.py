@@ -26,8 +26,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from jaxinfer.engine.core import Engine
-from jaxinfer.errors import JaxinferError, RequestError
-from jaxinfer.outputs import RequestOutput
 from jaxinfer.engine.parallel_sampling import (
     ParentRequest,
     child_id,
@@ -36,6 +34,8 @@ from jaxinfer.engine.parallel_sampling import (
     error_output,
 )
 from jaxinfer.engine.resume import ResumeState
+from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling.sampler import SamplingParams
 
 Encoder = Callable[[object], tuple[list[int], str | None]]
@@ -63,9 +63,14 @@ class EngineLoop:
         """A process-unique number for default request ids (thread-safe)."""
         return next(self._ids)
 
-    def stream(self, request_ids: Sequence[str], prompts: Sequence[object],
-               sampling_params: Sequence[SamplingParams], encode: Encoder,
-               resume: Sequence[ResumeLike] | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[object],
+        sampling_params: Sequence[SamplingParams],
+        encode: Encoder,
+        resume: Sequence[ResumeLike] | None = None,
+    ) -> Iterator[RequestOutput]:
         """Adds the requests and yields their outputs (every new-token output, then the final one).
 
         A request that cannot be encoded or validated, or whose id is already running, yields
@@ -94,8 +99,14 @@ class EngineLoop:
             except JaxinferError as e:
                 errors.append(error_output(rid, text, str(e), n))
             except Exception as e:  # noqa: BLE001 - a tokenizer's own error on this prompt
-                errors.append(error_output(rid, text, f"cannot encode the prompt: "
-                                                      f"{type(e).__name__}: {str(e)[:500]}", n))
+                errors.append(
+                    error_output(
+                        rid,
+                        text,
+                        f"cannot encode the prompt: {type(e).__name__}: {str(e)[:500]}",
+                        n,
+                    )
+                )
         pending: dict[str, list[str]] = {}  # request id -> its engine request ids
         with self._lock:
             for eng, rid, ids, sp, text, children in admitted:
@@ -157,11 +168,15 @@ class EngineLoop:
         """
         bad = [i for i, sp in enumerate(sampling_params) if sp.n != 1]
         if bad:
-            raise ValueError(f"draw_seeds: params {bad[:5]} have n > 1; pass the params of "
-                             "their completions (parallel_sampling.child_params)")
+            raise ValueError(
+                f"draw_seeds: params {bad[:5]} have n > 1; pass the params of "
+                "their completions (parallel_sampling.child_params)"
+            )
         with self._lock:
-            return [self.engines[i % len(self.engines)].draw_seed(sp)
-                    for i, sp in enumerate(sampling_params)]
+            return [
+                self.engines[i % len(self.engines)].draw_seed(sp)
+                for i, sp in enumerate(sampling_params)
+            ]
 
     def _route(self, ids: list[int], home: Engine) -> Engine:
         """The replica a prompt runs on: the one whose prefix cache holds the most of ``ids``
@@ -180,13 +195,17 @@ class EngineLoop:
         in use (lock held)."""
         route = self._routes.get(taken)
         if route is not None and route[1] is not None:
-            return (f"duplicate request id {rid!r}: {taken!r} is the id of completion {route[2]} "
-                    f"of the running request {route[1].request_id!r} (a request with n > 1 runs "
-                    "its completions as '<index>_<id>', vLLM's scheme)")
+            return (
+                f"duplicate request id {rid!r}: {taken!r} is the id of completion {route[2]} "
+                f"of the running request {route[1].request_id!r} (a request with n > 1 runs "
+                "its completions as '<index>_<id>', vLLM's scheme)"
+            )
         if taken == rid:
             return f"duplicate request id {rid!r}: a request with this id is still running"
-        return (f"duplicate request id {rid!r}: its completion id {taken!r} ('<index>_<id>', "
-                "vLLM's scheme for n > 1) is the id of a running request")
+        return (
+            f"duplicate request id {rid!r}: its completion id {taken!r} ('<index>_<id>', "
+            "vLLM's scheme for n > 1) is the id of a running request"
+        )
 
     def _step_all(self) -> None:
         """One step of every replica with work; routes each output to its caller (lock held)."""
@@ -211,6 +230,3 @@ class EngineLoop:
                 if parent.done:
                     self._parents.discard(parent.request_id)
                 q.extend(outs)
-
-
-

@@ -35,9 +35,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jaxinfer.engine.resume import ResumeState
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxinfer.engine.resume import ResumeState
 from jaxinfer.sampling.params import SamplingParams
 
 SEED_MODULUS = 2**32
@@ -79,21 +79,33 @@ def child_resume(params: SamplingParams, resume) -> list[ResumeState | None]:
         return [resume]
     if resume is None:
         return [None] * params.n
-    if isinstance(resume, ResumeState) or not isinstance(resume, Sequence) or \
-            len(resume) != params.n or \
-            not all(r is None or isinstance(r, ResumeState) for r in resume):
-        raise RequestError(f"resume of a request with n={params.n} must be a sequence of "
-                         f"{params.n} ResumeState (or None), one per completion")
+    if (
+        isinstance(resume, ResumeState)
+        or not isinstance(resume, Sequence)
+        or len(resume) != params.n
+        or not all(r is None or isinstance(r, ResumeState) for r in resume)
+    ):
+        raise RequestError(
+            f"resume of a request with n={params.n} must be a sequence of "
+            f"{params.n} ResumeState (or None), one per completion"
+        )
     return list(resume)
 
 
-def _completion(index: int, out: RequestOutput, *, delta: str | None = None,
-                finish_reason: str | None = None) -> CompletionOutput:
+def _completion(
+    index: int, out: RequestOutput, *, delta: str | None = None, finish_reason: str | None = None
+) -> CompletionOutput:
     """Completion ``index`` as engine output ``out`` has it (``delta`` / ``finish_reason``
     replace its own when given)."""
     return CompletionOutput(
-        index, out.text, out.token_ids, finish_reason or out.finish_reason, out.stop_reason,
-        out.logprobs, out.delta_text if delta is None else delta)
+        index,
+        out.text,
+        out.token_ids,
+        finish_reason or out.finish_reason,
+        out.stop_reason,
+        out.logprobs,
+        out.delta_text if delta is None else delta,
+    )
 
 
 def merge_metrics(parts: Sequence[RequestMetrics]) -> RequestMetrics:
@@ -108,8 +120,8 @@ def merge_metrics(parts: Sequence[RequestMetrics]) -> RequestMetrics:
     rate = mean_acc = None
     if spec:
         w = sum(m.spec_rounds for m in spec)
-        rate = (sum(m.acceptance_rate * m.spec_rounds for m in spec) / w if w else 0.0)
-        mean_acc = (sum(m.mean_accepted_tokens * m.spec_rounds for m in spec) / w if w else 0.0)
+        rate = sum(m.acceptance_rate * m.spec_rounds for m in spec) / w if w else 0.0
+        mean_acc = sum(m.mean_accepted_tokens * m.spec_rounds for m in spec) / w if w else 0.0
     return RequestMetrics(
         ttft_s=min(ttft) if ttft else None,
         tpot_s=sum(tpot) / len(tpot) if tpot else None,
@@ -162,39 +174,75 @@ class ParentRequest:
 
     def _streamed(self, index: int, out: RequestOutput) -> RequestOutput:
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
-            text=out.text, token_ids=out.token_ids, finish_reason=None,
-            stop_reason=out.stop_reason, logprobs=out.logprobs, metrics=out.metrics,
-            delta_text=out.delta_text, outputs=[_completion(index, out)],
-            prompt_logprobs=out.prompt_logprobs)
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            text=out.text,
+            token_ids=out.token_ids,
+            finish_reason=None,
+            stop_reason=out.stop_reason,
+            logprobs=out.logprobs,
+            metrics=out.metrics,
+            delta_text=out.delta_text,
+            outputs=[_completion(index, out)],
+            prompt_logprobs=out.prompt_logprobs,
+        )
 
-    def _final(self, failed: tuple[int, str] | None = None,
-               aborted: Sequence[int] = ()) -> RequestOutput:
+    def _final(
+        self, failed: tuple[int, str] | None = None, aborted: Sequence[int] = ()
+    ) -> RequestOutput:
         self.done = True
         has_text = all(o is None or o.text is not None for o in self.latest)
         comps = []
         for i, o in enumerate(self.latest):
             if o is None:  # aborted before its first token
-                comps.append(CompletionOutput(i, "" if has_text else None, [], "abort",
-                                              delta_text="" if has_text else None))
+                comps.append(
+                    CompletionOutput(
+                        i,
+                        "" if has_text else None,
+                        [],
+                        "abort",
+                        delta_text="" if has_text else None,
+                    )
+                )
             else:
-                comps.append(_completion(i, o, delta="" if has_text else None,
-                                         finish_reason="abort" if i in aborted else None))
+                comps.append(
+                    _completion(
+                        i,
+                        o,
+                        delta="" if has_text else None,
+                        finish_reason="abort" if i in aborted else None,
+                    )
+                )
         first = comps[0]
         metrics = merge_metrics([o.metrics for o in self.latest if o is not None])
         error = None if failed is None else f"completion {failed[0]} of {self.n}: {failed[1]}"
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
-            text=first.text, token_ids=first.token_ids,
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            text=first.text,
+            token_ids=first.token_ids,
             finish_reason="error" if failed else first.finish_reason,
-            stop_reason=first.stop_reason, logprobs=first.logprobs, metrics=metrics, error=error,
-            delta_text=first.delta_text, outputs=comps,
-            prompt_logprobs=next((o.prompt_logprobs for o in self.latest if o is not None), None))
+            stop_reason=first.stop_reason,
+            logprobs=first.logprobs,
+            metrics=metrics,
+            error=error,
+            delta_text=first.delta_text,
+            outputs=comps,
+            prompt_logprobs=next((o.prompt_logprobs for o in self.latest if o is not None), None),
+        )
 
 
 def error_output(request_id: str, prompt: str | None, error: str, n: int) -> RequestOutput:
     """The output of a request that failed before it ran: ``finish_reason`` "error" and, for
     n > 1, n empty completions with ``finish_reason`` "error"."""
-    comps = ([CompletionOutput(i, "", [], "error") for i in range(n)] if n > 1 else None)
-    return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=[],
-                         finish_reason="error", error=error, outputs=comps)
+    comps = [CompletionOutput(i, "", [], "error") for i in range(n)] if n > 1 else None
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=[],
+        finish_reason="error",
+        error=error,
+        outputs=comps,
+    )

@@ -115,30 +115,41 @@ class PrefixCachingAllocator(PageAllocator):
 
     # ---------------------------------------------------------------- the cache
 
-    def hash_pages(self, tokens: Sequence[int], num_pages: int,
-                   parent: PageHash | None = None, start_page: int = 0) -> list[PageHash]:
+    def hash_pages(
+        self,
+        tokens: Sequence[int],
+        num_pages: int,
+        parent: PageHash | None = None,
+        start_page: int = 0,
+    ) -> list[PageHash]:
         """Hashes of full pages ``start_page .. num_pages - 1`` of ``tokens`` (the chain
         continues from ``parent``, the hash of page ``start_page - 1``)."""
         z, out = self.page_size, []
         for i in range(start_page, num_pages):
-            parent = page_hash(parent, tokens[i * z:(i + 1) * z], self.extra_keys)
+            parent = page_hash(parent, tokens[i * z : (i + 1) * z], self.extra_keys)
             out.append(parent)
         return out
 
-    def match_prefix(self, tokens: Sequence[int], max_pages: int,
-                     hashes: list[PageHash] | None = None) -> tuple[list[int], list[PageHash]]:
+    def match_prefix(
+        self, tokens: Sequence[int], max_pages: int, hashes: list[PageHash] | None = None
+    ) -> tuple[list[int], list[PageHash]]:
         """The cached pages of the longest prefix of ``tokens`` in full pages (at most
         ``max_pages``), with their hashes. Takes no references (see ``acquire``)."""
         z, pages, found = self.page_size, [], []
         parent = None
         for i in range(max_pages):
-            h = hashes[i] if hashes is not None and i < len(hashes) else \
-                page_hash(parent, tokens[i * z:(i + 1) * z], self.extra_keys)
+            h = (
+                hashes[i]
+                if hashes is not None and i < len(hashes)
+                else page_hash(parent, tokens[i * z : (i + 1) * z], self.extra_keys)
+            )
             p = self._by_hash.get(h)
             if p is None:
                 break
             _, stored_parent, stored_tokens = self._page_key[p]
-            if stored_parent != parent or stored_tokens != _token_bytes(tokens[i * z:(i + 1) * z]):
+            if stored_parent != parent or stored_tokens != _token_bytes(
+                tokens[i * z : (i + 1) * z]
+            ):
                 break  # a hash collision: a miss, never a wrong page
             pages.append(p)
             found.append(h)
@@ -152,8 +163,9 @@ class PrefixCachingAllocator(PageAllocator):
                 del self._evictable[p]
             self.refcounts[p] += 1
 
-    def cache_page(self, page: int, h: PageHash, parent: PageHash | None,
-                   tokens: Sequence[int]) -> None:
+    def cache_page(
+        self, page: int, h: PageHash, parent: PageHash | None, tokens: Sequence[int]
+    ) -> None:
         """Registers a held, fully written (or being written by a dispatched step) page under
         hash ``h``. A hash already cached keeps its page (this one stays private); a page
         already cached keeps its first hash."""
@@ -185,9 +197,13 @@ class PrefixCachingAllocator(PageAllocator):
         ``hit_tokens`` (of them found cached), ``hit_rate`` (hit / queried, 0.0 when none),
         ``evictions`` (cached pages reused for other contents), ``cached_pages`` (now)."""
         q = self.num_queried_tokens
-        return {"queried_tokens": q, "hit_tokens": self.num_hit_tokens,
-                "hit_rate": self.num_hit_tokens / q if q else 0.0,
-                "evictions": self.num_evictions, "cached_pages": self.num_cached_pages}
+        return {
+            "queried_tokens": q,
+            "hit_tokens": self.num_hit_tokens,
+            "hit_rate": self.num_hit_tokens / q if q else 0.0,
+            "evictions": self.num_evictions,
+            "cached_pages": self.num_cached_pages,
+        }
 
     def check_invariants(self) -> None:
         """Raises AssertionError if the pool's bookkeeping is inconsistent (tests)."""

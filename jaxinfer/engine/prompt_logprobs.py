@@ -32,15 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.config import ModelConfig
+from jaxinfer.engine.step import StepBatch, resolve_tokens
 from jaxinfer.errors import RequestError
-from jaxinfer.models.kv_cache import KVCache
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.forward import compute_logits, forward
-from jaxinfer.outputs import TokenLogprob
+from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.models.paged_attention import paged_attn_fn
 from jaxinfer.models.params import Params
+from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams
-from jaxinfer.engine.step import StepBatch, resolve_tokens
 
 TILE = 512
 """Token slots turned into logits at once (bounds the device's [TILE, V] logits)."""
@@ -62,8 +62,9 @@ class PromptLogprobsOut:
     top_logprobs: jax.Array
 
 
-def token_logprobs(params: Params, cfg: ModelConfig, hidden: jax.Array, targets: jax.Array,
-                   num_top: int) -> PromptLogprobsOut:
+def token_logprobs(
+    params: Params, cfg: ModelConfig, hidden: jax.Array, targets: jax.Array, num_top: int
+) -> PromptLogprobsOut:
     """``log_softmax`` of the logits of hidden states [T, D] (``model.compute_logits``, the raw
     distribution), read at i32[T] ``targets``, with the top ``num_top`` (static, >= 1); computed
     ``TILE`` rows at a time."""
@@ -80,8 +81,9 @@ def token_logprobs(params: Params, cfg: ModelConfig, hidden: jax.Array, targets:
         return jnp.take_along_axis(lp, ts[:, None], axis=1)[:, 0], top_ids, top_lp
 
     lps, ids, tops = jax.lax.map(one, (h, tg))
-    return PromptLogprobsOut(lps.reshape(-1)[:t], ids.reshape(-1, num_top)[:t],
-                             tops.reshape(-1, num_top)[:t])
+    return PromptLogprobsOut(
+        lps.reshape(-1)[:t], ids.reshape(-1, num_top)[:t], tops.reshape(-1, num_top)[:t]
+    )
 
 
 def forward_step_prompt_logprobs(
@@ -107,8 +109,9 @@ def forward_step_prompt_logprobs(
         (updated KV cache, logits f32[B, V] of each row's last token, ``PromptLogprobsOut``).
     """
     tokens = resolve_tokens(batch.tokens, prev_tokens)
-    hidden, kv = forward(params, cfg, tokens, batch.md.positions, kv,
-                         paged_attn_fn(cfg, batch.md, attn_impl))
+    hidden, kv = forward(
+        params, cfg, tokens, batch.md.positions, kv, paged_attn_fn(cfg, batch.md, attn_impl)
+    )
     logits = compute_logits(params, cfg, hidden[batch.logits_indices])
     return kv, logits, token_logprobs(params, cfg, hidden, targets, num_top)
 
@@ -131,8 +134,13 @@ def num_top(vocab_size: int) -> int:
     return min(MAX_LOGPROBS, vocab_size)
 
 
-def check_request(params: SamplingParams, vocab_size: int, batch_invariant: bool,
-                  own_step_loop: bool, prompt_len: int | None = None) -> None:
+def check_request(
+    params: SamplingParams,
+    vocab_size: int,
+    batch_invariant: bool,
+    own_step_loop: bool,
+    prompt_len: int | None = None,
+) -> None:
     """Raises RequestError when this engine cannot give ``params.prompt_logprobs``: above
     ``min(MAX_LOGPROBS, vocab_size)``, with ``batch_invariant`` (its forward makes logits of the
     last tokens only), on an engine with a step loop of its own (speculative decoding), or
@@ -141,11 +149,14 @@ def check_request(params: SamplingParams, vocab_size: int, batch_invariant: bool
     if k is None:
         return
     if prompt_len is not None and params.prompt_logprobs_from >= prompt_len:
-        raise RequestError(f"prompt_logprobs_from={params.prompt_logprobs_from} must be < the "
-                           f"prompt's {prompt_len} tokens")
+        raise RequestError(
+            f"prompt_logprobs_from={params.prompt_logprobs_from} must be < the "
+            f"prompt's {prompt_len} tokens"
+        )
     if k > num_top(vocab_size):
-        raise RequestError(f"prompt_logprobs={k} > {MAX_LOGPROBS} or the vocabulary size "
-                           f"{vocab_size}")
+        raise RequestError(
+            f"prompt_logprobs={k} > {MAX_LOGPROBS} or the vocabulary size {vocab_size}"
+        )
     if batch_invariant:
         raise RequestError("prompt_logprobs is not supported with batch_invariant=True")
     if own_step_loop:
@@ -202,9 +213,17 @@ def record(plan: StepPlan, out: PromptLogprobsOut, list_of) -> None:
         if lst is None or i < len(lst):
             continue
         if i > len(lst):
-            raise RuntimeError(f"prompt logprobs of {seq.request_id!r}: index {i} computed before "
-                               f"index {len(lst)}")
+            raise RuntimeError(
+                f"prompt logprobs of {seq.request_id!r}: index {i} computed before index {len(lst)}"
+            )
         k = seq.params.prompt_logprobs
-        lst.append(TokenLogprob(int(plan.targets[slot]), float(out.logprobs[slot]),
-                                [(int(a), float(b)) for a, b in
-                                 zip(out.top_ids[slot, :k], out.top_logprobs[slot, :k], strict=True)]))
+        lst.append(
+            TokenLogprob(
+                int(plan.targets[slot]),
+                float(out.logprobs[slot]),
+                [
+                    (int(a), float(b))
+                    for a, b in zip(out.top_ids[slot, :k], out.top_logprobs[slot, :k], strict=True)
+                ],
+            )
+        )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxinfer.engine.scheduler import Sequence
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.sampling.sampler import find_stop_string
-from jaxinfer.engine.scheduler import Sequence
 from jaxinfer.tokenizers import IncrementalDetokenizer
 
 
@@ -28,8 +28,9 @@ class RequestState:
     prompt_logprobs: list | None = None  # [None, TokenLogprob...] when asked (prompt_logprobs)
 
 
-def advance(req: RequestState, tok: int, lp: TokenLogprob | None, stop_ids: set[int],
-            max_model_len: int) -> str | None:
+def advance(
+    req: RequestState, tok: int, lp: TokenLogprob | None, stop_ids: set[int], max_model_len: int
+) -> str | None:
     """Appends one sampled token to a request's host state (ids, logprobs, text, stop checks).
 
     Args:
@@ -82,24 +83,33 @@ def build_output(req: RequestState) -> RequestOutput:
     finished = seq.finish_reason is not None
     held = seq.params.stop_buffer_length
     visible = len(req.text) if finished else max(req.emitted, len(req.text) - held)
-    delta = req.text[req.emitted:visible]
+    delta = req.text[req.emitted : visible]
     req.emitted = visible
     n_out = len(seq.output_ids)
-    m = RequestMetrics(prompt_tokens=len(seq.prompt_ids), completion_tokens=n_out,
-                       num_preemptions=seq.num_preemptions, resumed_tokens=req.resumed,
-                       num_cached_tokens=seq.num_cached_tokens or 0)
+    m = RequestMetrics(
+        prompt_tokens=len(seq.prompt_ids),
+        completion_tokens=n_out,
+        num_preemptions=seq.num_preemptions,
+        resumed_tokens=req.resumed,
+        num_cached_tokens=seq.num_cached_tokens or 0,
+    )
     if seq.first_token_time is not None:  # timings of this run's tokens (``add_request``)
         n_new = n_out - req.resumed
         m.ttft_s = seq.first_token_time - seq.arrival_time
-        m.tpot_s = ((seq.last_token_time - seq.first_token_time) / (n_new - 1)
-                    if n_new > 1 else 0.0)
+        m.tpot_s = (seq.last_token_time - seq.first_token_time) / (n_new - 1) if n_new > 1 else 0.0
         m.e2e_s = seq.last_token_time - seq.arrival_time
     has_text = req.detok is not None
     return RequestOutput(
-        request_id=seq.request_id, prompt=req.prompt, prompt_token_ids=seq.prompt_ids,
-        text=req.text[:visible] if has_text else None, token_ids=list(seq.output_ids),
-        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+        request_id=seq.request_id,
+        prompt=req.prompt,
+        prompt_token_ids=seq.prompt_ids,
+        text=req.text[:visible] if has_text else None,
+        token_ids=list(seq.output_ids),
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
         logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-        metrics=m, delta_text=delta if has_text else None, error=req.error,
+        metrics=m,
+        delta_text=delta if has_text else None,
+        error=req.error,
         prompt_logprobs=req.prompt_logprobs,
     )

@@ -5,7 +5,8 @@ output tokens (with their logprobs, when requested) continues exactly as if it h
 the prefill covers prompt + the k tokens, the next token sampled is output index k, and the host
 state (output text, stop-string search, ``min_tokens`` / ``max_tokens`` / penalty counts) is
 rebuilt by replaying the k tokens through the same code that appended them the first time.
-``jaxinfer generate`` keeps these states in a partial file beside ``--out`` (``jaxinfer.cli.partial``).
+``jaxinfer generate`` keeps these states in a partial file beside ``--out``
+(``jaxinfer.cli.partial``).
 """
 
 from __future__ import annotations
@@ -45,11 +46,15 @@ def check_resume(resume: ResumeState, params: SamplingParams, vocab_size: int) -
     if not isinstance(resume.seed, int) or isinstance(resume.seed, bool):
         # Any integer, as SamplingParams.seed: only its low 32 bits reach the device.
         raise RequestError(f"resume seed must be an integer, got {resume.seed!r}")
-    bad = [t for t in resume.token_ids
-           if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    bad = [
+        t
+        for t in resume.token_ids
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+    ]
     if bad:
         raise RequestError(
-            f"resume token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+            f"resume token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
     if params.logprobs is None:
         if resume.logprobs is not None:
             raise RequestError("resume logprobs given for a request without logprobs")
@@ -58,8 +63,10 @@ def check_resume(resume: ResumeState, params: SamplingParams, vocab_size: int) -
         return  # nothing to carry over
     if resume.logprobs is None or len(resume.logprobs) != len(resume.token_ids):
         got = "none" if resume.logprobs is None else len(resume.logprobs)
-        raise RequestError(f"resume logprobs: {got} for {len(resume.token_ids)} tokens (the "
-                           "request asks for logprobs: one per token is needed)")
+        raise RequestError(
+            f"resume logprobs: {got} for {len(resume.token_ids)} tokens (the "
+            "request asks for logprobs: one per token is needed)"
+        )
     for i, (tok, lp) in enumerate(zip(resume.token_ids, resume.logprobs, strict=True)):
         if not isinstance(lp, TokenLogprob) or lp.token_id != tok:
             raise RequestError(f"resume logprobs[{i}] is not the logprob of token {tok}")

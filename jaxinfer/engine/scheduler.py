@@ -9,7 +9,8 @@ its pages are freed and it goes back to the front of the waiting queue, to be re
 (prompt + output so far) later. Sampling keys depend only on
 (seed, output index), so a preempted sequence's output is the same as if it had never been.
 
-With a ``PrefixCachingAllocator`` (``jaxinfer.engine.prefix_cache``), a sequence admitted with nothing
+With a ``PrefixCachingAllocator`` (``jaxinfer.engine.prefix_cache``), a sequence admitted with
+nothing
 computed (new, or preempted) first takes the cached pages of its longest known prefix in full
 pages, at most ``num_tokens - 1`` tokens so its last token is computed and sampled from, and
 starts there; every full page whose tokens are known is cached as soon as a scheduled step
@@ -27,8 +28,8 @@ import dataclasses
 import enum
 import time
 
-from jaxinfer.models.kv_cache import OutOfPagesError, PageAllocator
 from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.models.kv_cache import OutOfPagesError, PageAllocator
 from jaxinfer.sampling.sampler import SamplingParams
 
 
@@ -120,8 +121,14 @@ class Scheduler:
         max_prefill_seqs: most prefill rows in one step (bounds the prefill attention's width).
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_prefill_seqs: int = 8):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_seqs: int = 8,
+    ):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -158,7 +165,7 @@ class Scheduler:
         have = len(seq.block_hashes)
         if have < num_pages:
             z = self.page_size
-            tokens = (seq.prompt_ids + seq.output_ids)[have * z:num_pages * z]
+            tokens = (seq.prompt_ids + seq.output_ids)[have * z : num_pages * z]
             parent = seq.block_hashes[-1] if have else None
             seq.block_hashes += self.cache.hash_pages(tokens, num_pages - have, parent)
         return seq.block_hashes
@@ -178,8 +185,9 @@ class Scheduler:
         if limit * z > len(known):  # the list is built once, not once per page
             known = known + seq.output_ids
         for i in range(start, limit):
-            self.cache.cache_page(seq.pages[i], hashes[i], hashes[i - 1] if i else None,
-                                  known[i * z:(i + 1) * z])
+            self.cache.cache_page(
+                seq.pages[i], hashes[i], hashes[i - 1] if i else None, known[i * z : (i + 1) * z]
+            )
         seq.num_cached_pages = limit
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
@@ -191,8 +199,9 @@ class Scheduler:
         if seq.params.prompt_logprobs is not None:  # cached positions have no logits: read only
             max_tokens = min(max_tokens, seq.params.prompt_logprobs_from - 1)  # those not wanted
         max_pages = max_tokens // self.page_size
-        pages, _ = self.cache.match_prefix(seq.prompt_ids + seq.output_ids, max_pages,
-                                           self._block_hashes(seq, max_pages))
+        pages, _ = self.cache.match_prefix(
+            seq.prompt_ids + seq.output_ids, max_pages, self._block_hashes(seq, max_pages)
+        )
         self.cache.acquire(pages)
         seq.pages, seq.num_cached_pages = pages, len(pages)
         seq.num_computed = len(pages) * self.page_size
@@ -256,8 +265,12 @@ class Scheduler:
             (prefill if is_prefill else decode).append(ScheduledRow(seq, n))
             self.cache_full_pages(seq, seq.num_computed + n)
             budget -= n
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and len(prefill) < self.max_prefill_seqs):
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and len(prefill) < self.max_prefill_seqs
+        ):
             seq = self.waiting[0] if only is None else only
             if only is not None and (only.status is not SeqStatus.WAITING or id(only) in scheduled):
                 break
@@ -268,8 +281,14 @@ class Scheduler:
             # Admission keeps one free page per running sequence in reserve (each may need a new
             # page soon): admitting into a full pool only causes preemption churn.
             reserve = len(self.running)
-            if ((preempted or self._pages_needed(seq, seq.num_computed + n) + reserve
-                 > self.allocator.num_free) and self.running) or not self._grow(seq, seq.num_computed + n):
+            if (
+                (
+                    preempted
+                    or self._pages_needed(seq, seq.num_computed + n) + reserve
+                    > self.allocator.num_free
+                )
+                and self.running
+            ) or not self._grow(seq, seq.num_computed + n):
                 if fresh and seq.pages:  # give the prefix hit back: admit nobody for now
                     self.allocator.free(seq.pages)
                     seq.pages, seq.num_cached_pages, seq.num_computed = [], 0, 0

@@ -2,7 +2,8 @@
 
 ``forward_step`` embeds the flat token axis, runs every layer (writing K/V into the donated page
 pool and attending through the paged attention) and computes logits only at each row's last
-token; ``sample_step`` applies penalties and samples on device (the logits never leave it). Host code (``jaxinfer.engine.batch``) builds the ``StepBatch``; shapes
+token; ``sample_step`` applies penalties and samples on device (the logits never leave it). Host
+code (``jaxinfer.engine.batch``) builds the ``StepBatch``; shapes
 are padded to power-of-two buckets so the number of compilations is bounded.
 """
 
@@ -16,8 +17,8 @@ import jax.numpy as jnp
 
 from jaxinfer.models.batch_invariant import invariant_forward_logits, map_token_tiles
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.models.forward import compute_logits, forward
+from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.models.paged_attention import AttentionMetadata, paged_attn_fn, resolve_attn_impl
 from jaxinfer.models.params import Params
 from jaxinfer.sampling.sampler import (
@@ -105,8 +106,10 @@ def forward_step(
     tokens = resolve_tokens(batch.tokens, prev_tokens)
     if batch_invariant:
         if resolve_attn_impl(attn_impl) != "xla":
-            raise ValueError(f"batch_invariant=True runs its own XLA attention; attn_impl="
-                             f"{attn_impl!r} is not supported with it (use 'xla' or 'auto')")
+            raise ValueError(
+                f"batch_invariant=True runs its own XLA attention; attn_impl="
+                f"{attn_impl!r} is not supported with it (use 'xla' or 'auto')"
+            )
         return invariant_forward_logits(params, cfg, kv, tokens, batch.md, batch.logits_indices)
     hidden, kv = forward(
         params, cfg, tokens, batch.md.positions, kv, paged_attn_fn(cfg, batch.md, attn_impl)
@@ -142,8 +145,13 @@ def sample_step(
         logits = jnp.where(controls.banned, -jnp.inf, logits)
     # No row asked for logprobs when num_logprobs is 0 (a row's logprobs=0 makes it
     # MAX_LOGPROBS): the sampled tokens' logprobs are then never read.
-    return sample(logits, sampling, num_logprobs=num_logprobs, logprob_logits=raw_logits,
-                  token_logprobs=num_logprobs > 0)
+    return sample(
+        logits,
+        sampling,
+        num_logprobs=num_logprobs,
+        logprob_logits=raw_logits,
+        token_logprobs=num_logprobs > 0,
+    )
 
 
 def sample_step_padded(
@@ -169,12 +177,16 @@ def sample_step_padded(
             raise ValueError(
                 "sample_step_padded: greedy=True takes no controls and num_logprobs=0, got "
                 f"controls={'set' if controls is not None else None}, "
-                f"num_logprobs={num_logprobs}")
+                f"num_logprobs={num_logprobs}"
+            )
         out = sample_greedy(logits)
     elif batch_invariant:
         out = map_token_tiles(
             lambda lg, st, ctl: sample_step(lg, st, ctl, num_logprobs=num_logprobs),
-            logits, sampling, controls)
+            logits,
+            sampling,
+            controls,
+        )
     else:
         out = sample_step(logits, sampling, controls, num_logprobs=num_logprobs)
     b = out.tokens.shape[0]
@@ -191,12 +203,15 @@ def jitted_forward_step(out_shardings=None):
     static = ("cfg", "attn_impl", "batch_invariant")
     if out_shardings is None:
         return jax.jit(forward_step, static_argnames=static, donate_argnames=("kv",))
-    return jax.jit(forward_step, static_argnames=static, donate_argnames=("kv",),
-                   out_shardings=out_shardings)
+    return jax.jit(
+        forward_step, static_argnames=static, donate_argnames=("kv",), out_shardings=out_shardings
+    )
 
 
 @functools.cache
 def jitted_sample_step():
     """The jitted ``sample_step_padded``."""
-    return jax.jit(sample_step_padded,
-                   static_argnames=("num_logprobs", "num_slots", "batch_invariant", "greedy"))
+    return jax.jit(
+        sample_step_padded,
+        static_argnames=("num_logprobs", "num_slots", "batch_invariant", "greedy"),
+    )

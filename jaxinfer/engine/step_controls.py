@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.engine.scheduler import Sequence
 from jaxinfer.engine.step import LogitsControls
+from jaxinfer.sampling.sampler import SamplingParams
 
 
 def has_penalties(p: SamplingParams) -> bool:

@@ -7,8 +7,10 @@ Raises ImportError (saying which extra to install) when lm-eval is not installed
 try:
     import lm_eval  # noqa: F401
 except ImportError as e:
-    raise ImportError("jaxinfer.eval needs lm-evaluation-harness: pip install 'jaxinfer[eval]' "
-                      "(lm-eval >= 0.4.13)") from e
+    raise ImportError(
+        "jaxinfer.eval needs lm-evaluation-harness: pip install 'jaxinfer[eval]' "
+        "(lm-eval >= 0.4.13)"
+    ) from e
 
 from jaxinfer.eval.lm_eval_model import JaxInferLM  # noqa: E402
 

@@ -58,7 +58,12 @@ log = logging.getLogger(__name__)
 
 _LLM_ARGS = frozenset(inspect.signature(LLM.__init__).parameters) - {"self", "model"}
 _SAMPLING_ARGS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
-    "max_tokens", "stop", "n", "logprobs", "prompt_logprobs"}
+    "max_tokens",
+    "stop",
+    "n",
+    "logprobs",
+    "prompt_logprobs",
+}
 # lm-eval passes these to every model; they mean nothing to a continuous-batching engine.
 _HARNESS_ARGS = ("max_batch_size", "device")
 
@@ -87,49 +92,72 @@ class JaxInferLM(TemplateLM):
             a bad value.
     """
 
-    def __init__(self, pretrained: str | LLM, dtype: str = "auto", max_model_len: int | None = None,
-                 max_length: int | None = None, max_gen_toks: int = 256,
-                 add_bos_token: bool | None = None, batch_size: str | int = "auto", **llm_kwargs):
+    def __init__(
+        self,
+        pretrained: str | LLM,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        add_bos_token: bool | None = None,
+        batch_size: str | int = "auto",
+        **llm_kwargs,
+    ):
         super().__init__()
         for k in _HARNESS_ARGS:
             v = llm_kwargs.pop(k, None)
             if v is not None and k == "device":
-                log.info("device=%r is ignored: jaxinfer runs on JAX's default backend "
-                            "(install jaxinfer[tpu] or jaxinfer[cuda] to change it)", v)
+                log.info(
+                    "device=%r is ignored: jaxinfer runs on JAX's default backend "
+                    "(install jaxinfer[tpu] or jaxinfer[cuda] to change it)",
+                    v,
+                )
         unknown = sorted(set(llm_kwargs) - _LLM_ARGS)
         if unknown:
-            raise ValueError(f"jaxinfer model_args: unknown argument(s) {unknown}; LLM takes "
-                             f"{sorted(_LLM_ARGS | {'pretrained', 'max_length', 'max_gen_toks'})}")
+            raise ValueError(
+                f"jaxinfer model_args: unknown argument(s) {unknown}; LLM takes "
+                f"{sorted(_LLM_ARGS | {'pretrained', 'max_length', 'max_gen_toks'})}"
+            )
         if max_length is not None and max_model_len is not None:
             raise ValueError("jaxinfer model_args: give max_model_len or max_length, not both")
         if max_length is not None:
             max_model_len = max_length
-        if not ((isinstance(batch_size, str) and batch_size.startswith("auto"))
-                or (isinstance(batch_size, int) and batch_size > 0
-                    and not isinstance(batch_size, bool))):
-            raise ValueError(f"jaxinfer model_args: batch_size must be 'auto', 'auto:N' or a "
-                             f"positive integer, got {batch_size!r}")
+        if not (
+            (isinstance(batch_size, str) and batch_size.startswith("auto"))
+            or (isinstance(batch_size, int) and batch_size > 0 and not isinstance(batch_size, bool))
+        ):
+            raise ValueError(
+                f"jaxinfer model_args: batch_size must be 'auto', 'auto:N' or a "
+                f"positive integer, got {batch_size!r}"
+            )
         if not isinstance(max_gen_toks, int) or isinstance(max_gen_toks, bool) or max_gen_toks < 1:
-            raise ValueError(f"jaxinfer model_args: max_gen_toks must be a positive integer, "
-                             f"got {max_gen_toks!r}")
+            raise ValueError(
+                f"jaxinfer model_args: max_gen_toks must be a positive integer, "
+                f"got {max_gen_toks!r}"
+            )
         if add_bos_token not in (None, True, False):
-            raise ValueError(f"jaxinfer model_args: add_bos_token must be true, false or none, "
-                             f"got {add_bos_token!r}")
+            raise ValueError(
+                f"jaxinfer model_args: add_bos_token must be true, false or none, "
+                f"got {add_bos_token!r}"
+            )
         if isinstance(pretrained, LLM):
             given = dict(llm_kwargs, **({"max_model_len": max_model_len} if max_model_len else {}))
             if dtype != "auto":
                 given["dtype"] = dtype
             if given:
-                raise ValueError(f"jaxinfer: engine arguments {sorted(given)} given with an "
-                                 "LLM already built; pass them to LLM instead")
+                raise ValueError(
+                    f"jaxinfer: engine arguments {sorted(given)} given with an "
+                    "LLM already built; pass them to LLM instead"
+                )
             self.llm = pretrained
         else:
             if dtype != "auto":
                 llm_kwargs["dtype"] = dtype
             self.llm = LLM(pretrained, max_model_len=max_model_len, **llm_kwargs)
         if self.llm.tokenizer is None:
-            raise ValueError(f"jaxinfer: {self.llm.model_path} has no tokenizer; lm-eval tasks "
-                             "are text")
+            raise ValueError(
+                f"jaxinfer: {self.llm.model_path} has no tokenizer; lm-eval tasks are text"
+            )
         self.tokenizer = self.llm.tokenizer
         self.add_bos_token = add_bos_token
         self._max_gen_toks = max_gen_toks
@@ -161,8 +189,9 @@ class JaxInferLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return str(self.tokenizer.path).replace("/", "__")
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **kwargs
+    ) -> list[int]:
         """lm-eval's ``tok_encode`` (HFLM): the tokenizer's special tokens unless
         ``add_special_tokens``/``add_bos_token`` say otherwise or the text starts with BOS."""
         if not string:
@@ -177,10 +206,12 @@ class JaxInferLM(TemplateLM):
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history,
-                                                  add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history, add_generation_prompt=add_generation_prompt
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -191,8 +222,9 @@ class JaxInferLM(TemplateLM):
             more = f" (and {len(failed) - 10} more)" if len(failed) > 10 else ""
             raise RuntimeError(f"jaxinfer {kind}: {len(failed)} request(s) failed: {shown}{more}")
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs
-                              ) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
         """(logprob, is_greedy) of each (cache key, context ids, continuation ids), in order;
         context + continuation left-truncated to ``max_length - 1`` tokens (vLLM's rule)."""
         limit = self.max_length - 1
@@ -201,8 +233,12 @@ class JaxInferLM(TemplateLM):
             whole = (list(ctx) + list(cont))[-limit:]
             n_ctx = len(whole) - len(cont)
             if len(whole) < len(ctx) + len(cont):
-                log.warning("context + continuation (%d tokens) exceeds max_length - 1 = %d: "
-                            "context truncated from the left", len(ctx) + len(cont), limit)
+                log.warning(
+                    "context + continuation (%d tokens) exceeds max_length - 1 = %d: "
+                    "context truncated from the left",
+                    len(ctx) + len(cont),
+                    limit,
+                )
             # No context left (a continuation of max_length - 1 tokens or more): LLM.score
             # refuses the untruncated pair with its length error.
             pairs.append((whole[:n_ctx], whole[n_ctx:]) if n_ctx > 0 else (list(ctx), list(cont)))
@@ -242,9 +278,11 @@ class JaxInferLM(TemplateLM):
         kw.pop("do_sample", None)
         unknown = sorted(set(kw) - _SAMPLING_ARGS)
         if unknown:
-            raise ValueError(f"jaxinfer generate_until: generation kwargs {unknown} are not "
-                             f"supported; supported: until, max_gen_toks (and aliases), do_sample, "
-                             f"{', '.join(sorted(_SAMPLING_ARGS))}")
+            raise ValueError(
+                f"jaxinfer generate_until: generation kwargs {unknown} are not "
+                f"supported; supported: until, max_gen_toks (and aliases), do_sample, "
+                f"{', '.join(sorted(_SAMPLING_ARGS))}"
+            )
         kw["temperature"] = float(kw.get("temperature", 0.0))
         return SamplingParams(max_tokens=max_gen_toks, stop=[s for s in until if s], **kw), until
 
@@ -256,10 +294,16 @@ class JaxInferLM(TemplateLM):
             context, gen_kwargs = req.args
             sp, until = self._sampling(gen_kwargs, eos)
             if sp.max_tokens >= self.max_length:
-                raise ValueError(f"jaxinfer generate_until: max_gen_toks={sp.max_tokens} leaves "
-                                 f"no room for a prompt in max_length={self.max_length}")
-            toks, max_new = maybe_truncate(self.tok_encode(context), max_gen_toks=sp.max_tokens,
-                                           max_model_len=self.max_length, side="left")
+                raise ValueError(
+                    f"jaxinfer generate_until: max_gen_toks={sp.max_tokens} leaves "
+                    f"no room for a prompt in max_length={self.max_length}"
+                )
+            toks, max_new = maybe_truncate(
+                self.tok_encode(context),
+                max_gen_toks=sp.max_tokens,
+                max_model_len=self.max_length,
+                side="left",
+            )
             prompts.append(toks)
             params.append(sp)
             untils.append(until)

@@ -15,13 +15,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.detect import SUPPORTED_FORMATS, detect_format
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import Params
 
 if TYPE_CHECKING:
     from jaxinfer.tokenizers import Tokenizer
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
@@ -90,8 +91,10 @@ def load(
         ValueError: both ``tokenizer`` and ``skip_tokenizer_init`` are given.
     """
     if skip_tokenizer_init and tokenizer is not None:
-        raise ValueError(f"tokenizer={tokenizer!s} and skip_tokenizer_init=True contradict each "
-                         "other: pass one or the other")
+        raise ValueError(
+            f"tokenizer={tokenizer!s} and skip_tokenizer_init=True contradict each "
+            "other: pass one or the other"
+        )
     dtype = _resolve_dtype(dtype)
     fmt, ckpt = detect_format(path)
     if fmt == "hf":
@@ -137,5 +140,10 @@ def _has_tokenizer_files(d: Path) -> bool:
 
 
 __all__ = [
-    "CheckpointError", "LoadedModel", "SUPPORTED_FORMATS", "WEIGHT_DTYPES", "detect_format", "load"
+    "CheckpointError",
+    "LoadedModel",
+    "SUPPORTED_FORMATS",
+    "WEIGHT_DTYPES",
+    "detect_format",
+    "load",
 ]

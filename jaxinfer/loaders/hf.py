@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import (
     CheckpointWarning,
@@ -44,6 +43,7 @@ from jaxinfer.loaders.checks import (
     param_bytes,
 )
 from jaxinfer.loaders.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import Params, param_shapes, params_from_flat
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "load_hf"]
@@ -253,15 +253,23 @@ def _ignored(name: str, model_type, cfg: ModelConfig, head_name: str) -> str | N
     if name.endswith(".rotary_emb.inv_freq"):
         return "RoPE caches saved by old transformers (recomputed from the config)"
     if name == head_name and cfg.tie_word_embeddings:
-        return ("the config ties the head to the embedding (tie_word_embeddings true), so the "
-                "stored head is not used, as in transformers")
+        return (
+            "the config ties the head to the embedding (tie_word_embeddings true), so the "
+            "stored head is not used, as in transformers"
+        )
     if model_type == "gemma3" and ("vision_tower." in name or "multi_modal_projector." in name):
         return "the vision tower of a multimodal Gemma 3 checkpoint (only the text model runs)"
     return None
 
 
-def _check_unused(unused: list[str], stored_in: dict[str, str], raw: dict, cfg: ModelConfig,
-                  head_name: str, cfg_file: str) -> None:
+def _check_unused(
+    unused: list[str],
+    stored_in: dict[str, str],
+    raw: dict,
+    cfg: ModelConfig,
+    head_name: str,
+    cfg_file: str,
+) -> None:
     """Warns about allowlisted unused tensors; raises CheckpointError naming the others."""
     by_reason: dict[str, list[str]] = {}
     unexpected = []
@@ -336,8 +344,11 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
     prefix, head_name = _prefixes(set(info), raw)
     if not cfg.tie_word_embeddings and head_name not in info:
         fields = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-        said = ("is false" if "tie_word_embeddings" in fields else
-                f"is absent (false by default for model_type {raw.get('model_type')!r})")
+        said = (
+            "is false"
+            if "tie_word_embeddings" in fields
+            else f"is absent (false by default for model_type {raw.get('model_type')!r})"
+        )
         raise CheckpointError(
             f"{listing}: tensor {head_name!r} is missing, but tie_word_embeddings in {cfg_file} "
             f"{said}: an untied head must be stored; set it to true if the head is the "
@@ -350,8 +361,11 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
         hf_name, hf_shape_fn, _ = specs[field]
         hf_shape = hf_shape_fn(cfg)
         full = head_name if field == "lm_head" else prefix + hf_name
-        names = ([full.format(i=i) for i in range(cfg.num_layers)]
-                 if field.startswith("layers.") else [full])
+        names = (
+            [full.format(i=i) for i in range(cfg.num_layers)]
+            if field.startswith("layers.")
+            else [full]
+        )
         for name in names:
             if name not in info:
                 raise CheckpointError(
@@ -365,8 +379,12 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
     np_dtype = np.dtype(dtype)
     biggest_field = max(param_bytes([s], np_dtype) for s in shapes.values())
     biggest_tensor = max(param_bytes([s], np.float32) for s in (info[n][1] for n in used))
-    check_fits(listing, param_bytes(shapes.values(), np_dtype), biggest_field + 2 * biggest_tensor,
-               f"the weights in {np_dtype}")
+    check_fits(
+        listing,
+        param_bytes(shapes.values(), np_dtype),
+        biggest_field + 2 * biggest_tensor,
+        f"the weights in {np_dtype}",
+    )
     flat = {}
     for field, shape in shapes.items():
         convert = specs[field][2]

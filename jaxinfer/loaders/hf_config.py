@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import os
 
-from jaxinfer.models.config import INT32_MAX, ModelConfig, RopeScaling, num_params
 from jaxinfer.errors import CheckpointError
+from jaxinfer.models.config import INT32_MAX, ModelConfig, RopeScaling, num_params
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -165,8 +165,9 @@ class _Fields:
         except OverflowError:
             f = math.inf
         if not math.isfinite(f) or f < 0 or (f == 0 and not allow_zero):
-            raise self.err(key, f"is {v!r}; expected a finite number "
-                                f"{'>= 0' if allow_zero else '> 0'}")
+            raise self.err(
+                key, f"is {v!r}; expected a finite number {'>= 0' if allow_zero else '> 0'}"
+            )
         return f
 
     def flag(self, key: str, v) -> bool:
@@ -181,8 +182,15 @@ class _Fields:
 
 
 def _json_type(v) -> str:
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer",
-             float: "number", type(None): "null"}
+    names = {
+        dict: "object",
+        list: "list",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }
     return names.get(type(v), type(v).__name__)
 
 
@@ -206,9 +214,7 @@ def _text_config(config: dict, where: str) -> tuple[str, dict]:
     return "gemma3_text", text
 
 
-def _rope(
-    f: _Fields, params, field: str, max_pos: int
-) -> tuple[float | None, RopeScaling | None]:
+def _rope(f: _Fields, params, field: str, max_pos: int) -> tuple[float | None, RopeScaling | None]:
     """(rope_theta or None, scaling) of one rope dict (``rope_scaling`` or ``rope_parameters``).
 
     llama3's ``original_max_position_embeddings`` defaults to ``max_pos``, as in transformers.
@@ -222,8 +228,10 @@ def _rope(
         theta = f.float(f"{field}.rope_theta", theta)
     prf = params.get("partial_rotary_factor", 1.0)
     if prf != 1.0:
-        raise f.err(f"{field}.partial_rotary_factor",
-                    f"is {prf!r}; only 1.0 (RoPE over the whole head) is supported")
+        raise f.err(
+            f"{field}.partial_rotary_factor",
+            f"is {prf!r}; only 1.0 (RoPE over the whole head) is supported",
+        )
     if rope_type == "default":
         return theta, None
 
@@ -238,15 +246,21 @@ def _rope(
         omax = params.get("original_max_position_embeddings", max_pos)
         lo, hi = num("low_freq_factor"), num("high_freq_factor")
         if lo >= hi:
-            raise f.err(f"{field}.low_freq_factor", f"is {lo}; expected below "
-                        f"high_freq_factor={hi} (llama3 RoPE divides by their difference)")
+            raise f.err(
+                f"{field}.low_freq_factor",
+                f"is {lo}; expected below "
+                f"high_freq_factor={hi} (llama3 RoPE divides by their difference)",
+            )
         return theta, RopeScaling(
-            "llama3", factor=num("factor"), low_freq_factor=lo, high_freq_factor=hi,
+            "llama3",
+            factor=num("factor"),
+            low_freq_factor=lo,
+            high_freq_factor=hi,
             original_max_position_embeddings=f.int(
-                f"{field}.original_max_position_embeddings", omax),
+                f"{field}.original_max_position_embeddings", omax
+            ),
         )
-    raise f.err(f"{field}.rope_type",
-                f"is {rope_type!r}; supported: 'default', 'linear', 'llama3'")
+    raise f.err(f"{field}.rope_type", f"is {rope_type!r}; supported: 'default', 'linear', 'llama3'")
 
 
 def config_from_hf(
@@ -290,31 +304,42 @@ def config_from_hf(
         return f.int(key, get(key))
 
     hidden, n_heads, n_layers = (
-        size("hidden_size"), size("num_attention_heads"), size("num_hidden_layers"))
+        size("hidden_size"),
+        size("num_attention_heads"),
+        size("num_hidden_layers"),
+    )
     vocab, inter = size("vocab_size"), size("intermediate_size")
     n_kv = c.get("num_key_value_heads")
     if n_kv is None:  # transformers: MHA for these families, else the class default
-        n_kv = n_heads if family in ("llama", "mistral", "qwen2", "qwen3") else f.d[
-            "num_key_value_heads"]
+        n_kv = (
+            n_heads
+            if family in ("llama", "mistral", "qwen2", "qwen3")
+            else f.d["num_key_value_heads"]
+        )
     n_kv = f.int("num_key_value_heads", n_kv)
     if n_heads % n_kv:
-        raise f.err("num_attention_heads", f"is {n_heads}, not a multiple of "
-                    f"num_key_value_heads={n_kv}")
+        raise f.err(
+            "num_attention_heads", f"is {n_heads}, not a multiple of num_key_value_heads={n_kv}"
+        )
     if c.get("head_dim") is not None:
         head_dim = f.int("head_dim", c["head_dim"])
     elif f.d.get("head_dim") is not None:
         head_dim = f.d["head_dim"]
     else:  # transformers: hidden_size // num_attention_heads
         if hidden < n_heads:
-            raise f.err("hidden_size", f"is {hidden}, fewer than num_attention_heads={n_heads} "
-                        "and no head_dim is given (head_dim = hidden_size // num_attention_heads "
-                        "would be 0)")
+            raise f.err(
+                "hidden_size",
+                f"is {hidden}, fewer than num_attention_heads={n_heads} "
+                "and no head_dim is given (head_dim = hidden_size // num_attention_heads "
+                "would be 0)",
+            )
         head_dim = hidden // n_heads
     tie = f.flag("tie_word_embeddings", get("tie_word_embeddings"))
     max_pos = size("max_position_embeddings")
     if checkpoint_bytes is not None:
         need = MIN_FILE_DTYPE_BYTES * num_params(
-            vocab, hidden, inter, n_layers, n_heads, n_kv, head_dim, tied=True)
+            vocab, hidden, inter, n_layers, n_heads, n_kv, head_dim, tied=True
+        )
         if need > checkpoint_bytes:
             raise CheckpointError(
                 f"{where}: the config's sizes (vocab_size={vocab}, hidden_size={hidden}, "
@@ -337,8 +362,11 @@ def config_from_hf(
         raise f.err("mlp_bias", "is true; MLP biases are not supported")
     attention_bias = family == "qwen2"
     if family != "qwen2" and c.get("attention_bias"):
-        raise f.err("attention_bias", f"is true for {family!r} (this adds an o_proj bias); "
-                    "only Qwen2's q/k/v biases are supported")
+        raise f.err(
+            "attention_bias",
+            f"is true for {family!r} (this adds an o_proj bias); "
+            "only Qwen2's q/k/v biases are supported",
+        )
     if c.get("use_bidirectional_attention"):
         raise f.err("use_bidirectional_attention", "is true; only causal attention is supported")
 
@@ -347,12 +375,16 @@ def config_from_hf(
     local_theta = None
     if rp and ("full_attention" in rp or "sliding_attention" in rp):
         rope_theta, scaling = _rope(
-            f, rp.get("full_attention"), "rope_parameters.full_attention", max_pos)
+            f, rp.get("full_attention"), "rope_parameters.full_attention", max_pos
+        )
         local_theta, local_scaling = _rope(
-            f, rp.get("sliding_attention"), "rope_parameters.sliding_attention", max_pos)
+            f, rp.get("sliding_attention"), "rope_parameters.sliding_attention", max_pos
+        )
         if local_scaling is not None:
-            raise f.err("rope_parameters.sliding_attention.rope_type",
-                        "must be 'default'; scaled local RoPE is not supported")
+            raise f.err(
+                "rope_parameters.sliding_attention.rope_type",
+                "must be 'default'; scaled local RoPE is not supported",
+            )
     elif rp:
         rope_theta, scaling = _rope(f, rp, "rope_parameters", max_pos)
     else:
@@ -399,13 +431,15 @@ def config_from_hf(
     if not isinstance(layer_types, list):
         raise f.err("layer_types", f"is a JSON {_json_type(layer_types)}; expected a list")
     if len(layer_types) != n_layers:
-        raise f.err("layer_types", f"has {len(layer_types)} entries, expected "
-                    f"num_hidden_layers={n_layers}")
+        raise f.err(
+            "layer_types", f"has {len(layer_types)} entries, expected num_hidden_layers={n_layers}"
+        )
     windows = []
     for i, t in enumerate(layer_types):
         if not isinstance(t, str) or t not in ("full_attention", "sliding_attention"):
-            raise f.err(f"layer_types[{i}]",
-                        f"is {t!r}; supported: 'full_attention', 'sliding_attention'")
+            raise f.err(
+                f"layer_types[{i}]", f"is {t!r}; supported: 'full_attention', 'sliding_attention'"
+            )
         windows.append(window if t == "sliding_attention" else 0)
 
     gemma = family in _GEMMAS

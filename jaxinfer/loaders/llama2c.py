@@ -16,7 +16,8 @@ Formats, as written by llama2.c's ``export.py`` (``legacy_export``, ``version1_e
   Dequantized to float at load (``value = int8 * scale``).
 
 llama2.c applies RoPE to interleaved pairs ``(x[2i], x[2i+1])`` of each head, while
-``jaxinfer.models.forward`` uses the "rotate_half" pairs ``(x[i], x[i + H/2])``. The output rows of wq and
+``jaxinfer.models.forward`` uses the "rotate_half" pairs ``(x[i], x[i + H/2])``. The output rows of
+wq and
 wk are therefore permuted within each head to ``[0, 2, 4, ..., 1, 3, 5, ...]`` (the inverse of
 transformers' ``convert_llama_weights_to_hf`` permute). Scores are unchanged since q.k is invariant
 to the same permutation of q's and k's head dimensions.
@@ -32,9 +33,9 @@ import struct
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import check_cast, check_finite, check_fits, param_bytes
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import Params, param_shapes, params_from_flat
 
 MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32
@@ -352,10 +353,12 @@ def load_llama2c(
     cfg = config_from_header(h)
     np_dtype = np.dtype(dtype)
     shapes = param_shapes(cfg)
-    f32_bytes = param_bytes((s for n, s in tensor_shapes(h).items() if "freq_cis" not in n),
-                            np.float32)  # read_tensors' float32 copies, then the layout changes
-    check_fits(path, param_bytes(shapes.values(), np_dtype), 2 * f32_bytes,
-               f"the weights in {np_dtype}")
+    f32_bytes = param_bytes(
+        (s for n, s in tensor_shapes(h).items() if "freq_cis" not in n), np.float32
+    )  # read_tensors' float32 copies, then the layout changes
+    check_fits(
+        path, param_bytes(shapes.values(), np_dtype), 2 * f32_bytes, f"the weights in {np_dtype}"
+    )
     t = read_tensors(path, h)
     L, D, N, K, H = h.n_layers, h.dim, h.n_heads, h.n_kv_heads, h.head_size
     wq = interleaved_to_half(t["wq"], N, H)  # [L, N*H, D]
@@ -387,10 +390,20 @@ def load_llama2c(
 
 
 # Params field -> the llama2.c tensor it comes from (named in errors).
-_SOURCE = {"embed": "token_embedding", "final_norm": "rms_final", "layers.attn_norm": "rms_att",
-           "layers.mlp_norm": "rms_ffn", "layers.wq": "wq", "layers.wk": "wk", "layers.wv": "wv",
-           "layers.wo": "wo", "layers.w_gate": "w1", "layers.w_up": "w3", "layers.w_down": "w2",
-           "lm_head": "wcls"}
+_SOURCE = {
+    "embed": "token_embedding",
+    "final_norm": "rms_final",
+    "layers.attn_norm": "rms_att",
+    "layers.mlp_norm": "rms_ffn",
+    "layers.wq": "wq",
+    "layers.wk": "wk",
+    "layers.wv": "wv",
+    "layers.wo": "wo",
+    "layers.w_gate": "w1",
+    "layers.w_up": "w3",
+    "layers.w_down": "w2",
+    "lm_head": "wcls",
+}
 
 
 def is_llama2c_tokenizer_file(path: str | os.PathLike) -> bool:

@@ -1,6 +1,7 @@
 """Pure-XLA attention: the dense segment-masked reference and shared masking/softmax helpers.
 
-The paged (KV-cache) attention lives in ``jaxinfer.models.paged_attention``; both share ``masked_softmax_av``
+The paged (KV-cache) attention lives in ``jaxinfer.models.paged_attention``; both share
+``masked_softmax_av``
 so the numerics (float32 scores, soft-cap, finite mask value) are identical.
 """
 
@@ -79,8 +80,14 @@ def dense_attn_fn(cfg, segment_ids: jax.Array, positions: jax.Array):
     def attn(q, k, v, cache, layer, window):
         del layer
         out = dense_attention(
-            q, k, v, segment_ids, positions, window,
-            scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap,
+            q,
+            k,
+            v,
+            segment_ids,
+            positions,
+            window,
+            scale=cfg.attn_scale,
+            softcap=cfg.attn_logit_softcap,
         )
         return out, cache
 

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 
 from jaxinfer.models.attention import MASK_VALUE
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.kv_cache import KVCache, write_kv
 from jaxinfer.models.forward import compute_logits, forward
+from jaxinfer.models.kv_cache import KVCache, write_kv
 from jaxinfer.models.paged_attention import AttentionMetadata
 from jaxinfer.models.params import Params
 from jaxinfer.quant.kv import dequantize_kv
@@ -75,8 +75,17 @@ def _gather_page(pages: jax.Array | None, layer, ids: jax.Array, page_major: boo
     return pages[layer, ids] if page_major else pages[layer, :, ids]
 
 
-def tiled_attention(q: jax.Array, cache: KVCache, md: AttentionMetadata, layer, window, *,
-                    scale: float, softcap: float | None, tile: int = TOKEN_TILE) -> jax.Array:
+def tiled_attention(
+    q: jax.Array,
+    cache: KVCache,
+    md: AttentionMetadata,
+    layer,
+    window,
+    *,
+    scale: float,
+    softcap: float | None,
+    tile: int = TOKEN_TILE,
+) -> jax.Array:
     """Causal attention of every query token over its sequence's pages. Output f32[T, N, H].
 
     Args:
@@ -112,13 +121,18 @@ def tiled_attention(q: jax.Array, cache: KVCache, md: AttentionMetadata, layer, 
         def body(j, state):
             m, l, acc = state  # f32[C, K, G], f32[C, K, G], f32[C, K, G, H]
             ids = jax.lax.dynamic_index_in_dim(tab, jnp.minimum(j, m_width - 1), 1, False)  # [C]
-            kp = dequantize_kv(_gather_page(cache.k_pages, layer, ids, cache.page_major),
-                               _gather_page(cache.k_scales, layer, ids, cache.page_major))
-            vp = dequantize_kv(_gather_page(cache.v_pages, layer, ids, cache.page_major),
-                               _gather_page(cache.v_scales, layer, ids, cache.page_major))
+            kp = dequantize_kv(
+                _gather_page(cache.k_pages, layer, ids, cache.page_major),
+                _gather_page(cache.k_scales, layer, ids, cache.page_major),
+            )
+            vp = dequantize_kv(
+                _gather_page(cache.v_pages, layer, ids, cache.page_major),
+                _gather_page(cache.v_scales, layer, ids, cache.page_major),
+            )
             kv_pos = j * z + jnp.arange(z, dtype=jnp.int32)  # i32[Z]
             seen = (kv_pos[None, :] <= pos[:, None]) & (
-                (window <= 0) | (pos[:, None] - kv_pos[None, :] < window))  # bool[C, Z]
+                (window <= 0) | (pos[:, None] - kv_pos[None, :] < window)
+            )  # bool[C, Z]
             s = jnp.einsum("CKGH,CKZH->CKGZ", qc, kp, preferred_element_type=jnp.float32) * scale
             if softcap is not None:
                 s = jnp.tanh(s / softcap) * softcap
@@ -130,16 +144,24 @@ def tiled_attention(q: jax.Array, cache: KVCache, md: AttentionMetadata, layer, 
             vp = jnp.where(seen[:, None, :, None], vp.astype(jnp.float32), 0.0)  # stale slots
             l_new = alpha * l + jnp.sum(p, axis=-1)
             acc_new = alpha[..., None] * acc + jnp.einsum(
-                "CKGZ,CKZH->CKGH", p, vp, preferred_element_type=jnp.float32)
+                "CKGZ,CKZH->CKGH", p, vp, preferred_element_type=jnp.float32
+            )
             use = ((j >= lo) & (j <= hi))[:, None, None]  # this page is visible to the token
-            return (jnp.where(use, m_new, m), jnp.where(use, l_new, l),
-                    jnp.where(use[..., None], acc_new, acc))
+            return (
+                jnp.where(use, m_new, m),
+                jnp.where(use, l_new, l),
+                jnp.where(use[..., None], acc_new, acc),
+            )
 
-        init = (jnp.full((tile, kh, g), MASK_VALUE, jnp.float32),
-                jnp.zeros((tile, kh, g), jnp.float32), jnp.zeros((tile, kh, g, h), jnp.float32))
+        init = (
+            jnp.full((tile, kh, g), MASK_VALUE, jnp.float32),
+            jnp.zeros((tile, kh, g), jnp.float32),
+            jnp.zeros((tile, kh, g, h), jnp.float32),
+        )
         # Pages past every token's last one would be skipped anyway: stop at the tile's last.
-        m, l, acc = jax.lax.fori_loop(jnp.min(jnp.where(hi >= 0, lo, m_width)),
-                                      jnp.max(hi) + 1, body, init)
+        m, l, acc = jax.lax.fori_loop(
+            jnp.min(jnp.where(hi >= 0, lo, m_width)), jnp.max(hi) + 1, body, init
+        )
         out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
         return out.reshape(tile, n, h)
 
@@ -152,16 +174,31 @@ def invariant_attn_fn(cfg: ModelConfig, md: AttentionMetadata, tile: int = TOKEN
 
     def attn(q, k, v, cache: KVCache, layer, window):
         cache = write_kv(cache, layer, k, v, md.slot_mapping)
-        out = tiled_attention(q, cache, md, layer, window, scale=cfg.attn_scale,
-                              softcap=cfg.attn_logit_softcap, tile=tile)
+        out = tiled_attention(
+            q,
+            cache,
+            md,
+            layer,
+            window,
+            scale=cfg.attn_scale,
+            softcap=cfg.attn_logit_softcap,
+            tile=tile,
+        )
         return out, cache
 
     return attn
 
 
-def invariant_forward_logits(params: Params, cfg: ModelConfig, kv: KVCache, tokens: jax.Array,
-                             md: AttentionMetadata, logits_indices: jax.Array, *,
-                             tile: int = TOKEN_TILE) -> tuple[KVCache, jax.Array]:
+def invariant_forward_logits(
+    params: Params,
+    cfg: ModelConfig,
+    kv: KVCache,
+    tokens: jax.Array,
+    md: AttentionMetadata,
+    logits_indices: jax.Array,
+    *,
+    tile: int = TOKEN_TILE,
+) -> tuple[KVCache, jax.Array]:
     """``step.forward_step``'s model part in batch-invariant form.
 
     Args:
@@ -176,6 +213,7 @@ def invariant_forward_logits(params: Params, cfg: ModelConfig, kv: KVCache, toke
         (updated KV cache, logits f32[B, V]); each row's logits depend only on its own sequence.
     """
     tmap = lambda fn, *xs: map_token_tiles(fn, *xs, tile=tile)  # noqa: E731
-    hidden, kv = forward(params, cfg, tokens, md.positions, kv, invariant_attn_fn(cfg, md, tile),
-                         token_map=tmap)
+    hidden, kv = forward(
+        params, cfg, tokens, md.positions, kv, invariant_attn_fn(cfg, md, tile), token_map=tmap
+    )
     return kv, tmap(lambda h: compute_logits(params, cfg, h), hidden[logits_indices])

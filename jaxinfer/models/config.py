@@ -36,9 +36,11 @@ def check_float(name: str, v, positive: bool = True, allow_zero: bool = False) -
     if positive and not (f > 0 or (allow_zero and f == 0)):
         raise ValueError(f"{name}={v!r} must be {'>= 0' if allow_zero else '> 0'}")
     if f != 0 and not _F32_TINY <= abs(f) <= _F32_MAX:
-        raise ValueError(f"{name}={v!r} cannot be represented in float32, where the model "
-                         f"computes (non-zero magnitudes must be in [{_F32_TINY:.8g}, "
-                         f"{_F32_MAX:.8g}])")
+        raise ValueError(
+            f"{name}={v!r} cannot be represented in float32, where the model "
+            f"computes (non-zero magnitudes must be in [{_F32_TINY:.8g}, "
+            f"{_F32_MAX:.8g}])"
+        )
     return f
 
 
@@ -79,8 +81,14 @@ class RopeScaling:
             )
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             object.__setattr__(self, name, check_float(f"rope_scaling.{name}", getattr(self, name)))
-        object.__setattr__(self, "original_max_position_embeddings", check_int(
-            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings))
+        object.__setattr__(
+            self,
+            "original_max_position_embeddings",
+            check_int(
+                "rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings,
+            ),
+        )
         if self.rope_type == "llama3" and self.low_freq_factor >= self.high_freq_factor:
             raise ValueError(
                 f"rope_scaling.low_freq_factor={self.low_freq_factor} must be below "
@@ -161,26 +169,45 @@ class ModelConfig:
         for name in _INT_FIELDS:
             object.__setattr__(self, name, check_int(name, getattr(self, name)))
         object.__setattr__(
-            self, "rms_norm_eps", check_float("rms_norm_eps", self.rms_norm_eps, allow_zero=True))
-        object.__setattr__(self, "norm_weight_offset",
-                           check_float("norm_weight_offset", self.norm_weight_offset, False))
+            self, "rms_norm_eps", check_float("rms_norm_eps", self.rms_norm_eps, allow_zero=True)
+        )
+        object.__setattr__(
+            self,
+            "norm_weight_offset",
+            check_float("norm_weight_offset", self.norm_weight_offset, False),
+        )
         object.__setattr__(self, "rope_theta", check_float("rope_theta", self.rope_theta))
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcap",
-                     "final_logit_softcap"):
+        for name in (
+            "rope_local_theta",
+            "query_pre_attn_scalar",
+            "attn_logit_softcap",
+            "final_logit_softcap",
+        ):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, check_float(name, getattr(self, name)))
-        for name in ("attention_bias", "qk_norm", "post_norms", "embed_scale",
-                     "tie_word_embeddings"):
+        for name in (
+            "attention_bias",
+            "qk_norm",
+            "post_norms",
+            "embed_scale",
+            "tie_word_embeddings",
+        ):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(
-                f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+                f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}"
+            )
         if not isinstance(self.layer_windows, tuple | list):
             raise ValueError(f"layer_windows must be a tuple of ints, got {self.layer_windows!r}")
         if not self.layer_windows:
             object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
-        object.__setattr__(self, "layer_windows", tuple(
-            check_int(f"layer_windows[{i}]", w, low=0) for i, w in enumerate(self.layer_windows)))
+        object.__setattr__(
+            self,
+            "layer_windows",
+            tuple(
+                check_int(f"layer_windows[{i}]", w, low=0) for i, w in enumerate(self.layer_windows)
+            ),
+        )
         if len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries, expected num_layers="
@@ -213,17 +240,40 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
-        return num_params(self.vocab_size, self.hidden_size, self.intermediate_size,
-                          self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
-                          self.tie_word_embeddings)
+        return num_params(
+            self.vocab_size,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_layers,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.tie_word_embeddings,
+        )
 
 
-_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-               "num_kv_heads", "head_dim", "max_position_embeddings")
+_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
-def num_params(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-               head_dim: int, tied: bool) -> int:
+def num_params(
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    tied: bool,
+) -> int:
     """Parameter count of the core weights (embedding counted once when tied; biases and q/k
     norms left out), in Python ints so absurd sizes do not overflow. A lower bound used to check
     sizes read from a config against the bytes of the files that should hold them."""
@@ -239,7 +289,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 
     Follows transformers' ``modeling_rope_utils`` (default, linear and llama3 types).
     """
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
+    )
     if scaling is None:
         return inv_freq.astype(np.float32)
     if scaling.rope_type == "linear":

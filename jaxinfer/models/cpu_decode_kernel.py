@@ -73,8 +73,10 @@ def check_engine(impl: str, page_major: bool, kv_dtype, mesh) -> None:
         return
     why = unsupported(page_major, kv_dtype, mesh)
     if why is not None:
-        raise ValueError("attn_impl='cpu_kernel' reads a page-major float32 KV pool on one "
-                         f"device, not {why}; use attn_impl='xla' (or 'auto')")
+        raise ValueError(
+            "attn_impl='cpu_kernel' reads a page-major float32 KV pool on one "
+            f"device, not {why}; use attn_impl='xla' (or 'auto')"
+        )
     load()
 
 
@@ -93,18 +95,25 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     Raises KernelBuildError (a RuntimeError) when no C++ compiler is found or the build fails."""
     import jaxlib
 
-    base = Path(cache_dir or os.environ.get("JAXINFER_CACHE_DIR")
-                or Path.home() / ".cache" / "jaxinfer") / "cpu_kernels"
+    base = (
+        Path(
+            cache_dir or os.environ.get("JAXINFER_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer"
+        )
+        / "cpu_kernels"
+    )
     cxx = os.environ.get("CXX") or "c++"  # may carry arguments: "ccache g++"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, jaxlib.__version__,
-                                    _cpu_name()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), cxx, *FLAGS, jaxlib.__version__, _cpu_name()]).encode()
+    ).hexdigest()[:16]
     lib = base / f"cpu_decode_kernel-{key}.so"
     if lib.exists():
         return lib
     cxx_cmd = shlex.split(cxx) or ["c++"]
     if shutil.which(cxx_cmd[0]) is None:
-        raise KernelBuildError(f"building the CPU decode kernel needs a C++ compiler: {cxx!r} not "
-                           "found (install one or set CXX; attn_impl='xla' needs none)")
+        raise KernelBuildError(
+            f"building the CPU decode kernel needs a C++ compiler: {cxx!r} not "
+            "found (install one or set CXX; attn_impl='xla' needs none)"
+        )
     base.mkdir(parents=True, exist_ok=True)
     # One builder at a time per cache dir (xdist workers, parallel jobs): the others wait, then
     # find the library. The temp file and rename keep a crashed build from leaving a partial one.
@@ -123,7 +132,8 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
             tmp.unlink(missing_ok=True)
             raise KernelBuildError(
                 f"building {SOURCE.name} failed ({' '.join(cmd)}: exit status {res.returncode})"
-                f":\n{res.stderr[-2000:]}")
+                f":\n{res.stderr[-2000:]}"
+            )
         os.replace(tmp, lib)  # atomic: readers see no library or a complete one
     return lib
 
@@ -151,8 +161,20 @@ def load() -> None:
         _loaded.append(lib)
 
 
-def decode_attention(qd, k_pages, v_pages, block_tables, kv_lens, q_pos, window, *, scale: float,
-                     softcap: float | None, layer, threads: int | None = None) -> jax.Array:
+def decode_attention(
+    qd,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    q_pos,
+    window,
+    *,
+    scale: float,
+    softcap: float | None,
+    layer,
+    threads: int | None = None,
+) -> jax.Array:
     """Decode attention over a page-major f32 pool: qd [Td, K, G, H] (cast to f32), pages
     f32[L, P, K, Z, H] (or [P, K, Z, H] with ``layer`` None), i32 block_tables [Td, M], kv_lens
     [Td], q_pos [Td], window i32[] -> f32[Td, K, G, H]; rows with no visible key give 0.
@@ -168,11 +190,24 @@ def decode_attention(qd, k_pages, v_pages, block_tables, kv_lens, q_pos, window,
     if k_pages.ndim != 5:
         raise ValueError(f"cpu decode kernel: pages must be [L, P, K, Z, H], got {k_pages.shape}")
     if threads is None:
-        threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else os.cpu_count() or 1)
+        threads = min(
+            8,
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1,
+        )
     lw = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(qd.shape, jnp.float32))
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
-    return call(jnp.asarray(qd).astype(jnp.float32), k_pages, v_pages, i32(block_tables),
-                i32(kv_lens), i32(q_pos), lw, scale=np.float32(scale),
-                softcap=np.float32(softcap or 0.0), threads=np.int64(threads))
+    return call(
+        jnp.asarray(qd).astype(jnp.float32),
+        k_pages,
+        v_pages,
+        i32(block_tables),
+        i32(kv_lens),
+        i32(q_pos),
+        lw,
+        scale=np.float32(scale),
+        softcap=np.float32(softcap or 0.0),
+        threads=np.int64(threads),
+    )

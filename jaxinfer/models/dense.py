@@ -22,14 +22,23 @@ def dense_logits(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Arr
     segment_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)
     positions = jnp.tile(jnp.arange(s, dtype=jnp.int32), b)
     hidden, _ = forward(
-        params, cfg, tokens.reshape(-1), positions, None,
+        params,
+        cfg,
+        tokens.reshape(-1),
+        positions,
+        None,
         dense_attn_fn(cfg, segment_ids, positions),
     )
     return compute_logits(params, cfg, hidden).reshape(b, s, -1)
 
 
-def dense_greedy(params: Params, cfg: ModelConfig, prompt: list[int], max_new_tokens: int,
-                 stop_ids: tuple[int, ...] = ()) -> list[int]:
+def dense_greedy(
+    params: Params,
+    cfg: ModelConfig,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...] = (),
+) -> list[int]:
     """Greedy continuation of ``prompt`` by full recomputation each step (slow, simple, exact).
 
     The sequence is padded to a fixed length so it compiles once; padding sits after the live

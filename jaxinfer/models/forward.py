@@ -80,7 +80,7 @@ def linear_out_in(x: jax.Array, w: jax.Array, num_in: int) -> jax.Array:
     """
     out_shape = w.shape[: w.ndim - num_in]
     rows = x.shape[: x.ndim - num_in]
-    n_in = math.prod(w.shape[w.ndim - num_in:])
+    n_in = math.prod(w.shape[w.ndim - num_in :])
     x2, w2 = x.reshape(-1, n_in), w.reshape(-1, n_in)
     if jax.default_backend() == "cpu":
         y = jnp.einsum("OI,RI->OR", w2, x2, preferred_element_type=jnp.float32)
@@ -100,7 +100,10 @@ def linear_parts(x: jax.Array, w: OutInWeight | QTensor) -> tuple[jax.Array, ...
     rows = x.shape[: x.ndim - w.num_in]
     sizes = [math.prod(p) for p in w.parts]
     cuts = np.cumsum(sizes)[:-1].tolist()
-    return tuple(part.reshape(rows + p) for part, p in zip(jnp.split(y, cuts, axis=-1), w.parts))
+    return tuple(
+        part.reshape(rows + p)
+        for part, p in zip(jnp.split(y, cuts, axis=-1), w.parts, strict=False)
+    )
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool) -> tuple[jax.Array, jax.Array]:
@@ -137,8 +140,9 @@ def _direct(fn, *xs):
     return fn(*xs)
 
 
-def attention_inputs(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array,
-                     sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def attention_inputs(
+    cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's attention inputs of residual stream x [T, D]: (q [T, N, H], k [T, K, H],
     v [T, K, H]); the input norm, projections, biases, q/k norms, RoPE (cos, sin f32[T, H // 2])."""
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
@@ -157,8 +161,9 @@ def attention_inputs(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.A
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def attention_output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array,
-                             attn: jax.Array) -> jax.Array:
+def attention_output_and_mlp(
+    cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array
+) -> jax.Array:
     """The rest of one layer: x [T, D] plus the output projection of ``attn`` [T, N, H] (in x's
     dtype), then plus the MLP of the result; returns the new residual stream [T, D]."""
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
@@ -199,7 +204,8 @@ def forward(
         attn_fn: attention of one layer, see ``AttnFn``.
         token_map: runs every per-token computation (embedding, RoPE tables, the layers' parts
             before and after attention, the final norm); None calls them on the whole token
-            axis. ``jaxinfer.models.batch_invariant.map_token_tiles`` runs them in fixed-shape tiles.
+            axis. ``jaxinfer.models.batch_invariant.map_token_tiles`` runs them in fixed-shape
+            tiles.
 
     Returns:
         (hidden states [T, D] after the final norm, in the params' dtype; the updated cache).
@@ -238,8 +244,9 @@ def forward(
 
     unstacked = isinstance(params.layers, tuple)  # params.unstack_layers
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    if unstacked and (params.scan_from_tokens is None
-                      or tokens.shape[0] < params.scan_from_tokens):  # unrolled loop
+    if unstacked and (
+        params.scan_from_tokens is None or tokens.shape[0] < params.scan_from_tokens
+    ):  # unrolled loop
         for i, lp in enumerate(params.layers):
             (x, cache), _ = layer_fn((x, cache), (lp, jnp.int32(i), windows[i]))
     elif unstacked:  # a scan over the separate buffers: each step picks its layer's weights

@@ -35,10 +35,22 @@ def applies(params: Params) -> bool:
     with stacked layers."""
     if jax.default_backend() != "cpu" or isinstance(params.layers, tuple):
         return False
-    fields = [params.embed, params.final_norm, params.lm_head,
-              *(getattr(params.layers, f.name) for f in dataclasses.fields(params.layers))]
-    return all(x is None or (type(x) is not OutInWeight and isinstance(x, jax.Array)
-                             and not x.committed and len(x.devices()) == 1) for x in fields)
+    fields = [
+        params.embed,
+        params.final_norm,
+        params.lm_head,
+        *(getattr(params.layers, f.name) for f in dataclasses.fields(params.layers)),
+    ]
+    return all(
+        x is None
+        or (
+            type(x) is not OutInWeight
+            and isinstance(x, jax.Array)
+            and not x.committed
+            and len(x.devices()) == 1
+        )
+        for x in fields
+    )
 
 
 def engine_layout_on_host(params: Params, ecfg: EngineConfig) -> Params:
@@ -69,8 +81,11 @@ def engine_layout_on_host(params: Params, ecfg: EngineConfig) -> Params:
     def layer(lp: LayerParams, num_lead: int) -> LayerParams:
         """One layer (num_lead 0) or the stacked layers (1) as numpy views -> placed arrays."""
         moved = LAYER_PROJECTIONS if out_in else {}  # laid out below
-        new = {f.name: None if getattr(lp, f.name) is None else put(getattr(lp, f.name))
-               for f in dataclasses.fields(lp) if f.name not in moved}
+        new = {
+            f.name: None if getattr(lp, f.name) is None else put(getattr(lp, f.name))
+            for f in dataclasses.fields(lp)
+            if f.name not in moved
+        }
         if not out_in:
             return LayerParams(**new)
         views = {n: output_first(getattr(lp, n), num_lead, k) for n, k in LAYER_PROJECTIONS.items()}

@@ -57,8 +57,9 @@ class KVCache:
         return self.k_pages.shape[3]
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                  page_major: bool = False) -> KVCache:
+def init_kv_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype, page_major: bool = False
+) -> KVCache:
     """A zeroed pool of ``num_pages`` pages of ``page_size`` tokens (page 0 is the null page).
     ``dtype`` int8 makes an int8 cache with per-token, per-head f32 scales; ``page_major`` the
     ``[L, P, K, Z, H]`` layout."""
@@ -66,9 +67,13 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     lead = (layers, num_pages, heads) if page_major else (layers, heads, num_pages)
     shape = (*lead, page_size, cfg.head_dim)
     if jnp.dtype(dtype) == jnp.int8:
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                       jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32),
-                       page_major=page_major)
+        return KVCache(
+            jnp.zeros(shape, dtype),
+            jnp.zeros(shape, dtype),
+            jnp.zeros(shape[:-1], jnp.float32),
+            jnp.zeros(shape[:-1], jnp.float32),
+            page_major=page_major,
+        )
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_major=page_major)
 
 
@@ -91,15 +96,23 @@ def write_kv(
     z = cache.page_size
     page, offset = slot_mapping // z, slot_mapping % z
     # Both index forms select [T, K, (H)]: the advanced indices are split by the head slice.
-    at = (layer, page, slice(None), offset) if cache.page_major else (layer, slice(None), page, offset)
+    at = (
+        (layer, page, slice(None), offset)
+        if cache.page_major
+        else (layer, slice(None), page, offset)
+    )
     if cache.k_scales is not None:  # int8 cache: quantize per token and head
         (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
         return dataclasses.replace(
-            cache, k_pages=cache.k_pages.at[at].set(kq), v_pages=cache.v_pages.at[at].set(vq),
-            k_scales=cache.k_scales.at[at].set(ks), v_scales=cache.v_scales.at[at].set(vs),
+            cache,
+            k_pages=cache.k_pages.at[at].set(kq),
+            v_pages=cache.v_pages.at[at].set(vq),
+            k_scales=cache.k_scales.at[at].set(ks),
+            v_scales=cache.v_scales.at[at].set(vs),
         )
     return dataclasses.replace(
-        cache, k_pages=cache.k_pages.at[at].set(k.astype(cache.k_pages.dtype)),
+        cache,
+        k_pages=cache.k_pages.at[at].set(k.astype(cache.k_pages.dtype)),
         v_pages=cache.v_pages.at[at].set(v.astype(cache.v_pages.dtype)),
     )
 

@@ -60,8 +60,9 @@ def _num_kv_heads(pages: jax.Array, page_major: bool) -> int:
     return pages.shape[-3] if page_major else pages.shape[-4]
 
 
-def _gather_pages(pages: jax.Array, layer, block_tables: jax.Array,
-                  page_major: bool = False) -> jax.Array:
+def _gather_pages(
+    pages: jax.Array, layer, block_tables: jax.Array, page_major: bool = False
+) -> jax.Array:
     """Pages [K, P, Z, H] (or [L, K, P, Z, H] with ``layer``; page-major: [(L,) P, K, Z, H]),
     i32[B, M] -> [K, B, M * Z, H].
 
@@ -79,8 +80,9 @@ def _gather_pages(pages: jax.Array, layer, block_tables: jax.Array,
     return g.transpose(2, 0, 1, 3, 4).reshape(kh, b, m * z, h)
 
 
-def _gather_scales(scales: jax.Array | None, layer, block_tables: jax.Array,
-                   page_major: bool = False) -> jax.Array | None:
+def _gather_scales(
+    scales: jax.Array | None, layer, block_tables: jax.Array, page_major: bool = False
+) -> jax.Array | None:
     """int8-cache scales [L, K, P, Z] (or [K, P, Z] without ``layer``; page-major: [(L,) P, K, Z]),
     i32[B, M] -> [K, B, M * Z]."""
     if scales is None:
@@ -127,24 +129,53 @@ def ragged_paged_attention_xla(
     outs = []
     if td:
         out = _decode_attention(
-            q[:td].reshape(td, kh, g, h), k_pages, v_pages, md.block_tables[:td], md.kv_lens[:td],
-            md.positions[:td], window, scale=scale, softcap=softcap, layer=layer,
-            k_scales=k_scales, v_scales=v_scales, page_major=page_major,
+            q[:td].reshape(td, kh, g, h),
+            k_pages,
+            v_pages,
+            md.block_tables[:td],
+            md.kv_lens[:td],
+            md.positions[:td],
+            window,
+            scale=scale,
+            softcap=softcap,
+            layer=layer,
+            k_scales=k_scales,
+            v_scales=v_scales,
+            page_major=page_major,
             decode_kernel=decode_kernel,
         )
         outs.append(out.reshape(td, n, h))
     tp = t - td
     if tp:
         lay = prefill if prefill is not None else prefill_layout(md, tp)
-        outs.append(_prefill_attention(
-            q[td:], k_pages, v_pages, lay, window, scale=scale, softcap=softcap, layer=layer,
-            k_scales=k_scales, v_scales=v_scales, page_major=page_major,
-        ))
+        outs.append(
+            _prefill_attention(
+                q[td:],
+                k_pages,
+                v_pages,
+                lay,
+                window,
+                scale=scale,
+                softcap=softcap,
+                layer=layer,
+                k_scales=k_scales,
+                v_scales=v_scales,
+                page_major=page_major,
+            )
+        )
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
-ATTN_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret",
-              "pallas_gpu_interpret", "cpu_kernel")
+ATTN_IMPLS = (
+    "auto",
+    "xla",
+    "pallas",
+    "pallas_tpu",
+    "pallas_gpu",
+    "pallas_tpu_interpret",
+    "pallas_gpu_interpret",
+    "cpu_kernel",
+)
 # Implementations that run ``ragged_paged_attention_xla`` (page-major pools allowed); "cpu_kernel"
 # sends its decode rows to the native XLA CPU kernel (``cpu_decode_kernel``).
 XLA_IMPLS = ("xla", "cpu_kernel")
@@ -172,8 +203,10 @@ def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
     if attn_impl == "auto":
         return f"pallas_{backend}" if backend in KERNEL_VERIFIED_BACKENDS else "xla"
     if attn_impl == "cpu_kernel" and backend != "cpu":
-        raise ValueError(f"attn_impl='cpu_kernel' is a native kernel for XLA's CPU backend (jax "
-                         f"backend is {backend!r}); use 'auto', 'xla' or 'pallas'")
+        raise ValueError(
+            f"attn_impl='cpu_kernel' is a native kernel for XLA's CPU backend (jax "
+            f"backend is {backend!r}); use 'auto', 'xla' or 'pallas'"
+        )
     if attn_impl == "pallas":
         if backend not in ("tpu", "gpu"):
             raise ValueError(
@@ -183,13 +216,22 @@ def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
         return f"pallas_{backend}"
     if attn_impl in ("pallas_tpu", "pallas_gpu") and backend != attn_impl.removeprefix("pallas_"):
         other = "'pallas' (the current backend's kernel)" if backend in ("tpu", "gpu") else "'xla'"
-        raise ValueError(f"attn_impl={attn_impl!r} cannot run on jax backend {backend!r}; use "
-                         f"{other} or '{attn_impl}_interpret'")
+        raise ValueError(
+            f"attn_impl={attn_impl!r} cannot run on jax backend {backend!r}; use "
+            f"{other} or '{attn_impl}_interpret'"
+        )
     return attn_impl
 
 
-def engine_attn_impl(attn_impl: str, *, page_major: bool, kv_dtype, mesh=None,
-                     batch_invariant: bool = False, backend: str | None = None) -> tuple[str, str]:
+def engine_attn_impl(
+    attn_impl: str,
+    *,
+    page_major: bool,
+    kv_dtype,
+    mesh=None,
+    batch_invariant: bool = False,
+    backend: str | None = None,
+) -> tuple[str, str]:
     """(implementation, why) an engine runs for ``attn_impl``, given its KV pool (``page_major``,
     ``kv_dtype``), ``mesh`` (None: one device) and ``batch_invariant``; the engine passes the
     implementation as every jitted step's static ``attn_impl``.
@@ -198,7 +240,8 @@ def engine_attn_impl(attn_impl: str, *, page_major: bool, kv_dtype, mesh=None,
     decode rows in a native kernel) for a page-major float32 pool on one device without
     ``batch_invariant`` once the kernel builds and loads, else "xla": for another pool, a mesh or
     ``batch_invariant`` by rule (logged at INFO); for a failed build or load with a WARNING on
-    the ``jaxinfer.models.paged_attention`` logger (once per process: the failure is remembered), naming
+    the ``jaxinfer.models.paged_attention`` logger (once per process: the failure is remembered),
+    naming
     the reason; ``attn_impl="xla"`` chooses XLA without it. Other backends and other
     ``attn_impl`` values: ``resolve_attn_impl``.
 
@@ -216,20 +259,27 @@ def engine_attn_impl(attn_impl: str, *, page_major: bool, kv_dtype, mesh=None,
         return impl, f"attn_impl={attn_impl!r} asked"
     if impl != "xla" or backend != "cpu":
         return impl, f"attn_impl='auto' on the {backend} backend"
-    why = ("batch_invariant=True (its own XLA attention)" if batch_invariant
-           else cpu_decode_kernel.unsupported(page_major, kv_dtype, mesh))
+    why = (
+        "batch_invariant=True (its own XLA attention)"
+        if batch_invariant
+        else cpu_decode_kernel.unsupported(page_major, kv_dtype, mesh)
+    )
     if why is not None:
-        why = ("attn_impl='auto': the XLA attention, as the native CPU decode kernel does not "
-               f"serve {why}")
+        why = (
+            "attn_impl='auto': the XLA attention, as the native CPU decode kernel does not "
+            f"serve {why}"
+        )
         log.info("%s", why)
         return "xla", why
     failed_before = bool(cpu_decode_kernel._failure)
     try:
         cpu_decode_kernel.load()
     except RuntimeError as e:
-        why = (f"attn_impl='auto': the native CPU decode-attention kernel is unavailable ({e}); "
-               "the XLA attention runs instead (attn_impl='xla' / --attn-impl xla chooses it "
-               "and silences this warning)")
+        why = (
+            f"attn_impl='auto': the native CPU decode-attention kernel is unavailable ({e}); "
+            "the XLA attention runs instead (attn_impl='xla' / --attn-impl xla chooses it "
+            "and silences this warning)"
+        )
         (log.info if failed_before else log.warning)("%s", why)
         return "xla", why
     why = "attn_impl='auto': the native CPU decode kernel, for a page-major float32 KV pool"
@@ -247,9 +297,15 @@ def check_attn_impl(cfg, attn_impl: str, page_size: int, num_pages: int, max_pag
 
         backend = "tpu" if impl.startswith("pallas_tpu") else "gpu"
         elems = cfg.num_layers * cfg.num_kv_heads * num_pages * page_size * cfg.head_dim
-        check_supported(backend, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, page_size=page_size, pool_elems=elems,
-                        max_pages=max_pages)
+        check_supported(
+            backend,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            page_size=page_size,
+            pool_elems=elems,
+            max_pages=max_pages,
+        )
     return impl
 
 
@@ -266,21 +322,42 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
         cache = write_kv(cache, layer, k, v, md.slot_mapping)
         if impl in XLA_IMPLS:
             out = ragged_paged_attention_xla(
-                q, cache.k_pages, cache.v_pages, md, window,
-                scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, layer=layer,
-                k_scales=cache.k_scales, v_scales=cache.v_scales, prefill=prefill,
-                page_major=cache.page_major, decode_kernel=impl == "cpu_kernel",
+                q,
+                cache.k_pages,
+                cache.v_pages,
+                md,
+                window,
+                scale=cfg.attn_scale,
+                softcap=cfg.attn_logit_softcap,
+                layer=layer,
+                k_scales=cache.k_scales,
+                v_scales=cache.v_scales,
+                prefill=prefill,
+                page_major=cache.page_major,
+                decode_kernel=impl == "cpu_kernel",
             )
         else:
             if cache.page_major:
-                raise ValueError(f"attn_impl={attn_impl!r} reads the head-major KV pool "
-                                 "[L, K, P, Z, H]; a page-major pool runs with attn_impl='xla'")
+                raise ValueError(
+                    f"attn_impl={attn_impl!r} reads the head-major KV pool "
+                    "[L, K, P, Z, H]; a page-major pool runs with attn_impl='xla'"
+                )
             from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
             out = ragged_paged_attention(
-                q, cache.k_pages, cache.v_pages, md.kv_lens, md.block_tables, md.cu_q_lens,
-                window, layer, cache.k_scales, cache.v_scales, num_decode=md.num_decode,
-                scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap,
+                q,
+                cache.k_pages,
+                cache.v_pages,
+                md.kv_lens,
+                md.block_tables,
+                md.cu_q_lens,
+                window,
+                layer,
+                cache.k_scales,
+                cache.v_scales,
+                num_decode=md.num_decode,
+                scale=cfg.attn_scale,
+                softcap=cfg.attn_logit_softcap,
                 backend="tpu" if impl.startswith("pallas_tpu") else "gpu",
                 interpret=impl.endswith("_interpret"),
             )
@@ -345,12 +422,30 @@ def prefill_layout(md: AttentionMetadata, num_prefill_tokens: int) -> PrefillLay
     t_row = jnp.minimum(jnp.sum(starts[1:][None, :] <= t_idx[:, None], axis=1), bp - 1)
     rel = t_idx - starts[t_row]
     src = jnp.clip((blk_cu[t_row] + rel // qb) * qb + rel % qb, 0, nb * qb - 1)
-    return PrefillLayout(tokens=tok, valid=valid, positions=md.positions[td:][tok],
-                         block_tables=bt[blk_row], kv_lens=md.kv_lens[td:][blk_row], src=src)
+    return PrefillLayout(
+        tokens=tok,
+        valid=valid,
+        positions=md.positions[td:][tok],
+        block_tables=bt[blk_row],
+        kv_lens=md.kv_lens[td:][blk_row],
+        src=src,
+    )
 
 
-def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale, softcap,
-                       layer, k_scales, v_scales, page_major: bool = False) -> jax.Array:
+def _prefill_attention(
+    q,
+    k_pages,
+    v_pages,
+    lay: PrefillLayout,
+    window,
+    *,
+    scale,
+    softcap,
+    layer,
+    k_scales,
+    v_scales,
+    page_major: bool = False,
+) -> jax.Array:
     """The prefill region of ``ragged_paged_attention_xla``: f32[Tp, N, H].
 
     Each query block (``prefill_layout``) attends only to its own row's pages, so the scores are
@@ -368,13 +463,18 @@ def _prefill_attention(q, k_pages, v_pages, lay: PrefillLayout, window, *, scale
     kp = dequantize_kv(kp, _gather_scales(k_scales, layer, lay.block_tables, page_major))
     vp = dequantize_kv(vp, _gather_scales(v_scales, layer, lay.block_tables, page_major))
     kv_pos = jnp.arange(kp.shape[2], dtype=jnp.int32)[None, None, :]
-    mask = (lay.valid[:, :, None] & (kv_pos < lay.kv_lens[:, None, None])
-            & window_mask(lay.positions[:, :, None], kv_pos, window))
+    mask = (
+        lay.valid[:, :, None]
+        & (kv_pos < lay.kv_lens[:, None, None])
+        & window_mask(lay.positions[:, :, None], kv_pos, window)
+    )
     scores = jnp.einsum("KBQGH,KBSH->KBQGS", qq, kp, preferred_element_type=jnp.float32)
     out = masked_softmax_av(
-        scores, mask[None, :, :, None, :],
+        scores,
+        mask[None, :, :, None, :],
         lambda p: jnp.einsum("KBQGS,KBSH->KBQGH", p, vp.astype(jnp.float32)),
-        scale=scale, softcap=softcap,
+        scale=scale,
+        softcap=softcap,
     )  # [K, NB, Q, G, H]
     out = out.transpose(1, 2, 0, 3, 4).reshape(nb * qb, n, h)
     return out[lay.src]
@@ -390,9 +490,24 @@ DECODE_PAGES_PER_CHUNK = 4
 DECODE_ITEMS_PER_GROUP = 16
 
 
-def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale, softcap, layer,
-                      k_scales, v_scales, pages_per_chunk: int | None = None,
-                      page_major: bool = False, decode_kernel: bool = False) -> jax.Array:
+def _decode_attention(
+    qd,
+    k_pages,
+    v_pages,
+    bt,
+    kv_lens,
+    q_pos,
+    window,
+    *,
+    scale,
+    softcap,
+    layer,
+    k_scales,
+    v_scales,
+    pages_per_chunk: int | None = None,
+    page_major: bool = False,
+    decode_kernel: bool = False,
+) -> jax.Array:
     """The decode region of ``ragged_paged_attention_xla``: qd [Td, K, G, H] -> f32[Td, K, G, H].
 
     Tables of at most ``pages_per_chunk`` pages are attended in one pass. Wider ones are split:
@@ -410,11 +525,22 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
     """
     if decode_kernel:
         if not page_major or k_scales is not None:
-            raise ValueError("attn_impl='cpu_kernel' reads a page-major float32 KV pool; this one "
-                             "is " + ("int8" if k_scales is not None else "head-major")
-                             + ": use attn_impl='xla'")
-        return cpu_decode_kernel.decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window,
-                                                  scale=scale, softcap=softcap, layer=layer)
+            raise ValueError(
+                "attn_impl='cpu_kernel' reads a page-major float32 KV pool; this one "
+                "is " + ("int8" if k_scales is not None else "head-major") + ": use attn_impl='xla'"
+            )
+        return cpu_decode_kernel.decode_attention(
+            qd,
+            k_pages,
+            v_pages,
+            bt,
+            kv_lens,
+            q_pos,
+            window,
+            scale=scale,
+            softcap=softcap,
+            layer=layer,
+        )
     chunk = pages_per_chunk or DECODE_PAGES_PER_CHUNK
     k_pages, v_pages, bt, kv_lens, q_pos = map(jnp.asarray, (k_pages, v_pages, bt, kv_lens, q_pos))
     td, m = bt.shape
@@ -424,10 +550,14 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
     qk = qd.transpose(1, 0, 2, 3)  # [K, Td, G, H]
 
     def scores_of(qk, btc, first_pos, kv_lens, q_pos):
-        kc = dequantize_kv(_gather_pages(k_pages, layer, btc, page_major),
-                           _gather_scales(k_scales, layer, btc, page_major))  # [K, Td, C * Z, H]
-        vc = dequantize_kv(_gather_pages(v_pages, layer, btc, page_major),
-                           _gather_scales(v_scales, layer, btc, page_major))
+        kc = dequantize_kv(
+            _gather_pages(k_pages, layer, btc, page_major),
+            _gather_scales(k_scales, layer, btc, page_major),
+        )  # [K, Td, C * Z, H]
+        vc = dequantize_kv(
+            _gather_pages(v_pages, layer, btc, page_major),
+            _gather_scales(v_scales, layer, btc, page_major),
+        )
         kv_pos = first_pos[:, None] + jnp.arange(kc.shape[2], dtype=jnp.int32)[None, :]
         mask = (kv_pos < kv_lens[:, None]) & window_mask(q_pos[:, None], kv_pos, window)
         sc = jnp.einsum("KTGH,KTSH->KTGS", qk, kc, preferred_element_type=jnp.float32)
@@ -435,8 +565,9 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
 
     if m <= chunk:
         sc, mask, vc = scores_of(qk, bt, jnp.zeros(td, jnp.int32), kv_lens, q_pos)
-        out = masked_softmax_av(sc, mask, lambda p: jnp.einsum("KTGS,KTSH->KTGH", p, vc),
-                                scale=scale, softcap=softcap)
+        out = masked_softmax_av(
+            sc, mask, lambda p: jnp.einsum("KTGS,KTSH->KTGH", p, vc), scale=scale, softcap=softcap
+        )
         return out.transpose(1, 0, 2, 3)
 
     if m % chunk:  # pad the table with null pages (masked: past every kv_len)
@@ -460,8 +591,9 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
         idx = grp * gs + jnp.arange(gs, dtype=jnp.int32)
         rows, cks = item_row[idx], item_chunk[idx]
         lens = jnp.where(item_live[idx], kv_lens[rows], 0)
-        sc, mask, vc = scores_of(qk[:, rows], chunks[rows, cks], cks * (chunk * z), lens,
-                                 q_pos[rows])
+        sc, mask, vc = scores_of(
+            qk[:, rows], chunks[rows, cks], cks * (chunk * z), lens, q_pos[rows]
+        )
         sc = sc * scale
         if softcap is not None:
             sc = jnp.tanh(sc / softcap) * softcap
@@ -471,12 +603,17 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
         part_l = jnp.sum(p, axis=-1)
         part_acc = jnp.einsum("KTGS,KTSH->KTGH", p, vc)
         at = grp * gs
-        return (jax.lax.dynamic_update_slice(m_all, mx, (0, at, 0)),
-                jax.lax.dynamic_update_slice(l_all, part_l, (0, at, 0)),
-                jax.lax.dynamic_update_slice(acc_all, part_acc, (0, at, 0, 0)))
+        return (
+            jax.lax.dynamic_update_slice(m_all, mx, (0, at, 0)),
+            jax.lax.dynamic_update_slice(l_all, part_l, (0, at, 0)),
+            jax.lax.dynamic_update_slice(acc_all, part_acc, (0, at, 0, 0)),
+        )
 
-    init = (jnp.full((kh, ni, g), MASK_VALUE, jnp.float32), jnp.zeros((kh, ni, g), jnp.float32),
-            jnp.zeros((kh, ni, g, h), jnp.float32))
+    init = (
+        jnp.full((kh, ni, g), MASK_VALUE, jnp.float32),
+        jnp.zeros((kh, ni, g), jnp.float32),
+        jnp.zeros((kh, ni, g, h), jnp.float32),
+    )
     groups = jnp.clip(-(-cu[-1] // gs), 1, ni // gs)  # only groups holding live items run
     m_all, l_all, acc_all = jax.lax.fori_loop(0, groups, body, init)
     # Merge each row's partials (items past the live ones go to a dropped segment td).
@@ -484,7 +621,8 @@ def _decode_attention(qd, k_pages, v_pages, bt, kv_lens, q_pos, window, *, scale
     row_max = jax.ops.segment_max(m_all.transpose(1, 0, 2), seg, num_segments=td + 1)  # [Td+1,K,G]
     w = jnp.exp(m_all.transpose(1, 0, 2) - row_max[seg])  # [NI, K, G]
     l_row = jax.ops.segment_sum(l_all.transpose(1, 0, 2) * w, seg, num_segments=td + 1)[:td]
-    acc_row = jax.ops.segment_sum(acc_all.transpose(1, 0, 2, 3) * w[..., None], seg,
-                                  num_segments=td + 1)[:td]
+    acc_row = jax.ops.segment_sum(
+        acc_all.transpose(1, 0, 2, 3) * w[..., None], seg, num_segments=td + 1
+    )[:td]
     # Rows without items (padding rows, kv_len 0) have l = 0: their output is 0, not NaN.
     return jnp.where(l_row[..., None] > 0, acc_row / jnp.where(l_row > 0, l_row, 1)[..., None], 0.0)

@@ -83,7 +83,8 @@ class OutInWeight:
     values: jax.Array
     num_in: int = dataclasses.field(metadata=dict(static=True), default=1)
     parts: tuple[tuple[int, ...], ...] | None = dataclasses.field(
-        metadata=dict(static=True), default=None)
+        metadata=dict(static=True), default=None
+    )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -170,7 +171,7 @@ def init_random(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     shapes = param_shapes(cfg)
     keys = jax.random.split(key, len(shapes))
     flat = {}
-    for k, (name, shape) in zip(keys, sorted(shapes.items())):
+    for k, (name, shape) in zip(keys, sorted(shapes.items()), strict=False):
         if name.endswith("norm"):
             flat[name] = jnp.full(shape, 1.0 - cfg.norm_weight_offset, dtype)
         else:
@@ -192,10 +193,14 @@ def unstack_layers(params: Params, scan_from_tokens: int | None = None) -> Param
     Raises:
         ValueError: ``scan_from_tokens`` not None or an integer >= 1.
     """
-    if scan_from_tokens is not None and (not isinstance(scan_from_tokens, int) or isinstance(
-            scan_from_tokens, bool) or scan_from_tokens < 1):
-        raise ValueError(f"scan_from_tokens must be None or an integer >= 1, got "
-                         f"{scan_from_tokens!r}")
+    if scan_from_tokens is not None and (
+        not isinstance(scan_from_tokens, int)
+        or isinstance(scan_from_tokens, bool)
+        or scan_from_tokens < 1
+    ):
+        raise ValueError(
+            f"scan_from_tokens must be None or an integer >= 1, got {scan_from_tokens!r}"
+        )
     if isinstance(params.layers, tuple):
         return dataclasses.replace(params, scan_from_tokens=scan_from_tokens)
     n = jax.tree.leaves(params.layers)[0].shape[0]
@@ -240,7 +245,7 @@ def out_in_projections(params: Params) -> Params:
 
     def fuse(ws: list[OutInWeight], num_lead: int) -> OutInWeight:
         lead = ws[0].values.shape[:num_lead]
-        parts = tuple(w.values.shape[num_lead:w.values.ndim - 1] for w in ws)
+        parts = tuple(w.values.shape[num_lead : w.values.ndim - 1] for w in ws)
         flat = [w.values.reshape(*lead, -1, w.values.shape[-1]) for w in ws]
         return OutInWeight(jnp.concatenate(flat, axis=num_lead), 1, parts)
 
@@ -251,8 +256,11 @@ def out_in_projections(params: Params) -> Params:
             if all(isinstance(w, OutInWeight) and w.parts is None and w.num_in == 1 for w in ws):
                 new[fused] = fuse(ws, num_lead)
                 new.update({n: None for n in names})
-            elif (type(ws[0]) in WEIGHT_FUSERS and all(type(w) is type(ws[0]) for w in ws)
-                  and all(w.parts is None and w.num_in == 1 for w in ws)):
+            elif (
+                type(ws[0]) in WEIGHT_FUSERS
+                and all(type(w) is type(ws[0]) for w in ws)
+                and all(w.parts is None and w.num_in == 1 for w in ws)
+            ):
                 new[fused] = WEIGHT_FUSERS[type(ws[0])](ws, num_lead)  # int8: one integer dot
                 new.update({n: None for n in names})
         return dataclasses.replace(lp, **new)

@@ -49,8 +49,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import Params, params_from_flat
 
 AXES = ("data", "model")
@@ -88,8 +88,13 @@ def plan_sharding(cfg: ModelConfig, tp: int) -> ShardingPlan:
     Raises:
         ShardingError: the heads or the embedding cannot be split over ``tp`` devices.
     """
-    n, k, f, d, v = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.hidden_size,
-                     cfg.vocab_size)
+    n, k, f, d, v = (
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.intermediate_size,
+        cfg.hidden_size,
+        cfg.vocab_size,
+    )
     if tp < 1:
         raise ShardingError(f"tensor_parallel_size={tp} must be >= 1")
     if n % tp:
@@ -134,8 +139,17 @@ _LAYER_SPECS = {
     "w_down": P(None, "model", None),
 }
 # Output-channel axes of each weight (the axes its per-channel scale keeps), for ``scale_spec``.
-OUTPUT_AXES = {"wq": (2, 3), "wk": (2, 3), "wv": (2, 3), "wo": (3,), "w_gate": (2,), "w_up": (2,),
-               "w_down": (2,), "embed": (0,), "lm_head": (1,)}
+OUTPUT_AXES = {
+    "wq": (2, 3),
+    "wk": (2, 3),
+    "wv": (2, 3),
+    "wo": (3,),
+    "w_gate": (2,),
+    "w_up": (2,),
+    "w_down": (2,),
+    "embed": (0,),
+    "lm_head": (1,),
+}
 
 
 def field_spec(plan: ShardingPlan, field: str) -> P:
@@ -170,7 +184,7 @@ def qtensor_specs(plan: ShardingPlan, field: str, num_in: int) -> tuple[P, P]:
     if name == "embed":  # quantized as embed.T [D, V]: in D, out V -> values [V, D] as embed
         return P(*spec), P(spec[0])
     lead = 1 if field.startswith("layers.") else 0
-    ins, outs = spec[lead:lead + num_in], spec[lead + num_in:]
+    ins, outs = spec[lead : lead + num_in], spec[lead + num_in :]
     return P(*spec[:lead], *outs, *ins), P(*spec[:lead], *outs)
 
 
@@ -184,21 +198,32 @@ def shard_quantized(params: Params, plan: ShardingPlan, mesh: Mesh) -> Params:
             return x
         vs, ss = qtensor_specs(plan, field, x.num_in)
         return dataclasses.replace(
-            x, values=jax.device_put(x.values, NamedSharding(mesh, vs)),
-            scales=jax.device_put(x.scales, NamedSharding(mesh, ss)))
+            x,
+            values=jax.device_put(x.values, NamedSharding(mesh, vs)),
+            scales=jax.device_put(x.scales, NamedSharding(mesh, ss)),
+        )
 
-    layers = {f.name: put(f"layers.{f.name}", getattr(params.layers, f.name))
-              for f in dataclasses.fields(params.layers)}
+    layers = {
+        f.name: put(f"layers.{f.name}", getattr(params.layers, f.name))
+        for f in dataclasses.fields(params.layers)
+    }
     return dataclasses.replace(
-        params, embed=put("embed", params.embed), lm_head=put("lm_head", params.lm_head),
-        layers=dataclasses.replace(params.layers, **layers))
+        params,
+        embed=put("embed", params.embed),
+        lm_head=put("lm_head", params.lm_head),
+        layers=dataclasses.replace(params.layers, **layers),
+    )
 
 
 def param_specs(plan: ShardingPlan, params: Params) -> Params:
     """A Params-shaped pytree of PartitionSpecs (None where the field is None)."""
     flat = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
-    flat.update({f"layers.{f.name}": getattr(params.layers, f.name)
-                 for f in dataclasses.fields(params.layers)})
+    flat.update(
+        {
+            f"layers.{f.name}": getattr(params.layers, f.name)
+            for f in dataclasses.fields(params.layers)
+        }
+    )
     return params_from_flat({k: field_spec(plan, k) for k, x in flat.items() if x is not None})
 
 
@@ -245,9 +270,11 @@ def make_mesh(tp: int, dp: int = 1, devices: Sequence[jax.Device] | None = None)
                 "processes (each replica spans every host)"
             )
         per = tp // len(procs)
-        local = {p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
-                 for p in procs}
-        rows = [[d for p in procs for d in local[p][r * per:(r + 1) * per]] for r in range(dp)]
+        local = {
+            p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
+            for p in procs
+        }
+        rows = [[d for p in procs for d in local[p][r * per : (r + 1) * per]] for r in range(dp)]
         return Mesh(np.array(rows, dtype=object), AXES)
     return Mesh(np.array(devices[: dp * tp], dtype=object).reshape(dp, tp), AXES)
 
@@ -262,8 +289,9 @@ def device_memory_bytes(device: jax.Device) -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def default_parallelism(cfg: ModelConfig, dtype, devices: Sequence[jax.Device] | None = None
-                        ) -> tuple[int, int]:
+def default_parallelism(
+    cfg: ModelConfig, dtype, devices: Sequence[jax.Device] | None = None
+) -> tuple[int, int]:
     """(tp, dp) when none is given: all devices tensor parallel when the weights exceed 90% of one
     device's memory, else (1, 1) (one device; pass ``data_parallel_size`` for replicas)."""
     devices = list(jax.devices() if devices is None else devices)
@@ -288,9 +316,12 @@ class ShardedPlacer:
     Attributes (after the first call): ``mesh`` (None for one device), ``plan``.
     """
 
-    def __init__(self, tensor_parallel_size: int | None = None,
-                 data_parallel_size: int | None = None,
-                 devices: Sequence[jax.Device] | None = None):
+    def __init__(
+        self,
+        tensor_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
+        devices: Sequence[jax.Device] | None = None,
+    ):
         self.tp, self.dp, self.devices = tensor_parallel_size, data_parallel_size, devices
         self.mesh: Mesh | None = None
         self.plan: ShardingPlan | None = None
@@ -318,15 +349,20 @@ class ShardedPlacer:
 def shard_params(params: Params, cfg: ModelConfig, placer: ShardedPlacer) -> Params:
     """Places already-loaded params (e.g. ``init_random``) through ``placer`` via the host."""
     flat = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
-    flat.update({f"layers.{f.name}": getattr(params.layers, f.name)
-                 for f in dataclasses.fields(params.layers)})
-    return params_from_flat({k: placer(cfg, k, np.asarray(jax.device_get(x)))
-                             for k, x in flat.items() if x is not None})
+    flat.update(
+        {
+            f"layers.{f.name}": getattr(params.layers, f.name)
+            for f in dataclasses.fields(params.layers)
+        }
+    )
+    return params_from_flat(
+        {k: placer(cfg, k, np.asarray(jax.device_get(x))) for k, x in flat.items() if x is not None}
+    )
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
     """One ``(1, tp)`` mesh per data-parallel replica (a row of ``mesh``)."""
-    return [Mesh(mesh.devices[r:r + 1], AXES) for r in range(mesh.devices.shape[0])]
+    return [Mesh(mesh.devices[r : r + 1], AXES) for r in range(mesh.devices.shape[0])]
 
 
 def replica_view(tree, mesh: Mesh):
@@ -351,8 +387,9 @@ def sharded_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, me
     """A zeroed KV pool created directly in shards (K heads split over "model")."""
     from jaxinfer.models.kv_cache import init_kv_cache
 
-    make = jax.jit(init_kv_cache, static_argnums=(0, 1, 2, 3),
-                   out_shardings=NamedSharding(mesh, KV_SPEC))
+    make = jax.jit(
+        init_kv_cache, static_argnums=(0, 1, 2, 3), out_shardings=NamedSharding(mesh, KV_SPEC)
+    )
     return make(cfg, num_pages, page_size, dtype)
 
 
@@ -362,6 +399,7 @@ def step_out_shardings(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
 
 
 # ------------------------------------------------------------------------------ multi-host
+
 
 def multihost_requested(flag: bool = False) -> bool:
     """True with ``flag``, ``JAXINFER_MULTIHOST=1``, or on a TPU slice of several hosts
@@ -405,8 +443,26 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 
 __all__ = [
-    "AXES", "KV_SPEC", "ShardedPlacer", "ShardingError", "ShardingPlan", "default_parallelism",
-    "field_spec", "initialize_multihost", "is_output_host", "make_mesh", "param_specs",
-    "plan_sharding", "prepare", "qtensor_specs", "replica_meshes", "replica_view", "scale_spec",
-    "shard_params", "shard_quantized", "sharded_kv_cache", "step_out_shardings", "to_host",
+    "AXES",
+    "KV_SPEC",
+    "ShardedPlacer",
+    "ShardingError",
+    "ShardingPlan",
+    "default_parallelism",
+    "field_spec",
+    "initialize_multihost",
+    "is_output_host",
+    "make_mesh",
+    "param_specs",
+    "plan_sharding",
+    "prepare",
+    "qtensor_specs",
+    "replica_meshes",
+    "replica_view",
+    "scale_spec",
+    "shard_params",
+    "shard_quantized",
+    "sharded_kv_cache",
+    "step_out_shardings",
+    "to_host",
 ]

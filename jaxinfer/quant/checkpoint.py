@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.config import ModelConfig, RopeScaling
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import check_fits
 from jaxinfer.loaders.detect import detect_format
 from jaxinfer.loaders.llama2c import is_llama2c_tokenizer_file
+from jaxinfer.models.config import ModelConfig, RopeScaling
 from jaxinfer.models.params import LayerParams, Params, param_shapes
 from jaxinfer.quant.tensor import MODES, QTensor, quant_mode
 
@@ -226,8 +226,10 @@ def save_quantized(
         "dtype": str(jnp.dtype(params.embed.dtype)),
         "config": _config_to_json(cfg),
         "quantized": quantized,
-        "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "sha256": _digest(v)}
-                   for k, v in flat.items()},
+        "arrays": {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype), "sha256": _digest(v)}
+            for k, v in flat.items()
+        },
         "source": source_identity(source) if source is not None else None,
         "tokenizer_files": _copy_tokenizer(source, out) if source is not None else [],
     }
@@ -249,7 +251,8 @@ def read_metadata(path: str | os.PathLike) -> dict:
         meta = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
         raise CheckpointError(
-            f"{f}: cannot read quantized-checkpoint metadata: {type(e).__name__}: {e}") from None
+            f"{f}: cannot read quantized-checkpoint metadata: {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{f}: expected a JSON object, found {type(meta).__name__}")
     if meta.get("format") != FORMAT_NAME:
@@ -293,8 +296,9 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
         fdtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(meta["dtype"])
     except TypeError:
         raise CheckpointError(f"{path / METADATA_FILE}: dtype {meta['dtype']!r}") from None
-    nbytes = sum(math.prod(a["shape"]) * jnp.dtype(a["dtype"]).itemsize
-                 for a in meta["arrays"].values())
+    nbytes = sum(
+        math.prod(a["shape"]) * jnp.dtype(a["dtype"]).itemsize for a in meta["arrays"].values()
+    )
     check_fits(path, nbytes, 0, "the arrays")
     if place is not None and hasattr(place, "setup"):
         place.setup(cfg, np.dtype(meta["dtype"]))

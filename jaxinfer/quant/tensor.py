@@ -57,7 +57,8 @@ class QTensor:
     act: str = dataclasses.field(metadata=dict(static=True), default="float")
     dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True), default=jnp.dtype(jnp.float32))
     parts: tuple[tuple[int, ...], ...] | None = dataclasses.field(
-        metadata=dict(static=True), default=None)
+        metadata=dict(static=True), default=None
+    )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -105,16 +106,21 @@ def fuse_qtensors(qs: list[QTensor], num_lead: int) -> QTensor:
     """
     q0 = qs[0]
     if any(
-        not isinstance(q, QTensor) or q.num_in != 1 or q.parts is not None
+        not isinstance(q, QTensor)
+        or q.num_in != 1
+        or q.parts is not None
         or (q.act, q.dtype) != (q0.act, q0.dtype)
         for q in qs
     ):
-        raise ValueError("fuse_qtensors needs unfused QTensor weights with one input axis, "
-                         "all of one mode and dtype")
+        raise ValueError(
+            "fuse_qtensors needs unfused QTensor weights with one input axis, "
+            "all of one mode and dtype"
+        )
     lead = q0.values.shape[:num_lead]
     parts = tuple(q.values.shape[num_lead:-1] for q in qs)
     values = jnp.concatenate(
-        [q.values.reshape(*lead, -1, q.values.shape[-1]) for q in qs], axis=num_lead)
+        [q.values.reshape(*lead, -1, q.values.shape[-1]) for q in qs], axis=num_lead
+    )
     scales = jnp.concatenate([q.scales.reshape(*lead, -1) for q in qs], axis=num_lead)
     return QTensor(values, scales, 1, q0.act, q0.dtype, parts)
 
@@ -155,10 +161,14 @@ def quantize(
     act = _act(mode)
     if is_quantized(params):
         raise ValueError("params are already quantized")
-    if any(isinstance(x, OutInWeight) for x in jax.tree.leaves(
-            params, is_leaf=lambda x: isinstance(x, OutInWeight))):
-        raise ValueError("params are in an engine's output-first layout (OutInWeight); quantize "
-                         "the loaded params before building the engine (LLM(quantization=...))")
+    if any(
+        isinstance(x, OutInWeight)
+        for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, OutInWeight))
+    ):
+        raise ValueError(
+            "params are in an engine's output-first layout (OutInWeight); quantize "
+            "the loaded params before building the engine (LLM(quantization=...))"
+        )
 
     def qlayers(lp: LayerParams, lead: int) -> LayerParams:
         qs = {n: quantize_tensor(getattr(lp, n), lead, k, act) for n, k in LAYER_WEIGHTS.items()}

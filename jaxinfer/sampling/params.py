@@ -197,21 +197,31 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got "
-                 f"{self.prompt_logprobs}")
+            fail(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got "
+                f"{self.prompt_logprobs}"
+            )
         if self.prompt_logprobs_from < 1:
             fail(f"prompt_logprobs_from must be >= 1, got {self.prompt_logprobs_from}")
         if self.top_k > I32_MAX:
-            fail(f"top_k must be <= {I32_MAX} (int32 on device; any k >= the vocabulary size "
-                 f"keeps every token), got {self.top_k}")
+            fail(
+                f"top_k must be <= {I32_MAX} (int32 on device; any k >= the vocabulary size "
+                f"keeps every token), got {self.top_k}"
+            )
         # What the device can represent: sampling runs in float32.
-        for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty") + (("temperature",) if self.temperature >= SAMPLING_EPS
-                                              else ()):
+        for name in (
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ) + (("temperature",) if self.temperature >= SAMPLING_EPS else ()):
             v = getattr(self, name)
             if v != 0.0 and not F32_TINY <= abs(v) <= F32_MAX:
-                fail(f"{name}={v!r} cannot be represented in float32 on device (non-zero "
-                     f"magnitudes must be in [{F32_TINY:.8g}, {F32_MAX:.8g}])")
+                fail(
+                    f"{name}={v!r} cannot be represented in float32 on device (non-zero "
+                    f"magnitudes must be in [{F32_TINY:.8g}, {F32_MAX:.8g}])"
+                )
 
         # Normalisations, as vLLM's __post_init__.
         if self.top_k == -1:

@@ -342,9 +342,12 @@ def sample(
     tokens = jax.lax.cond(all_greedy, lambda _: greedy_tokens, random_rows, None)  # i32[B]
 
     if num_logprobs == 0 and not token_logprobs:
-        return SampleOutput(tokens=tokens, logprobs=jnp.full((B,), jnp.nan, jnp.float32),
-                            top_ids=jnp.zeros((B, 0), jnp.int32),
-                            top_logprobs=jnp.zeros((B, 0), jnp.float32))
+        return SampleOutput(
+            tokens=tokens,
+            logprobs=jnp.full((B,), jnp.nan, jnp.float32),
+            top_ids=jnp.zeros((B, 0), jnp.int32),
+            top_logprobs=jnp.zeros((B, 0), jnp.float32),
+        )
     lp_src = logits if logprob_logits is None else logprob_logits.astype(jnp.float32)
     lp = jax.nn.log_softmax(lp_src, axis=-1)  # f32[B, V]
     token_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
@@ -397,7 +400,8 @@ def sample_greedy(logits: jax.Array) -> SampleOutput:
 
     The tokens are `sample`'s for greedy rows (`argmax_lowest` of `logits`: ``argmax``, lowest
     id on ties). The sampled tokens' logprobs are not computed (no log-softmax over [B, V]):
-    nothing reads them when no row asked for logprobs (`jaxinfer.engine.core` reads ``logprobs`` only
+    nothing reads them when no row asked for logprobs (`jaxinfer.engine.core` reads ``logprobs``
+    only
     for rows with ``SamplingParams.logprobs`` set), so they are NaN; the top-n arrays are empty.
 
     Args:

@@ -83,10 +83,20 @@ def create_app(llm, model_name: str | None = None, max_queue: int | None = None)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": state.created, "owned_by": "jaxinfer",
-            "root": llm.model_path, "parent": None,
-            "max_model_len": llm.engine.ecfg.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "jaxinfer",
+                    "root": llm.model_path,
+                    "parent": None,
+                    "max_model_len": llm.engine.ecfg.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -109,14 +119,20 @@ def create_app(llm, model_name: str | None = None, max_queue: int | None = None)
                 ids = llm._engine_tokenizer.encode(req.prompt, add_special_tokens=add)
             else:
                 text = llm._engine_tokenizer.apply_chat_template(
-                    [m.as_template_dict() for m in req.messages], req.add_generation_prompt)
-                ids = llm._engine_tokenizer.encode(text, add_special_tokens=bool(
-                    req.add_special_tokens))
+                    [m.as_template_dict() for m in req.messages], req.add_generation_prompt
+                )
+                ids = llm._engine_tokenizer.encode(
+                    text, add_special_tokens=bool(req.add_special_tokens)
+                )
         except JaxinferError as e:
             where = "prompt" if req.prompt is not None else "messages"
             raise APIError(str(e), param=where) from None
-        return {"count": len(ids), "max_model_len": llm.engine.ecfg.max_model_len,
-                "tokens": ids, "token_strs": None}
+        return {
+            "count": len(ids),
+            "max_model_len": llm.engine.ecfg.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -124,8 +140,9 @@ def create_app(llm, model_name: str | None = None, max_queue: int | None = None)
         vocab = llm.config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                           param="tokens")
+            raise APIError(
+                f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens"
+            )
         tok = llm.tokenizer
         if tok is None:
             raise APIError("the model runs without a tokenizer: no text", param="tokens")

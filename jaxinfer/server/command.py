@@ -32,43 +32,67 @@ _NOT_SHARED = ("multihost",)  # one process serves; multi-host serving is not su
 def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Registers ``serve`` on ``sub`` with ``generate``'s model and engine flags."""
     p = sub.add_parser(
-        "serve", formatter_class=fmt,
+        "serve",
+        formatter_class=fmt,
         help="serve a model over HTTP with OpenAI's API (completions, chat, streaming)",
         description="An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics, /tokenize, /detokenize) on one engine: every "
         "connected client shares the continuous batch. Needs the serve extra: "
-        "pip install -e '.[serve]'.")
+        "pip install -e '.[serve]'.",
+    )
     for group in generate._action_groups:
-        shared = [a for a in group._group_actions
-                  if a.dest not in _NOT_SHARED and (group.title != "input and output"
-                                                    or a.dest in _SHARED_IO)]
+        shared = [
+            a
+            for a in group._group_actions
+            if a.dest not in _NOT_SHARED
+            and (group.title != "input and output" or a.dest in _SHARED_IO)
+        ]
         if group.title in ("engine", "speculative decoding", "input and output") and shared:
-            g = p.add_argument_group("model" if group.title == "input and output" else
-                                     group.title)
+            g = p.add_argument_group("model" if group.title == "input and output" else group.title)
             for action in shared:
                 g._add_action(action)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model name clients pass as 'model' (default: --model as given)")
-    s.add_argument("--max-queue", type=int, default=None, metavar="N",
-                   help="most sequences waiting beyond --max-num-seqs; more get HTTP 503 "
-                   "(default: no limit)")
-    s.add_argument("--warmup", nargs="?", const="cover", default=None,
-                   choices=("cover", "serving", "all", "requests"),
-                   help="compile step shapes before the port opens. cover (the default when "
-                   "given alone): a set of shapes one bucket above every shape the buckets "
-                   "allow, so every step runs padded to a compiled one at once "
-                   "(jaxinfer.compile.warmup.cover_keys, jaxinfer.compile.buckets); serving: every step "
-                   "with at most one prefill row (precompile.serving_keys, ~2x cover's "
-                   "shapes); all: every step shape (~9x); requests: run one request and a batch "
-                   "of eight")
-    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long running requests may take to finish")
-    s.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level")
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients pass as 'model' (default: --model as given)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most sequences waiting beyond --max-num-seqs; more get HTTP 503 (default: no limit)",
+    )
+    s.add_argument(
+        "--warmup",
+        nargs="?",
+        const="cover",
+        default=None,
+        choices=("cover", "serving", "all", "requests"),
+        help="compile step shapes before the port opens. cover (the default when "
+        "given alone): a set of shapes one bucket above every shape the buckets "
+        "allow, so every step runs padded to a compiled one at once "
+        "(jaxinfer.compile.warmup.cover_keys, jaxinfer.compile.buckets); serving: every step "
+        "with at most one prefill row (precompile.serving_keys, ~2x cover's "
+        "shapes); all: every step shape (~9x); requests: run one request and a batch "
+        "of eight",
+    )
+    s.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running requests may take to finish",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level",
+    )
     return p
 
 
@@ -89,8 +113,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        why = ("the address is already in use (is another server running there?)"
-               if e.errno == errno.EADDRINUSE else e.strerror or str(e))
+        why = (
+            "the address is already in use (is another server running there?)"
+            if e.errno == errno.EADDRINUSE
+            else e.strerror or str(e)
+        )
         raise UsageError(f"cannot listen on {host}:{port}: {why}") from None
     sock.set_inheritable(True)
     return sock
@@ -122,8 +149,11 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0, check=None) -
     from jaxinfer.sampling.sampler import MAX_LOGPROBS
 
     if any(hasattr(e, "spec") for e in llm.engines):
-        raise UsageError(f"--warmup {mode} does not support speculative decoding (its rounds "
-                         "compile their own functions); use --warmup requests")
+        raise UsageError(
+            f"--warmup {mode} does not support speculative decoding (its rounds "
+            "compile their own functions); use --warmup requests"
+        )
+
     def keys_of(engine):
         if mode != "cover":
             return (all_keys if mode == "all" else serving_keys)(engine.ecfg)
@@ -132,8 +162,9 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0, check=None) -
         # count: a request asking for them then finds its variant compiled too.
         lp = min(MAX_LOGPROBS, engine.cfg.vocab_size)
         rows = sorted({k[1] for k in keys if k[0] == "sample"})
-        return keys + [("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, lp),
-                                                                      (True, lp))]
+        return keys + [
+            ("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, lp), (True, lp))
+        ]
 
     keys = [keys_of(e) for e in llm.engines]
     total = sum(sum(k[0] == "forward" for k in ks) for ks in keys)
@@ -147,8 +178,10 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0, check=None) -
         now = time.perf_counter()
         if now - last >= interval or done + k in (1, total):
             last = now
-            say(f"compiling {done + k}/{total} step shapes ({now - t0:.0f} s), last "
-                f"(Td, Tp, Bp, M) = {key[1]}")
+            say(
+                f"compiling {done + k}/{total} step shapes ({now - t0:.0f} s), last "
+                f"(Td, Tp, Bp, M) = {key[1]}"
+            )
 
     for engine, ks in zip(llm.engines, keys, strict=True):
         precompile(engine, ks, progress)
@@ -164,8 +197,13 @@ def warmup_requests(llm, check=lambda: None) -> None:
     ids = [[llm.engine.tokenizer.bos_id or 0, 1 % llm.config.vocab_size]] * 8
     llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     check()
-    llm.generate(ids, [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=3,
-                                      ignore_eos=True) for i in range(8)])
+    llm.generate(
+        ids,
+        [
+            SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=3, ignore_eos=True)
+            for i in range(8)
+        ],
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -184,8 +222,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import prometheus_client  # noqa: F401
         import uvicorn
     except ImportError as e:
-        raise UsageError(f"jaxinfer serve needs the serve extra ({e.name} is missing): "
-                         "pip install -e '.[serve]'") from None
+        raise UsageError(
+            f"jaxinfer serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'"
+        ) from None
     if args.max_queue is not None and args.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not args.drain_timeout >= 0:
@@ -197,24 +236,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from jaxinfer.cli.llm_from_args import load_llm as _load_llm
         from jaxinfer.server.app import create_app
 
-        say = (lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True))
+        say = lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True)
         try:
             with _stop_on_signal() as stop:
                 llm = _load_llm(args)
                 stop.check()
                 if args.warmup:
-                    say(f"warming up ({args.warmup}): compiling step shapes before the port "
-                        "opens")
+                    say(f"warming up ({args.warmup}): compiling step shapes before the port opens")
                     warmup(llm, args.warmup, say, check=stop.check)
                 stop.check()
         except _StartupStopped as e:
             say(f"{e}: stopped during start-up, before serving (no request was accepted)")
             return 0
-        app = create_app(llm, model_name=args.served_model_name or args.model,
-                         max_queue=args.max_queue)
-        config = uvicorn.Config(app, log_level=args.log_level, lifespan="on",
-                                timeout_graceful_shutdown=args.drain_timeout,
-                                timeout_keep_alive=5)
+        app = create_app(
+            llm, model_name=args.served_model_name or args.model, max_queue=args.max_queue
+        )
+        config = uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=args.drain_timeout,
+            timeout_keep_alive=5,
+        )
         server = uvicorn.Server(config)
         host, port = sock.getsockname()[:2]
         say(f"serving {args.served_model_name or args.model} on http://{host}:{port}")

@@ -91,8 +91,9 @@ class OutputStream:
             out = self._items.popleft()
             prev = merged.pop(out.request_id, None)  # re-inserted: ordered by its latest output
             if prev is not None and prev.delta_text and out.error is None:
-                out = dataclasses.replace(out, delta_text=prev.delta_text + (out.delta_text or ""),
-                                          outputs=None)
+                out = dataclasses.replace(
+                    out, delta_text=prev.delta_text + (out.delta_text or ""), outputs=None
+                )
             merged[out.request_id] = out
         return list(merged.values())
 
@@ -132,8 +133,11 @@ class AsyncEngine:
         self.llm = llm
         self._eloop = llm._loop  # the LLM's EngineLoop: its lock, routes and _step_all
         self.engines = list(self._eloop.engines)
-        self.capacity = None if max_queue is None else (
-            sum(e.ecfg.max_num_seqs for e in self.engines) + max_queue)
+        self.capacity = (
+            None
+            if max_queue is None
+            else (sum(e.ecfg.max_num_seqs for e in self.engines) + max_queue)
+        )
         self.outstanding = 0  # sequences submitted and not yet finished or aborted
         self._cv = threading.Condition()
         self._adds: list[tuple[EngineRequest, _Sink]] = []
@@ -155,11 +159,15 @@ class AsyncEngine:
             ShuttingDown: the engine thread is not running.
         """
         if not self.alive:
-            raise ShuttingDown("the engine is not running" + (
-                f" (it failed: {type(self.error).__name__}: {self.error})" if self.error else ""))
+            raise ShuttingDown(
+                "the engine is not running"
+                + (f" (it failed: {type(self.error).__name__}: {self.error})" if self.error else "")
+            )
         if self.capacity is not None and self.outstanding + len(requests) > self.capacity:
-            raise Overloaded(f"{self.outstanding} sequences are running or queued; the server "
-                             f"takes at most {self.capacity} (max_num_seqs + --max-queue)")
+            raise Overloaded(
+                f"{self.outstanding} sequences are running or queued; the server "
+                f"takes at most {self.capacity} (max_num_seqs + --max-queue)"
+            )
         sink = _Sink(self, stream)
         self.outstanding += len(requests)
         with self._cv:
@@ -287,5 +295,10 @@ class AsyncEngine:
 
 
 def _error_output(request_id: str, prompt: str | None, error: str) -> RequestOutput:
-    return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=[],
-                         finish_reason="error", error=error)
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=[],
+        finish_reason="error",
+        error=error,
+    )

@@ -19,9 +19,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("jaxinfer.server")
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          413: "RequestEntityTooLarge", 499: "ClientDisconnected", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestEntityTooLarge",
+    499: "ClientDisconnected",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class APIError(Exception):
@@ -52,8 +58,12 @@ def _loc_param(loc: tuple) -> str | None:
     """A pydantic error location as a dotted field path (without the leading "body")."""
     parts = [str(p) for p in loc if p != "body"]
     # Union members add their type name ("str", "list[int]", ...) to the path: drop them.
-    parts = [p for p in parts if not any(c in p for c in "[]") and p not in (
-        "str", "int", "float", "bool", "list", "dict", "function-after", "TextPart")]
+    parts = [
+        p
+        for p in parts
+        if not any(c in p for c in "[]")
+        and p not in ("str", "int", "float", "bool", "list", "dict", "function-after", "TextPart")
+    ]
     return ".".join(parts) or None
 
 
@@ -78,14 +88,18 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        error_body(str(exc.detail), exc.status_code),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("internal error on %s", request.url.path, exc_info=exc)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500),
-                        status_code=500)
+    return JSONResponse(
+        error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500
+    )
 
 
 def install_error_handlers(app) -> None:

@@ -38,7 +38,7 @@ def token_text(tok, context: Sequence[int], token_id: int, skip_special: bool = 
     before = tok.decode(win, skip_special_tokens=skip_special) if win else ""
     after = tok.decode(win + [int(token_id)], skip_special_tokens=skip_special)
     if win and after.startswith(before):
-        return after[len(before):]
+        return after[len(before) :]
     return tok.decode([int(token_id)], skip_special_tokens=skip_special)
 
 
@@ -60,8 +60,12 @@ def echo_logprobs(tok, prompt_ids: list[int], plps: Sequence[TokenLogprob | None
         top.setdefault(text, _lp(lp.logprob))
         token_lps.append(_lp(lp.logprob))
         tops.append(top)
-    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens,
-            "top_logprobs": tops}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_lps,
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
 
 
 def join_logprobs(a: dict, b: dict) -> dict:
@@ -80,10 +84,13 @@ def prompt_logprobs(tok, prompt_ids: list[int], plps) -> list | None:
             out.append(None)
             continue
         ctx = prompt_ids[:i]
-        d = {str(t): {"logprob": _lp(v), "decoded_token": token_text(tok, ctx, t)}
-             for t, v in lp.top}
-        d.setdefault(str(lp.token_id), {"logprob": _lp(lp.logprob),
-                                        "decoded_token": token_text(tok, ctx, lp.token_id)})
+        d = {
+            str(t): {"logprob": _lp(v), "decoded_token": token_text(tok, ctx, t)} for t, v in lp.top
+        }
+        d.setdefault(
+            str(lp.token_id),
+            {"logprob": _lp(lp.logprob), "decoded_token": token_text(tok, ctx, lp.token_id)},
+        )
         out.append(d)
     return out
 
@@ -98,8 +105,9 @@ def _entries(tok, context: list[int], lps: Sequence[TokenLogprob]):
         ctx = (ctx + [lp.token_id])[-_WINDOW:]
 
 
-def completion_logprobs(tok, context: list[int], lps: Sequence[TokenLogprob],
-                        text_offset: int) -> tuple[dict, int]:
+def completion_logprobs(
+    tok, context: list[int], lps: Sequence[TokenLogprob], text_offset: int
+) -> tuple[dict, int]:
     """The completions ``logprobs`` object of ``lps`` (tokens after ``context``), with offsets
     from ``text_offset``; returns it and the offset after its last token. ``top_logprobs`` holds
     the top-n alternatives and the sampled token (so n or n + 1 entries, as vLLM)."""
@@ -112,17 +120,29 @@ def completion_logprobs(tok, context: list[int], lps: Sequence[TokenLogprob],
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
-    return ({"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens,
-             "top_logprobs": tops}, text_offset)
+    return (
+        {
+            "text_offset": offsets,
+            "token_logprobs": token_lps,
+            "tokens": tokens,
+            "top_logprobs": tops,
+        },
+        text_offset,
+    )
 
 
 def chat_logprobs(tok, context: list[int], lps: Sequence[TokenLogprob]) -> dict:
     """The chat ``logprobs`` object ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
     def item(text, value):
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**item(text, value), "top_logprobs": [item(t, v) for t, v in alts]}
-                        for text, value, alts in _entries(tok, context, lps)]}
+    return {
+        "content": [
+            {**item(text, value), "top_logprobs": [item(t, v) for t, v in alts]}
+            for text, value, alts in _entries(tok, context, lps)
+        ]
+    }
 
 
 def usage(prompt_outputs: Sequence[RequestOutput], all_outputs: Sequence[RequestOutput]) -> dict:
@@ -132,6 +152,9 @@ def usage(prompt_outputs: Sequence[RequestOutput], all_outputs: Sequence[Request
     prompt = sum(o.metrics.prompt_tokens for o in prompt_outputs)
     completion = sum(o.metrics.completion_tokens for o in all_outputs)
     cached = sum(o.metrics.num_cached_tokens for o in prompt_outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

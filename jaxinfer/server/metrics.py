@@ -22,12 +22,67 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxinfer.outputs import RequestOutput
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5, 5.0, 10.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-               60.0, 120.0, 300.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 
 
 class _EngineCollector:
@@ -52,35 +107,64 @@ class _EngineCollector:
         waiting = sum(len(e.scheduler.waiting) for e in engines) + self.thread.num_queued()
         total = sum(e.allocator.num_pages - 1 for e in engines)  # page 0 is never handed out
         used = total - sum(e.allocator.num_free for e in engines)
-        yield self._gauge("jaxinfer:num_requests_running", "Sequences in the running batch.",
-                          running)
+        yield self._gauge(
+            "jaxinfer:num_requests_running", "Sequences in the running batch.", running
+        )
         yield self._gauge("jaxinfer:num_requests_waiting", "Sequences waiting to run.", waiting)
-        yield self._gauge("jaxinfer:num_kv_pages_used", "KV pages held by sequences (cached "
-                          "pages no sequence holds count as free, as vLLM).", used)
-        yield self._gauge("jaxinfer:num_kv_pages_total", "KV pages in the pool (less page 0).",
-                          total)
-        yield self._gauge("jaxinfer:kv_cache_usage_perc", "Fraction of KV pages held (0 to 1).",
-                          used / total if total else 0.0)
-        yield self._counter("jaxinfer:num_preemptions", "Preemptions (sequences recomputed).",
-                            sum(e.scheduler.num_preemptions for e in engines))
-        yield self._gauge("jaxinfer:num_compilations", "Device functions compiled so far (step "
-                          "shapes met, Engine.num_compilations; flat once warm).",
-                          sum(e.num_compilations for e in engines))
+        yield self._gauge(
+            "jaxinfer:num_kv_pages_used",
+            "KV pages held by sequences (cached pages no sequence holds count as free, as vLLM).",
+            used,
+        )
+        yield self._gauge(
+            "jaxinfer:num_kv_pages_total", "KV pages in the pool (less page 0).", total
+        )
+        yield self._gauge(
+            "jaxinfer:kv_cache_usage_perc",
+            "Fraction of KV pages held (0 to 1).",
+            used / total if total else 0.0,
+        )
+        yield self._counter(
+            "jaxinfer:num_preemptions",
+            "Preemptions (sequences recomputed).",
+            sum(e.scheduler.num_preemptions for e in engines),
+        )
+        yield self._gauge(
+            "jaxinfer:num_compilations",
+            "Device functions compiled so far (step "
+            "shapes met, Engine.num_compilations; flat once warm).",
+            sum(e.num_compilations for e in engines),
+        )
         stats = prefix_cache_stats(self.llm)
-        yield self._counter("jaxinfer:prefix_cache_queries", "Prompt tokens looked up in the "
-                            "prefix cache.", stats["queried_tokens"])
-        yield self._counter("jaxinfer:prefix_cache_hits", "Prompt tokens found in the prefix "
-                            "cache.", stats["hit_tokens"])
-        yield self._gauge("jaxinfer:num_kv_pages_cached", "KV pages in the prefix cache.",
-                          stats["cached_pages"])
-        yield self._gauge("jaxinfer:prefix_cache_hit_rate", "Prefix cache hits / queries "
-                          "(tokens) since start.", stats["hit_rate"])
+        yield self._counter(
+            "jaxinfer:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats["queried_tokens"],
+        )
+        yield self._counter(
+            "jaxinfer:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            stats["hit_tokens"],
+        )
+        yield self._gauge(
+            "jaxinfer:num_kv_pages_cached", "KV pages in the prefix cache.", stats["cached_pages"]
+        )
+        yield self._gauge(
+            "jaxinfer:prefix_cache_hit_rate",
+            "Prefix cache hits / queries (tokens) since start.",
+            stats["hit_rate"],
+        )
 
 
 def prefix_cache_stats(llm) -> dict:
     """``llm.prefix_cache_stats()``, or zeros when this LLM has none."""
-    zero = {"queried_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evictions": 0,
-            "cached_pages": 0}
+    zero = {
+        "queried_tokens": 0,
+        "hit_tokens": 0,
+        "hit_rate": 0.0,
+        "evictions": 0,
+        "cached_pages": 0,
+    }
     fn = getattr(llm, "prefix_cache_stats", None)
     return {**zero, **fn()} if fn is not None else zero
 
@@ -98,21 +182,46 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(llm, engine_thread, model_name))
         lab = ["model_name"]
-        self.prompt_tokens = Counter("jaxinfer:prompt_tokens", "Prompt tokens of finished "
-                                     "requests.", lab, registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("jaxinfer:generation_tokens", "Generated tokens of "
-                                         "finished requests.", lab,
-                                         registry=self.registry).labels(model_name)
-        self._success = Counter("jaxinfer:request_success", "Finished requests by finish "
-                                "reason.", lab + ["finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter(
+            "jaxinfer:prompt_tokens",
+            "Prompt tokens of finished requests.",
+            lab,
+            registry=self.registry,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "jaxinfer:generation_tokens",
+            "Generated tokens of finished requests.",
+            lab,
+            registry=self.registry,
+        ).labels(model_name)
+        self._success = Counter(
+            "jaxinfer:request_success",
+            "Finished requests by finish reason.",
+            lab + ["finished_reason"],
+            registry=self.registry,
+        )
         self.model_name = model_name
-        self.ttft = Histogram("jaxinfer:time_to_first_token_seconds", "Time to first token.",
-                              lab, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.tpot = Histogram("jaxinfer:time_per_output_token_seconds", "Mean time per output "
-                              "token after the first, per request.", lab, buckets=TPOT_BUCKETS,
-                              registry=self.registry).labels(model_name)
-        self.e2e = Histogram("jaxinfer:e2e_request_latency_seconds", "Arrival to finish.", lab,
-                             buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.ttft = Histogram(
+            "jaxinfer:time_to_first_token_seconds",
+            "Time to first token.",
+            lab,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "jaxinfer:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            lab,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "jaxinfer:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            lab,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
 
     def finished(self, out: RequestOutput, count_prompt: bool = True) -> None:
         """Counts one finished sequence (not an error); its prompt tokens only with

@@ -60,12 +60,30 @@ class _SamplingFields(_Strict):
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this server", param="logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise APIError("stream_options is only allowed when stream is true",
-                           param="stream_options")
-        d = {name: getattr(self, name) for name in (
-            "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens", "n", "prompt_logprobs")}
+            raise APIError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        d = {
+            name: getattr(self, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "stop",
+                "seed",
+                "presence_penalty",
+                "frequency_penalty",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "min_tokens",
+                "ignore_eos",
+                "stop_token_ids",
+                "include_stop_str_in_output",
+                "skip_special_tokens",
+                "n",
+                "prompt_logprobs",
+            )
+        }
         return {k: v for k, v in d.items() if v is not None}
 
     @property
@@ -95,8 +113,9 @@ class CompletionRequest(_SamplingFields):
         if self.suffix is not None:
             raise APIError("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)",
-                           param="best_of")
+            raise APIError(
+                f"best_of={self.best_of} is not supported (only best_of == n)", param="best_of"
+            )
         d = self._common()
         d["max_tokens"] = self.max_tokens
         rename = {}
@@ -195,5 +214,5 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
         name = m.group(1) if m else None
         param = rename.get(name, name)
         if param != name:  # say it with the request's field name
-            msg = f"{param}: {msg[m.end():].lstrip()}"
+            msg = f"{param}: {msg[m.end() :].lstrip()}"
         raise APIError(msg, param=param) from None

@@ -22,10 +22,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import jaxinfer.server.formatting as fmt
-from jaxinfer.errors import JaxinferError
 from jaxinfer.cli.prompts_file import _unicode_problem
-from jaxinfer.outputs import RequestOutput
 from jaxinfer.engine.parallel_sampling import child_params
+from jaxinfer.errors import JaxinferError
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.server.engine_thread import EngineRequest, OutputStream, Overloaded, ShuttingDown
 from jaxinfer.server.errors import APIError, error_body
@@ -96,14 +96,15 @@ def _encode_all(llm, prompts: list, sp: SamplingParams, kind: str, req) -> list[
         if problem:
             raise APIError(f"{head}prompt{where} {problem}", param=_validate_param("", kind, req))
         try:
-            ids, text = llm.encode_prompt(p if not isinstance(p, list) else
-                                          {"prompt_token_ids": p})
+            ids, text = llm.encode_prompt(p if not isinstance(p, list) else {"prompt_token_ids": p})
             llm.engine.validate(ids, sp)
         except JaxinferError as e:
             raise APIError(f"{head}{e}{where}", param=_validate_param(str(e), kind, req)) from None
         except Exception as e:  # noqa: BLE001 - a tokenizer's own error on this prompt
-            raise APIError(f"{head}cannot encode the prompt{where}: {type(e).__name__}: {e}",
-                           param=_validate_param("", kind, req)) from None
+            raise APIError(
+                f"{head}cannot encode the prompt{where}: {type(e).__name__}: {e}",
+                param=_validate_param("", kind, req),
+            ) from None
         encoded.append((ids, text))
     return encoded
 
@@ -138,9 +139,12 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
     cap = state.engine.capacity
     if cap is not None and len(reqs) > cap:  # never fits: not worth a retry
         param = "n" if req.n > 1 else "prompt"
-        raise APIError(f"the request asks for {len(reqs)} sequences ({len(encoded)} prompts x "
-                       f"n={req.n}); the server takes at most {cap} at once (max_num_seqs + "
-                       "--max-queue)", param=param)
+        raise APIError(
+            f"the request asks for {len(reqs)} sequences ({len(encoded)} prompts x "
+            f"n={req.n}); the server takes at most {cap} at once (max_num_seqs + "
+            "--max-queue)",
+            param=param,
+        )
     stream = OutputStream()
     try:
         state.engine.submit(reqs, stream)
@@ -148,8 +152,9 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
         raise APIError(str(e), status=503) from None
     run = _Run(state, raw, req, kind, base, choices, stream)
     if req.stream:
-        return _SSEResponse(run.stream(), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache"})
+        return _SSEResponse(
+            run.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
     return await run.collect()
 
 
@@ -213,34 +218,51 @@ class _Run:
                     return JSONResponse(error_body("client disconnected", 499), status_code=499)
                 for out in outs:
                     if out.error is not None:
-                        raise APIError(f"the engine failed this request: {out.error}",
-                                       status=500)
+                        raise APIError(f"the engine failed this request: {out.error}", status=500)
         finally:
             self._cleanup()
         finals = [c.final for c in self.choices]
-        body = {"id": self.id, "object": "chat.completion" if self.kind == "chat"
-                else "text_completion", "created": self.created, "model": self.state.model_name,
-                "choices": [self._choice(c) for c in self.choices],
-                "usage": fmt.usage([c.final for c in self.choices if c.first_of_prompt], finals)}
+        body = {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": [self._choice(c) for c in self.choices],
+            "usage": fmt.usage([c.final for c in self.choices if c.first_of_prompt], finals),
+        }
         return JSONResponse(body)
 
     def _choice(self, c: _Choice) -> dict:
         out = c.final
         text = out.text or ""
         if self.kind == "chat":
-            lps = (fmt.chat_logprobs(self.tok, c.prompt_ids, out.logprobs)
-                   if out.logprobs is not None else None)
-            return {"index": c.index, "message": {"role": "assistant", "content": text},
-                    "logprobs": lps, "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason}
-        lps = (fmt.completion_logprobs(self.tok, c.prompt_ids, out.logprobs, len(c.echo))[0]
-               if out.logprobs is not None else None)
+            lps = (
+                fmt.chat_logprobs(self.tok, c.prompt_ids, out.logprobs)
+                if out.logprobs is not None
+                else None
+            )
+            return {
+                "index": c.index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lps,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+        lps = (
+            fmt.completion_logprobs(self.tok, c.prompt_ids, out.logprobs, len(c.echo))[0]
+            if out.logprobs is not None
+            else None
+        )
         if self.echo_lp and out.prompt_logprobs is not None and lps is not None:
             lps = fmt.join_logprobs(self._echo_lps(c, out), lps)
-        return {"index": c.index, "text": c.echo + text, "logprobs": lps,
-                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                "prompt_logprobs": fmt.prompt_logprobs(self.tok, c.prompt_ids,
-                                                       out.prompt_logprobs)}
+        return {
+            "index": c.index,
+            "text": c.echo + text,
+            "logprobs": lps,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+            "prompt_logprobs": fmt.prompt_logprobs(self.tok, c.prompt_ids, out.prompt_logprobs),
+        }
 
     def _echo_lps(self, c: _Choice, out: RequestOutput) -> dict:
         return fmt.echo_logprobs(self.tok, c.prompt_ids, out.prompt_logprobs)
@@ -248,9 +270,13 @@ class _Run:
     # ---------------------------------------------------------------- streaming
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        obj = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat"
-               else "text_completion", "created": self.created, "model": self.state.model_name,
-               "choices": choices}
+        obj = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
         if self.req.include_usage:
             obj["usage"] = usage
         return fmt.sse(obj)
@@ -260,8 +286,11 @@ class _Run:
         if not self.req.continuous_usage:
             return None
         n_prompt = len(c.prompt_ids)
-        return {"prompt_tokens": n_prompt, "completion_tokens": c.tok_sent,
-                "total_tokens": n_prompt + c.tok_sent}
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": c.tok_sent,
+            "total_tokens": n_prompt + c.tok_sent,
+        }
 
     def _delta(self, c: _Choice, out: RequestOutput) -> dict | None:
         """The stream choice of one output, or None when it adds nothing. An output with new
@@ -269,14 +298,13 @@ class _Run:
         decodes to nothing), as vLLM: a client counting chunks sees every step."""
         lps = None
         if out.logprobs is not None:
-            new = out.logprobs[c.lp_sent:]
-            ctx = c.prompt_ids + out.token_ids[:c.lp_sent]
+            new = out.logprobs[c.lp_sent :]
+            ctx = c.prompt_ids + out.token_ids[: c.lp_sent]
             if new:
                 if self.kind == "chat":
                     lps = fmt.chat_logprobs(self.tok, ctx, new)
                 else:
-                    lps, c.text_offset = fmt.completion_logprobs(self.tok, ctx, new,
-                                                                 c.text_offset)
+                    lps, c.text_offset = fmt.completion_logprobs(self.tok, ctx, new, c.text_offset)
                 c.lp_sent = len(out.logprobs)
         new_tokens = len(out.token_ids) > c.tok_sent
         c.tok_sent = max(c.tok_sent, len(out.token_ids))
@@ -285,23 +313,48 @@ class _Run:
             return None
         reason = out.finish_reason if out.finished else None
         if self.kind == "chat":
-            return {"index": c.index, "delta": {"content": text} if text or new_tokens else {},
-                    "logprobs": lps, "finish_reason": reason,
-                    "stop_reason": out.stop_reason if out.finished else None}
-        return {"index": c.index, "text": text, "logprobs": lps, "finish_reason": reason,
-                "stop_reason": out.stop_reason if out.finished else None}
+            return {
+                "index": c.index,
+                "delta": {"content": text} if text or new_tokens else {},
+                "logprobs": lps,
+                "finish_reason": reason,
+                "stop_reason": out.stop_reason if out.finished else None,
+            }
+        return {
+            "index": c.index,
+            "text": text,
+            "logprobs": lps,
+            "finish_reason": reason,
+            "stop_reason": out.stop_reason if out.finished else None,
+        }
 
     async def stream(self) -> AsyncIterator[str]:
         try:
             for c in self.choices:  # chat: the role first; completions with echo: the prompt
                 if self.kind == "chat":
-                    yield self._chunk([{"index": c.index, "delta": {"role": "assistant",
-                                                                    "content": ""},
-                                        "logprobs": None, "finish_reason": None}],
-                                      self._running_usage(c))
+                    yield self._chunk(
+                        [
+                            {
+                                "index": c.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        self._running_usage(c),
+                    )
                 elif c.echo and not self.echo_lp:
-                    yield self._chunk([{"index": c.index, "text": c.echo, "logprobs": None,
-                                        "finish_reason": None}], self._running_usage(c))
+                    yield self._chunk(
+                        [
+                            {
+                                "index": c.index,
+                                "text": c.echo,
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        self._running_usage(c),
+                    )
                     c.echo_sent = True
             async for outs in self._outputs():
                 if outs is None:
@@ -309,17 +362,30 @@ class _Run:
                 parts = []  # one write per read of the stream
                 for out in outs:
                     if out.error is not None:
-                        parts += [fmt.sse(error_body(f"the engine failed this request: "
-                                                     f"{out.error}", 500)), fmt.SSE_DONE]
+                        parts += [
+                            fmt.sse(
+                                error_body(f"the engine failed this request: {out.error}", 500)
+                            ),
+                            fmt.SSE_DONE,
+                        ]
                         yield "".join(parts)
                         return
                     c = self.by_rid[out.request_id]
                     if c.echo and not c.echo_sent and out.prompt_logprobs is not None:
                         c.echo_sent = True  # the prompt logprobs come with the first output
-                        parts.append(self._chunk([{"index": c.index, "text": c.echo,
-                                                   "logprobs": self._echo_lps(c, out),
-                                                   "finish_reason": None}],
-                                                 self._running_usage(c)))
+                        parts.append(
+                            self._chunk(
+                                [
+                                    {
+                                        "index": c.index,
+                                        "text": c.echo,
+                                        "logprobs": self._echo_lps(c, out),
+                                        "finish_reason": None,
+                                    }
+                                ],
+                                self._running_usage(c),
+                            )
+                        )
                     d = self._delta(c, out)
                     if d is not None:
                         parts.append(self._chunk([d], self._running_usage(c)))
@@ -327,8 +393,9 @@ class _Run:
                     yield "".join(parts)
             if self.req.include_usage:
                 finals = [c.final for c in self.choices]
-                yield self._chunk([], fmt.usage([c.final for c in self.choices
-                                                 if c.first_of_prompt], finals))
+                yield self._chunk(
+                    [], fmt.usage([c.final for c in self.choices if c.first_of_prompt], finals)
+                )
             yield fmt.SSE_DONE
         finally:
             self._cleanup()

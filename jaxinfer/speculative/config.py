@@ -36,4 +36,6 @@ class SpecConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )

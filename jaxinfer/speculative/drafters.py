@@ -23,13 +23,16 @@ from jaxinfer.models.params import Params
 # ------------------------------------------------------------------------------ draft model
 
 
-def truncated_draft(cfg: ModelConfig, params: Params, num_layers: int) -> tuple[ModelConfig, Params]:
+def truncated_draft(
+    cfg: ModelConfig, params: Params, num_layers: int
+) -> tuple[ModelConfig, Params]:
     """A self-speculative draft: the target's first ``num_layers`` layers, its final norm and LM
     head (LayerSkip-style early exit without training). Raises ValueError on a bad layer count."""
     if not 1 <= num_layers <= cfg.num_layers:
         raise ValueError(f"draft layers must be in [1, {cfg.num_layers}], got {num_layers}")
-    dcfg = dataclasses.replace(cfg, num_layers=num_layers,
-                               layer_windows=tuple(cfg.layer_windows[:num_layers]))
+    dcfg = dataclasses.replace(
+        cfg, num_layers=num_layers, layer_windows=tuple(cfg.layer_windows[:num_layers])
+    )
     if isinstance(params.layers, tuple):  # unstacked layers (params.unstack_layers)
         layers = params.layers[:num_layers]
     else:
@@ -37,8 +40,9 @@ def truncated_draft(cfg: ModelConfig, params: Params, num_layers: int) -> tuple[
     return dcfg, dataclasses.replace(params, layers=layers)
 
 
-def load_draft_model(spec: str | os.PathLike, cfg: ModelConfig, params: Params, dtype
-                     ) -> tuple[ModelConfig, Params]:
+def load_draft_model(
+    spec: str | os.PathLike, cfg: ModelConfig, params: Params, dtype
+) -> tuple[ModelConfig, Params]:
     """The draft model named by ``spec``: ``"self"`` (the target itself), ``"layers:N"`` (the
     target's first N layers, ``truncated_draft``) or a checkpoint path (``jaxinfer.load``).
 
@@ -71,8 +75,9 @@ def load_draft_model(spec: str | os.PathLike, cfg: ModelConfig, params: Params, 
 # ------------------------------------------------------------------------------ n-gram lookup
 
 
-def ngram_propose(tokens: np.ndarray, num_drafts: int, ngram_max: int = 3, ngram_min: int = 1
-                  ) -> list[int]:
+def ngram_propose(
+    tokens: np.ndarray, num_drafts: int, ngram_max: int = 3, ngram_min: int = 1
+) -> list[int]:
     """Prompt lookup: the continuation of the latest earlier occurrence of the sequence's suffix.
 
     Tries suffix lengths ``ngram_max`` down to ``ngram_min``; the first that occurs earlier in
@@ -81,12 +86,12 @@ def ngram_propose(tokens: np.ndarray, num_drafts: int, ngram_max: int = 3, ngram
     """
     s = len(tokens)
     for n in range(min(ngram_max, s - 1), ngram_min - 1, -1):
-        suffix = tokens[s - n:]
+        suffix = tokens[s - n :]
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: s - 1], n)  # starts < s - n
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return [int(t) for t in tokens[start: start + num_drafts]]
+            return [int(t) for t in tokens[start : start + num_drafts]]
     return []
 
 
@@ -135,7 +140,11 @@ def save_heads(heads: DraftHeads, path: str | os.PathLike, meta: dict | None = N
     import orbax.checkpoint as ocp
 
     path = Path(path).resolve()
-    tree = {"w": np.asarray(heads.w), "b": np.asarray(heads.b), "lm_head": np.asarray(heads.lm_head)}
+    tree = {
+        "w": np.asarray(heads.w),
+        "b": np.asarray(heads.b),
+        "lm_head": np.asarray(heads.lm_head),
+    }
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / "heads", tree, force=True)
     if meta is not None:
@@ -150,7 +159,9 @@ def load_heads(path: str | os.PathLike, cfg: ModelConfig) -> DraftHeads:
 
     path = Path(path).resolve()
     if not (path / "heads").exists():
-        raise ValueError(f"{path} holds no draft heads (expected an orbax checkpoint at {path / 'heads'})")
+        raise ValueError(
+            f"{path} holds no draft heads (expected an orbax checkpoint at {path / 'heads'})"
+        )
     with ocp.StandardCheckpointer() as ckptr:
         tree = ckptr.restore(path / "heads")
     heads = DraftHeads(**{k: jnp.asarray(tree[k]) for k in ("w", "b", "lm_head")})

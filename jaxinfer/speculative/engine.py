@@ -17,14 +17,14 @@ import jax
 import numpy as np
 
 from jaxinfer.engine.batch import MIN_DECODE_ROWS, MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.engine.scheduler import ScheduledRow, Sequence
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.kv_cache import NULL_PAGE, OutOfPagesError, init_kv_cache
-from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.models.paged_attention import AttentionMetadata
 from jaxinfer.models.params import Params
+from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams, SamplingTensors
-from jaxinfer.engine.scheduler import ScheduledRow, Sequence
 from jaxinfer.speculative.config import SpecConfig
 from jaxinfer.speculative.drafters import DraftHeads, ngram_propose
 from jaxinfer.speculative.round import SpecBatch, jitted_spec_round
@@ -33,8 +33,13 @@ from jaxinfer.tokenizers import Tokenizer
 MIN_ROWS = MIN_DECODE_ROWS
 
 
-def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: list[ScheduledRow],
-                     page_size: int, max_pages_per_seq: int, num_spec: int) -> SpecBatch:
+def build_spec_batch(
+    verify: list[tuple[Sequence, list[int], int]],
+    prefill: list[ScheduledRow],
+    page_size: int,
+    max_pages_per_seq: int,
+    num_spec: int,
+) -> SpecBatch:
     """numpy ``SpecBatch`` of the verify rows ``(seq, host drafts, num drafts)`` and prefill rows.
 
     Every row sits in the multi-token ("prefill") region of the attention (``num_decode = 0``).
@@ -74,19 +79,19 @@ def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: lis
         if i < len(verify):
             host_drafts, r = verify[i][1], verify[i][2]
             tokens[tok] = seq.token_at(start)
-            tokens[tok + 1: tok + 1 + len(host_drafts[:r])] = host_drafts[:r]
-            drafts[i, :len(host_drafts[:r])] = host_drafts[:r]
+            tokens[tok + 1 : tok + 1 + len(host_drafts[:r])] = host_drafts[:r]
+            drafts[i, : len(host_drafts[:r])] = host_drafts[:r]
             draft_index[i, :r] = tok + 1 + np.arange(r)
             num_drafts[i] = r
             last_pos[i] = start
             min_left[i] = seq.params.min_tokens - len(seq.output_ids)
         else:
-            tokens[tok:tok + n] = [seq.token_at(k) for k in range(start, start + n)]
+            tokens[tok : tok + n] = [seq.token_at(k) for k in range(start, start + n)]
             min_left[i] = seq.params.min_tokens - len(seq.output_ids)
-        positions[tok:tok + n] = pos
-        slots[tok:tok + n] = pages[pos // page_size] * page_size + pos % page_size
-        seq_ids[tok:tok + n] = i
-        block_tables[i, :len(pages)] = pages[:m]
+        positions[tok : tok + n] = pos
+        slots[tok : tok + n] = pages[pos // page_size] * page_size + pos % page_size
+        seq_ids[tok : tok + n] = i
+        block_tables[i, : len(pages)] = pages[:m]
         kv_lens[i] = start + n
         q_lens[i] = n
         if i < len(verify):  # query j of a verify row scores draft j + 1 (clamped past r)
@@ -95,11 +100,25 @@ def build_spec_batch(verify: list[tuple[Sequence, list[int], int]], prefill: lis
             logits_indices[i] = tok + n - 1
         tok += n
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    md = AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=block_tables,
-                           kv_lens=kv_lens, cu_q_lens=cu_q_lens, seq_ids=seq_ids, num_decode=0)
-    return SpecBatch(tokens=tokens, md=md, logits_indices=logits_indices, drafts=drafts,
-                     draft_index=draft_index, num_drafts=num_drafts, last_pos=last_pos,
-                     min_tokens_left=min_left)
+    md = AttentionMetadata(
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=block_tables,
+        kv_lens=kv_lens,
+        cu_q_lens=cu_q_lens,
+        seq_ids=seq_ids,
+        num_decode=0,
+    )
+    return SpecBatch(
+        tokens=tokens,
+        md=md,
+        logits_indices=logits_indices,
+        drafts=drafts,
+        draft_index=draft_index,
+        num_drafts=num_drafts,
+        last_pos=last_pos,
+        min_tokens_left=min_left,
+    )
 
 
 class SpecEngine(Engine):
@@ -116,9 +135,17 @@ class SpecEngine(Engine):
         ValueError: a missing or mismatched drafter for ``spec.method``.
     """
 
-    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig,
-                 spec: SpecConfig, draft_cfg: ModelConfig | None = None,
-                 draft_params: Params | None = None, heads: DraftHeads | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        tokenizer: Tokenizer,
+        ecfg: EngineConfig,
+        spec: SpecConfig,
+        draft_cfg: ModelConfig | None = None,
+        draft_params: Params | None = None,
+        heads: DraftHeads | None = None,
+    ):
         super().__init__(cfg, params, tokenizer, ecfg)
         self.spec = spec
         self.draft_cfg, self.draft_params, self.draft_kv = None, None, None
@@ -126,10 +153,17 @@ class SpecEngine(Engine):
             if draft_params is None or draft_cfg is None:
                 raise ValueError("speculative='draft-model' needs a draft model (draft_model=...)")
             if draft_cfg.vocab_size != cfg.vocab_size:
-                raise ValueError(f"draft vocab_size={draft_cfg.vocab_size} != target {cfg.vocab_size}")
+                raise ValueError(
+                    f"draft vocab_size={draft_cfg.vocab_size} != target {cfg.vocab_size}"
+                )
             self.draft_cfg, self.draft_params = draft_cfg, draft_params
-            self.draft_kv = init_kv_cache(draft_cfg, ecfg.num_pages, ecfg.page_size,
-                                          draft_params.embed.dtype, self.kv_page_major)
+            self.draft_kv = init_kv_cache(
+                draft_cfg,
+                ecfg.num_pages,
+                ecfg.page_size,
+                draft_params.embed.dtype,
+                self.kv_page_major,
+            )
         elif spec.method == "heads":
             if heads is None:
                 raise ValueError("speculative='heads' needs draft heads (draft_heads=PATH)")
@@ -186,8 +220,13 @@ class SpecEngine(Engine):
             if r and not self._reserve(seq, seq.num_computed + 1 + r):
                 r, drafts = 0, []
             verify.append((seq, drafts, r))
-        batch = build_spec_batch(verify, sched.prefill, self.ecfg.page_size,
-                                 self.ecfg.max_pages_per_seq, self.spec.num_speculative_tokens)
+        batch = build_spec_batch(
+            verify,
+            sched.prefill,
+            self.ecfg.page_size,
+            self.ecfg.max_pages_per_seq,
+            self.spec.num_speculative_tokens,
+        )
         b = batch.num_drafts.shape[0]
         seqs = [s for s, _, _ in verify] + [row.seq for row in sched.prefill]
         params_rows = [SamplingParams(temperature=0.0)] * b
@@ -202,13 +241,25 @@ class SpecEngine(Engine):
         key = (batch.tokens.shape[0], b, batch.md.block_tables.shape[1])
         self.compile_keys.add(("spec_round", key, controls is not None, num_lp))
         self.kv, self.draft_kv, out = self._round(
-            self.params, self.kv, self.draft_params, self.draft_kv, batch, st, controls,
-            cfg=self.cfg, dcfg=self.draft_cfg, method=self.spec.method,
-            num_spec=self.spec.num_speculative_tokens, attn_impl=self.ecfg.attn_impl,
-            num_logprobs=num_lp)
+            self.params,
+            self.kv,
+            self.draft_params,
+            self.draft_kv,
+            batch,
+            st,
+            controls,
+            cfg=self.cfg,
+            dcfg=self.draft_cfg,
+            method=self.spec.method,
+            num_spec=self.spec.num_speculative_tokens,
+            attn_impl=self.ecfg.attn_impl,
+            num_logprobs=num_lp,
+        )
         tokens, n_acc = np.asarray(out.tokens), np.asarray(out.num_accepted)
         lps = np.asarray(out.logprobs)
-        top_ids, top_lps = (np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if num_lp else (None, None)
+        top_ids, top_lps = (
+            (np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if num_lp else (None, None)
+        )
         next_drafts = np.asarray(out.next_drafts)
         now = time.perf_counter()
         self.num_steps += 1
@@ -217,7 +268,9 @@ class SpecEngine(Engine):
             if i < len(verify):
                 r = verify[i][2]
                 n_emit = int(n_acc[i]) + 1
-                seq.num_computed += n_emit  # the last token + accepted drafts; rejected: rolled back
+                seq.num_computed += (
+                    n_emit  # the last token + accepted drafts; rejected: rolled back
+                )
                 st_i = self._stats.setdefault(seq.request_id, [0, 0, 0])
                 st_i[0] += 1
                 st_i[1] += r
@@ -233,8 +286,14 @@ class SpecEngine(Engine):
                 lp = None
                 if seq.params.logprobs is not None:
                     k = seq.params.logprobs
-                    lp = TokenLogprob(int(tokens[i, j]), float(lps[i, j]),
-                                      [(int(a), float(x)) for a, x in zip(top_ids[i, j, :k], top_lps[i, j, :k])])
+                    lp = TokenLogprob(
+                        int(tokens[i, j]),
+                        float(lps[i, j]),
+                        [
+                            (int(a), float(x))
+                            for a, x in zip(top_ids[i, j, :k], top_lps[i, j, :k], strict=False)
+                        ],
+                    )
                 o = self._append(seq, int(tokens[i, j]), lp, now)
                 self._fill_metrics(o)
                 results.append(o)
@@ -248,8 +307,13 @@ class SpecEngine(Engine):
         super()._reset_device_state()
         leaves = jax.tree_util.tree_leaves(self.draft_kv)
         if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
-            self.draft_kv = init_kv_cache(self.draft_cfg, self.ecfg.num_pages, self.ecfg.page_size,
-                                          self.draft_params.embed.dtype, self.kv_page_major)
+            self.draft_kv = init_kv_cache(
+                self.draft_cfg,
+                self.ecfg.num_pages,
+                self.ecfg.page_size,
+                self.draft_params.embed.dtype,
+                self.kv_page_major,
+            )
         self._pending.clear()  # heads' drafts of the dropped round
 
     def _fill_metrics(self, out: RequestOutput) -> None:
@@ -262,8 +326,13 @@ class SpecEngine(Engine):
         m.mean_accepted_tokens = s[2] / s[0]
 
 
-def make_spec_engine(engine: Engine, method: str, num_speculative_tokens: int,
-                     draft_model: str | None, draft_heads: str | None) -> SpecEngine:
+def make_spec_engine(
+    engine: Engine,
+    method: str,
+    num_speculative_tokens: int,
+    draft_model: str | None,
+    draft_heads: str | None,
+) -> SpecEngine:
     """A ``SpecEngine`` over a built engine's model and sizes (``LLM(speculative=...)``).
 
     Raises:
@@ -278,11 +347,16 @@ def make_spec_engine(engine: Engine, method: str, num_speculative_tokens: int,
     kw = {}
     if method == "draft-model":
         if draft_model is None:
-            raise ValueError("speculative='draft-model' needs draft_model (a path, 'self' or 'layers:N')")
+            raise ValueError(
+                "speculative='draft-model' needs draft_model (a path, 'self' or 'layers:N')"
+            )
         kw["draft_cfg"], kw["draft_params"] = load_draft_model(
-            draft_model, engine.cfg, engine.params, engine.params.embed.dtype)
+            draft_model, engine.cfg, engine.params, engine.params.embed.dtype
+        )
     elif method == "heads":
         if draft_heads is None:
-            raise ValueError("speculative='heads' needs draft_heads (a directory from train-draft-heads)")
+            raise ValueError(
+                "speculative='heads' needs draft_heads (a directory from train-draft-heads)"
+            )
         kw["heads"] = load_heads(draft_heads, engine.cfg)
     return SpecEngine(engine.cfg, engine.params, engine.tokenizer, engine.ecfg, spec, **kw)

@@ -22,7 +22,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling.sampler import SAMPLING_EPS, SamplingTensors, apply_penalties, processed_logits
+from jaxinfer.sampling.sampler import (
+    SAMPLING_EPS,
+    SamplingTensors,
+    apply_penalties,
+    processed_logits,
+)
 
 SALT_ACCEPT = 1  # the uniform of the accept test
 SALT_RESIDUAL = 2  # the draw from the residual (or, for the bonus token, from p)
@@ -113,8 +118,9 @@ def rejection_sample(
         q = jax.nn.one_hot(drafts, v, dtype=jnp.float32) if draft_probs is None else draft_probs
         p_d = jnp.take_along_axis(p[:, :r], drafts[..., None], axis=-1)[..., 0]  # f32[B, R]
         q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-        u = jax.vmap(lambda o: jax.vmap(jax.random.uniform)(index_keys(st, o, SALT_ACCEPT)),
-                     out_axes=1)(jnp.arange(r, dtype=jnp.int32))  # f32[B, R]
+        u = jax.vmap(
+            lambda o: jax.vmap(jax.random.uniform)(index_keys(st, o, SALT_ACCEPT)), out_axes=1
+        )(jnp.arange(r, dtype=jnp.int32))  # f32[B, R]
         accept = (u * q_d < p_d) | accept_always
         n = jnp.sum(jnp.cumprod(valid & accept, axis=1), axis=1).astype(jnp.int32)  # i32[B]
         rows = jnp.arange(b)
@@ -126,7 +132,8 @@ def rejection_sample(
         use_p = (n >= num_drafts) | (jnp.sum(resid, axis=-1) <= 0)
         dist = jnp.where(use_p[:, None], p_n, resid)
         g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(
-            index_keys(st, n, SALT_RESIDUAL))
+            index_keys(st, n, SALT_RESIDUAL)
+        )
         corr = jnp.argmax(jnp.log(dist) + g, axis=-1).astype(jnp.int32)  # i32[B]
         toks = jnp.where(jnp.arange(j)[None, :] < n[:, None], padded, corr[:, None])
         return toks, n
@@ -139,7 +146,9 @@ def rejection_sample(
 
     def mixed(_):
         toks, n = random_rows(None)
-        return (jnp.where(is_greedy[:, None], greedy_tok, toks),
-                jnp.where(is_greedy, n_greedy.astype(jnp.int32), n))
+        return (
+            jnp.where(is_greedy[:, None], greedy_tok, toks),
+            jnp.where(is_greedy, n_greedy.astype(jnp.int32), n),
+        )
 
     return jax.lax.cond(all_greedy, greedy_rows, mixed, None)

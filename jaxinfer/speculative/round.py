@@ -28,12 +28,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.engine.step import LogitsControls
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.kv_cache import NULL_PAGE, KVCache
 from jaxinfer.models.forward import compute_logits, forward
+from jaxinfer.models.kv_cache import NULL_PAGE, KVCache
 from jaxinfer.models.paged_attention import AttentionMetadata, paged_attn_fn
 from jaxinfer.models.params import Params
-from jaxinfer.sampling.sampler import SAMPLING_EPS, SamplingTensors, apply_penalties, processed_logits
+from jaxinfer.sampling.sampler import (
+    SAMPLING_EPS,
+    SamplingTensors,
+    apply_penalties,
+    processed_logits,
+)
 from jaxinfer.speculative.drafters import DraftHeads, heads_logits
 from jaxinfer.speculative.rejection import (
     SALT_DRAFT,
@@ -41,7 +47,6 @@ from jaxinfer.speculative.rejection import (
     penalize_positions,
     rejection_sample,
 )
-from jaxinfer.engine.step import LogitsControls
 
 
 @jax.tree_util.register_dataclass
@@ -171,18 +176,21 @@ def draft_scan(
             st_j = dataclasses.replace(st, steps=st.steps + j)
             x = processed_logits(logits, st_j)
             g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(
-                index_keys(st_j, 0, SALT_DRAFT))
+                index_keys(st_j, 0, SALT_DRAFT)
+            )
             tok = jnp.argmax(x + g, axis=-1).astype(jnp.int32)
             return jnp.where(is_greedy, greedy_tok, tok), jax.nn.softmax(x, axis=-1)
 
-        d, q = jax.lax.cond(all_greedy, lambda _: (greedy_tok, jnp.zeros((b, v), jnp.float32)),
-                            sampled, None)
+        d, q = jax.lax.cond(
+            all_greedy, lambda _: (greedy_tok, jnp.zeros((b, v), jnp.float32)), sampled, None
+        )
         if controls is not None:
             counts = counts + jax.nn.one_hot(d, v, dtype=jnp.int32)
         return (dkv, d, counts), (d, q)
 
     (dkv, _, _), (drafts, q) = jax.lax.scan(
-        step, (dkv, last_tok, counts0), jnp.arange(num_spec, dtype=jnp.int32))
+        step, (dkv, last_tok, counts0), jnp.arange(num_spec, dtype=jnp.int32)
+    )
     return dkv, drafts.T, q.transpose(1, 0, 2)
 
 
@@ -222,18 +230,33 @@ def spec_round(
     drafts, q = batch.drafts, None
     tokens = batch.tokens
     if method == "draft-model":
-        draft_kv, drafts, q = draft_scan(draft_params, draft_kv, batch, st, controls, dcfg=dcfg,
-                                         num_spec=r, attn_impl=attn_impl)
+        draft_kv, drafts, q = draft_scan(
+            draft_params, draft_kv, batch, st, controls, dcfg=dcfg, num_spec=r, attn_impl=attn_impl
+        )
         tokens = tokens.at[batch.draft_index.reshape(-1)].set(drafts.reshape(-1), mode="drop")
-    kv, logits, hidden = forward_step_at(params, kv, tokens, batch.md, batch.logits_indices,
-                                         cfg=cfg, attn_impl=attn_impl)
+    kv, logits, hidden = forward_step_at(
+        params, kv, tokens, batch.md, batch.logits_indices, cfg=cfg, attn_impl=attn_impl
+    )
     if method == "draft-model":  # mirror: the draft's cache gets the same tokens' K/V
-        _, draft_kv = forward(draft_params, dcfg, tokens, batch.md.positions, draft_kv,
-                              paged_attn_fn(dcfg, batch.md, attn_impl))
+        _, draft_kv = forward(
+            draft_params,
+            dcfg,
+            tokens,
+            batch.md.positions,
+            draft_kv,
+            paged_attn_fn(dcfg, batch.md, attn_impl),
+        )
     pen = logits
     if controls is not None:
-        pen = penalize_positions(logits, drafts, st, controls.prompt_mask, controls.output_counts,
-                                 controls.banned, batch.min_tokens_left)
+        pen = penalize_positions(
+            logits,
+            drafts,
+            st,
+            controls.prompt_mask,
+            controls.output_counts,
+            controls.banned,
+            batch.min_tokens_left,
+        )
     out_tokens, n_acc = rejection_sample(pen, drafts, batch.num_drafts, q, st)
     b, j, _ = logits.shape
     lp = jax.nn.log_softmax(logits, axis=-1)  # raw logprobs, as sample()
@@ -247,8 +270,11 @@ def spec_round(
         next_drafts = jnp.argmax(heads_logits(draft_params, h_last), axis=-1).astype(jnp.int32)
     else:
         next_drafts = jnp.zeros((b, 0), jnp.int32)
-    return kv, draft_kv, SpecOutput(out_tokens, n_acc, token_lp, top_ids.astype(jnp.int32),
-                                    top_lp, next_drafts)
+    return (
+        kv,
+        draft_kv,
+        SpecOutput(out_tokens, n_acc, token_lp, top_ids.astype(jnp.int32), top_lp, next_drafts),
+    )
 
 
 @functools.cache

@@ -29,9 +29,12 @@ from jaxinfer.speculative.drafters import DraftHeads, heads_logits, init_heads, 
 
 def add_parser(sub, fmt) -> None:
     """Adds the ``train-draft-heads`` subcommand to the CLI's subparsers."""
-    t = sub.add_parser("train-draft-heads", formatter_class=fmt,
-                       help="train Medusa draft heads on the model's own greedy generations",
-                       description=__doc__.split("\n\n")[0])
+    t = sub.add_parser(
+        "train-draft-heads",
+        formatter_class=fmt,
+        help="train Medusa draft heads on the model's own greedy generations",
+        description=__doc__.split("\n\n")[0],
+    )
     t.add_argument("--model", required=True, help="target model (as for generate)")
     t.add_argument("--out", required=True, type=Path, help="output directory of the heads")
     t.add_argument("--num-heads", type=int, default=8, help="K, heads (the largest R they serve)")
@@ -42,16 +45,24 @@ def add_parser(sub, fmt) -> None:
     t.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     t.add_argument("--held-out", type=float, default=0.1, help="fraction of sequences held out")
     t.add_argument("--seed", type=int, default=0, help="seed of prompts, split and batches")
-    t.add_argument("--plot", type=Path, default=None,
-                   help="loss-curve PNG (default: OUT/loss.png)")
+    t.add_argument("--plot", type=Path, default=None, help="loss-curve PNG (default: OUT/loss.png)")
 
 
 def cmd_train_draft_heads(args: argparse.Namespace) -> int:
     """CLI entry: trains, saves, prints a JSON summary on stdout."""
     summary = train_draft_heads(
-        args.model, args.out, num_heads=args.num_heads, num_sequences=args.num_sequences,
-        gen_tokens=args.gen_tokens, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        held_out=args.held_out, seed=args.seed, plot=args.plot)
+        args.model,
+        args.out,
+        num_heads=args.num_heads,
+        num_sequences=args.num_sequences,
+        gen_tokens=args.gen_tokens,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        held_out=args.held_out,
+        seed=args.seed,
+        plot=args.plot,
+    )
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -63,11 +74,13 @@ def generate_corpus(llm, num_sequences: int, gen_tokens: int, seed: int) -> list
     rng = np.random.default_rng(seed)
     v = llm.engine.cfg.vocab_size
     bos = llm.tokenizer.encode("")[:1] if llm.tokenizer is not None else []
-    prompts = [bos + [int(x) for x in rng.integers(3, v, size=int(rng.integers(1, 5)))]
-               for _ in range(num_sequences)]
+    prompts = [
+        bos + [int(x) for x in rng.integers(3, v, size=int(rng.integers(1, 5)))]
+        for _ in range(num_sequences)
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     outs = llm.generate(prompts, sp)
-    return [p + o.token_ids for p, o in zip(prompts, outs)]
+    return [p + o.token_ids for p, o in zip(prompts, outs, strict=False)]
 
 
 def hidden_states(params, cfg, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -79,7 +92,7 @@ def hidden_states(params, cfg, seqs: list[list[int]]) -> tuple[np.ndarray, np.nd
     s = max(len(x) for x in seqs)
     ids = np.full((len(seqs), s), -1, np.int32)
     for i, x in enumerate(seqs):
-        ids[i, :len(x)] = x
+        ids[i, : len(x)] = x
 
     @jax.jit
     def run(tok):  # [b, S]
@@ -89,8 +102,10 @@ def hidden_states(params, cfg, seqs: list[list[int]]) -> tuple[np.ndarray, np.nd
         h, _ = forward(params, cfg, tok.reshape(-1), pos, None, dense_attn_fn(cfg, seg, pos))
         return h.reshape(b, s, -1).astype(jnp.float32)
 
-    out = [np.asarray(run(jnp.asarray(np.maximum(ids[i:i + 32], 0))))
-           for i in range(0, len(seqs), 32)]
+    out = [
+        np.asarray(run(jnp.asarray(np.maximum(ids[i : i + 32], 0))))
+        for i in range(0, len(seqs), 32)
+    ]
     return np.concatenate(out), ids
 
 
@@ -99,7 +114,7 @@ def head_examples(h: np.ndarray, ids: np.ndarray, num_heads: int) -> tuple[np.nd
     n, s, _ = h.shape
     t_max = s - num_heads - 1
     feats = h[:, :t_max].reshape(n * t_max, -1)
-    labels = np.stack([ids[:, k + 1: k + 1 + t_max] for k in range(1, num_heads + 1)], -1)
+    labels = np.stack([ids[:, k + 1 : k + 1 + t_max] for k in range(1, num_heads + 1)], -1)
     labels = labels.reshape(n * t_max, num_heads)
     keep = (labels >= 0).all(axis=1)
     return feats[keep], labels[keep]
@@ -107,13 +122,29 @@ def head_examples(h: np.ndarray, ids: np.ndarray, num_heads: int) -> tuple[np.nd
 
 def agreement(heads: DraftHeads, feats: np.ndarray, labels: np.ndarray) -> list[float]:
     """Top-1 agreement of each head with the target's tokens, f32[K] as a list."""
-    pred = np.concatenate([np.asarray(jnp.argmax(heads_logits(heads, jnp.asarray(feats[i:i + 4096])), -1))
-                           for i in range(0, len(feats), 4096)])
+    pred = np.concatenate(
+        [
+            np.asarray(jnp.argmax(heads_logits(heads, jnp.asarray(feats[i : i + 4096])), -1))
+            for i in range(0, len(feats), 4096)
+        ]
+    )
     return [float(x) for x in (pred == labels).mean(axis=0)]
 
 
-def train_draft_heads(model, out, *, num_heads=8, num_sequences=384, gen_tokens=96, steps=1500,
-                      batch_size=1024, lr=3e-3, held_out=0.1, seed=0, plot=None) -> dict:
+def train_draft_heads(
+    model,
+    out,
+    *,
+    num_heads=8,
+    num_sequences=384,
+    gen_tokens=96,
+    steps=1500,
+    batch_size=1024,
+    lr=3e-3,
+    held_out=0.1,
+    seed=0,
+    plot=None,
+) -> dict:
     """Trains K Medusa heads on the target's greedy generations; saves them under ``out``.
 
     Returns:
@@ -158,15 +189,24 @@ def train_draft_heads(model, out, *, num_heads=8, num_sequences=384, gen_tokens=
         heads, state, loss = train_step(heads, state, jnp.asarray(xf[idx]), jnp.asarray(yf[idx]))
         losses.append(float(loss))
         if i % 50 == 0 or i == steps - 1:
-            test_losses.append((i, float(eval_loss(heads, jnp.asarray(xt[:8192]), jnp.asarray(yt[:8192])))))
+            test_losses.append(
+                (i, float(eval_loss(heads, jnp.asarray(xt[:8192]), jnp.asarray(yt[:8192]))))
+            )
     agree = agreement(heads, xt, yt)
     out = Path(out)
     summary = {
-        "model": str(model), "num_heads": num_heads, "sequences": len(seqs),
-        "train_positions": int(len(xf)), "held_out_positions": int(len(xt)), "steps": steps,
-        "final_train_loss": float(np.mean(losses[-50:])), "final_held_out_loss": test_losses[-1][1],
-        "held_out_top1_agreement": agree, "held_out_top1_agreement_untrained": agree0,
-        "wall_s": time.perf_counter() - t0, "out": str(out),
+        "model": str(model),
+        "num_heads": num_heads,
+        "sequences": len(seqs),
+        "train_positions": int(len(xf)),
+        "held_out_positions": int(len(xt)),
+        "steps": steps,
+        "final_train_loss": float(np.mean(losses[-50:])),
+        "final_held_out_loss": test_losses[-1][1],
+        "held_out_top1_agreement": agree,
+        "held_out_top1_agreement_untrained": agree0,
+        "wall_s": time.perf_counter() - t0,
+        "out": str(out),
     }
     save_heads(heads, out, meta={**summary, "loss": losses, "held_out_loss": test_losses})
     plot = Path(plot) if plot is not None else out / "loss.png"
@@ -178,7 +218,7 @@ def train_draft_heads(model, out, *, num_heads=8, num_sequences=384, gen_tokens=
 
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot(losses, lw=0.6, alpha=0.6, label="train (batch)")
-        ax.plot(*zip(*test_losses), "o-", ms=3, label="held out")
+        ax.plot(*zip(*test_losses, strict=False), "o-", ms=3, label="held out")
         ax.set_xlabel("step")
         ax.set_ylabel(f"cross-entropy, mean over {num_heads} heads")
         ax.set_title("Medusa heads self-distillation: " + Path(str(model)).name)

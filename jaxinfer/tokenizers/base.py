@@ -141,7 +141,8 @@ class SideFiles:
         # transformers' added tokens (special or not): their text is one token wherever it occurs.
         added = tc.get("added_tokens_decoder")
         self.added_tokens: list[str] = [
-            t["content"] for t in (added.values() if isinstance(added, dict) else [])
+            t["content"]
+            for t in (added.values() if isinstance(added, dict) else [])
             if isinstance(t, dict) and isinstance(t.get("content"), str) and t["content"]
         ]
         self.clean_up_tokenization_spaces = bool(tc.get("clean_up_tokenization_spaces", False))
@@ -154,13 +155,16 @@ class SideFiles:
         if isinstance(template, list):
             # [{"name": ..., "template": ...}]: transformers uses the one named "default".
             if not all(isinstance(t, dict) for t in template):
-                raise TokenizerError(f"{where}: chat_template must be a string or a list of "
-                                     "{\"name\", \"template\"} objects")
+                raise TokenizerError(
+                    f"{where}: chat_template must be a string or a list of "
+                    '{"name", "template"} objects'
+                )
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default")
         if template is not None and not isinstance(template, str):
-            raise TokenizerError(f"{where}: chat_template must be a string, got "
-                                 f"{type(template).__name__}")
+            raise TokenizerError(
+                f"{where}: chat_template must be a string, got {type(template).__name__}"
+            )
         jinja_file = directory / "chat_template.jinja"
         if jinja_file.is_file():
             try:

@@ -42,8 +42,8 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from jaxinfer.errors import TokenizerError
 import jaxinfer.tokenizers.template_limits as lim
+from jaxinfer.errors import TokenizerError
 from jaxinfer.tokenizers.template_limits import (  # noqa: F401  (re-exported)
     INPUT_CHARS_FACTOR,
     MAX_CALL_DEPTH,
@@ -70,8 +70,14 @@ class _LimitedCodeGenerator(CodeGenerator):
     def visit_For(self, node, frame):
         if not getattr(node, "_bounded", False):
             node._bounded = True
-            node.iter = nodes.Call(nodes.EnvironmentAttribute("bounded_iter"), [node.iter], [],
-                                   None, None, lineno=node.iter.lineno)
+            node.iter = nodes.Call(
+                nodes.EnvironmentAttribute("bounded_iter"),
+                [node.iter],
+                [],
+                None,
+                None,
+                lineno=node.iter.lineno,
+            )
         super().visit_For(node, frame)
 
     def _limited_literal(self, visit, node, frame):
@@ -259,8 +265,14 @@ def _template_line(exc: BaseException) -> str:
     return f" (template line {line})" if line else ""
 
 
-def render_chat_template(source: str, variables: dict, where: str = "chat template", *,
-                         max_seconds: float | None = None, max_chars: int | None = None) -> str:
+def render_chat_template(
+    source: str,
+    variables: dict,
+    where: str = "chat template",
+    *,
+    max_seconds: float | None = None,
+    max_chars: int | None = None,
+) -> str:
     """Renders the template ``source`` with ``variables`` (``messages``, ``bos_token``, ...)
     within the limits of ``template_limits``: ``max_seconds`` defaults to
     ``MAX_RENDER_SECONDS``, ``max_chars`` to ``MAX_TEMPLATE_CHARS`` plus ``INPUT_CHARS_FACTOR``
@@ -274,11 +286,13 @@ def render_chat_template(source: str, variables: dict, where: str = "chat templa
     try:
         template = compile_chat_template(source)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"{where}: chat template does not compile: {e} "
-                                f"(template line {e.lineno})") from e
+        raise ChatTemplateError(
+            f"{where}: chat template does not compile: {e} (template line {e.lineno})"
+        ) from e
     except Exception as e:  # RecursionError, SyntaxError from nesting, a non-string source...
-        raise ChatTemplateError(f"{where}: chat template does not compile: "
-                                f"{type(e).__name__}: {str(e)[:500]}") from e
+        raise ChatTemplateError(
+            f"{where}: chat template does not compile: {type(e).__name__}: {str(e)[:500]}"
+        ) from e
     seconds = lim.MAX_RENDER_SECONDS if max_seconds is None else max_seconds
     b = lim.Budget(seconds, max_chars or 0)
     token = lim.BUDGET.set(b)

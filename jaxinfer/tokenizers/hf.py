@@ -85,8 +85,11 @@ class HFTokenizer(Tokenizer):
         ids = [int(i) for i in ids if 0 <= i < self.vocab_size]
         text = None
         if self._byte_fallback:
-            tokens = [self._tok.id_to_token(i) for i in ids
-                      if not (skip_special_tokens and i in self._special_ids)]
+            tokens = [
+                self._tok.id_to_token(i)
+                for i in ids
+                if not (skip_special_tokens and i in self._special_ids)
+            ]
             if (fixed := _split_invalid_byte_runs(tokens)) is not None:
                 text = self._tok.decoder.decode(fixed)
         if text is None:
@@ -213,8 +216,18 @@ def _template_first_special(post_processor: dict | None) -> str | None:
     return None
 
 
-_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-            (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+_CLEANUP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 _CLEANUP_PROBES = sorted({a[n:] for a, _ in _CLEANUP for n in range(1, len(a))} | {"x"})
 
 

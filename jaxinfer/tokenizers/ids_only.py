@@ -13,8 +13,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxinfer.models.config import ModelConfig
 from jaxinfer.errors import CheckpointError, RequestError
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.tokenizers.base import Tokenizer, unique_ids
 
 # llama2.c's convention (run.c, tokenizer.bin): BOS = 1, EOS = 2.
@@ -34,16 +34,19 @@ def _ids_field(value, where: str, field: str, vocab_size: int) -> list[int]:
     values = value if isinstance(value, list) else [value]
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):
-            raise CheckpointError(f"{where}: {field} must be an integer or a list of integers, "
-                                  f"got {value!r}")
+            raise CheckpointError(
+                f"{where}: {field} must be an integer or a list of integers, got {value!r}"
+            )
         if not 0 <= v < vocab_size:
-            raise CheckpointError(f"{where}: {field} {v} is outside the vocabulary "
-                                  f"[0, {vocab_size})")
+            raise CheckpointError(
+                f"{where}: {field} {v} is outside the vocabulary [0, {vocab_size})"
+            )
     return values
 
 
-def config_special_ids(cfg: ModelConfig,
-                       path: str | os.PathLike) -> tuple[int | None, tuple[int, ...]]:
+def config_special_ids(
+    cfg: ModelConfig, path: str | os.PathLike
+) -> tuple[int | None, tuple[int, ...]]:
     """(BOS id, EOS ids) of a checkpoint from its own files, for running it without a tokenizer.
 
     llama2.c checkpoints (``cfg.model_type == "llama2c"``, also once quantized) use BOS = 1,
@@ -80,10 +83,12 @@ def config_special_ids(cfg: ModelConfig,
         if isinstance(data.get("text_config"), dict):
             sections.append((data["text_config"], "text_config."))
         for section, prefix in sections:
-            eos += _ids_field(section.get("eos_token_id"), str(file), prefix + "eos_token_id",
-                              cfg.vocab_size)
-            b = _ids_field(section.get("bos_token_id"), str(file), prefix + "bos_token_id",
-                           cfg.vocab_size)
+            eos += _ids_field(
+                section.get("eos_token_id"), str(file), prefix + "eos_token_id", cfg.vocab_size
+            )
+            b = _ids_field(
+                section.get("bos_token_id"), str(file), prefix + "bos_token_id", cfg.vocab_size
+            )
             if bos is None and b:
                 bos = b[0]
     return bos, unique_ids(eos)
@@ -91,9 +96,11 @@ def config_special_ids(cfg: ModelConfig,
 
 def no_tokenizer_message(model: str | os.PathLike, what: str) -> str:
     """The error of a request that needs text on a model without a tokenizer."""
-    return (f"{what} needs a tokenizer, and the model {model} runs without one (none was found "
-            "beside it, or skip_tokenizer_init is set): pass prompt_token_ids (and stop_token_ids "
-            "instead of stop strings), or pass tokenizer=PATH")
+    return (
+        f"{what} needs a tokenizer, and the model {model} runs without one (none was found "
+        "beside it, or skip_tokenizer_init is set): pass prompt_token_ids (and stop_token_ids "
+        "instead of stop strings), or pass tokenizer=PATH"
+    )
 
 
 class IdsOnlyTokenizer(Tokenizer):

@@ -176,9 +176,11 @@ def count(root, b: Budget, inputs: bool = False) -> int:
 
 def check_count(n: int, b: Budget) -> int:
     if n > b.max_chars:
-        raise LimitExceeded(f"a value would hold {n:,} items counting repeats, over the limit "
-                            f"of {b.max_chars:,} (MAX_TEMPLATE_CHARS + INPUT_CHARS_FACTOR x the "
-                            "messages)")
+        raise LimitExceeded(
+            f"a value would hold {n:,} items counting repeats, over the limit "
+            f"of {b.max_chars:,} (MAX_TEMPLATE_CHARS + INPUT_CHARS_FACTOR x the "
+            "messages)"
+        )
     return n
 
 
@@ -246,8 +248,13 @@ def check_binop(operator: str, left, right, b: Budget) -> int | None:
             if isinstance(left, list | tuple) and isinstance(right, list | tuple):
                 return check_count(count(left, b) + count(right, b) - 1, b)
     elif operator == "**":
-        if (isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1
-                and right * left.bit_length() > MAX_INT_BITS):
+        if (
+            isinstance(left, int)
+            and isinstance(right, int)
+            and right > 0
+            and abs(left) > 1
+            and right * left.bit_length() > MAX_INT_BITS
+        ):
             raise _int_limit(what)
     elif operator == "%":
         check_printf(left, right, b)
@@ -259,8 +266,9 @@ def check_binop(operator: str, left, right, b: Budget) -> int | None:
 _PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?")
 
 
-def _check_format_sizes(fmt: str, n_fields: int, widths: list[str], args, b: Budget,
-                        what: str) -> None:
+def _check_format_sizes(
+    fmt: str, n_fields: int, widths: list[str], args, b: Budget, what: str
+) -> None:
     """Result of formatting: at most ``len(fmt)`` + each field at its widest argument or width."""
     star = any(w == "*" or "{" in w for w in widths)
     for w in widths:
@@ -294,8 +302,9 @@ def _check_str_format(fmt: str, args, kwargs, b: Budget) -> None:
     for v in kwargs.values():
         if isinstance(v, dict):  # format_map's mapping
             values += list(v.values())
-    _check_format_sizes(fmt, len(fields), [f[2] or "" for f in fields], tuple(values), b,
-                        "a str.format")
+    _check_format_sizes(
+        fmt, len(fields), [f[2] or "" for f in fields], tuple(values), b, "a str.format"
+    )
 
 
 # ------------------------------------------------------------------ calls and filters
@@ -324,15 +333,23 @@ def check_call(obj, args: tuple, kwargs: dict, b: Budget) -> tuple:
         elif name == "expandtabs":
             tab = args[0] if args else kwargs.get("tabsize", 8)
             if isinstance(tab, int):
-                b.size(len(owner) + owner.count("\t" if isinstance(owner, str) else b"\t") * tab,
-                       what)
+                b.size(
+                    len(owner) + owner.count("\t" if isinstance(owner, str) else b"\t") * tab, what
+                )
         elif name == "replace" and len(args) >= 2:
-            b.size(_replace_size(owner, args[0], args[1], args[2] if len(args) > 2 else
-                                 kwargs.get("count", -1)), what)
+            b.size(
+                _replace_size(
+                    owner, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count", -1)
+                ),
+                what,
+            )
         elif name == "join" and args:
             items = _materialize(args[0], b)
-            b.size(sum(len(x) if isinstance(x, str | bytes) else 0 for x in items)
-                   + len(owner) * len(items), what)
+            b.size(
+                sum(len(x) if isinstance(x, str | bytes) else 0 for x in items)
+                + len(owner) * len(items),
+                what,
+            )
             args = (items, *args[1:])
     wrapped = getattr(obj, "__wrapped__", None)  # the sandbox's str.format / format_map
     if isinstance(getattr(wrapped, "__self__", None), str) and name in ("format", "format_map"):
@@ -364,12 +381,21 @@ def _filter_checks(name: str, bound: dict, env, b: Budget) -> None:
         if isinstance(s, str) and isinstance(wrap, str):
             b.size(len(s) * max(len(wrap), 1), what)  # at most one break per character
             if len(s) > MAX_WORDWRAP_CHARS:  # textwrap is quadratic in one call: no deadline
-                raise LimitExceeded(f"{what} on {len(s):,} characters is over "
-                                    f"{MAX_WORDWRAP_CHARS:,} (its time grows quadratically)")
+                raise LimitExceeded(
+                    f"{what} on {len(s):,} characters is over "
+                    f"{MAX_WORDWRAP_CHARS:,} (its time grows quadratically)"
+                )
     elif name == "replace":
         s = bound.get("s")
-        b.size(_replace_size(s if isinstance(s, str) else str(s), str(bound.get("old", "")),
-                             str(bound.get("new", "")), bound.get("count")), what)
+        b.size(
+            _replace_size(
+                s if isinstance(s, str) else str(s),
+                str(bound.get("old", "")),
+                str(bound.get("new", "")),
+                bound.get("count"),
+            ),
+            what,
+        )
     elif name in ("batch", "slice"):
         n = bound.get("linecount", bound.get("slices"))
         if isinstance(n, int) and n > MAX_RANGE:
@@ -409,8 +435,11 @@ def limited_filter(name: str, func):
         b = current_budget()
         b.tick()
         env = context.environment
-        lead = {"context": (context,), "eval_context": (context.eval_ctx,),
-                "environment": (env,)}.get(kind, ())
+        lead = {
+            "context": (context,),
+            "eval_context": (context.eval_ctx,),
+            "environment": (env,),
+        }.get(kind, ())
         if name not in _NON_TEXT_FILTERS and args:
             check_text(args[0], b, f"the value of the {name} filter")
         if name in ("sum", "join") and args:  # the items' sizes first, then the clock
@@ -432,8 +461,9 @@ def limited_filter(name: str, func):
                 kwargs.pop("d", None)
         elif signature is not None:
             try:
-                bound = signature.bind(*(lead if signature_has_lead else ()), *args,
-                                       **kwargs).arguments
+                bound = signature.bind(
+                    *(lead if signature_has_lead else ()), *args, **kwargs
+                ).arguments
             except TypeError:
                 bound = None  # the call itself reports the bad arguments
             if bound is not None:

@@ -1,4 +1,4 @@
-"""FlashAttention kernels: backend-independent tile math and configuration (used by tpu.py, gpu.py)."""
+"""FlashAttention kernels: backend-independent tile math and configuration (tpu.py, gpu.py)."""
 
 from __future__ import annotations
 

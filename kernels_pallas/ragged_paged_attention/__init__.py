@@ -22,13 +22,28 @@ from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attenti
 
 BACKENDS = ("tpu", "gpu")
 
-__all__ = ["BACKENDS", "BlockSizes", "check_kv_scales", "check_supported", "default_block_sizes",
-           "ragged_paged_attention", "ragged_paged_attention_reference"]
+__all__ = [
+    "BACKENDS",
+    "BlockSizes",
+    "check_kv_scales",
+    "check_supported",
+    "default_block_sizes",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+]
 
 
-def check_supported(backend: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                    page_size: int, pool_elems: int = 0, block_sizes: BlockSizes | None = None,
-                    max_pages: int = 1) -> None:
+def check_supported(
+    backend: str,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pool_elems: int = 0,
+    block_sizes: BlockSizes | None = None,
+    max_pages: int = 1,
+) -> None:
     """Static checks of a combination. Raises ValueError naming it and what is supported."""
     if backend == "tpu":
         from kernels_pallas.ragged_paged_attention import tpu
@@ -53,12 +68,15 @@ def check_kv_scales(k_pages, v_pages, k_scales, v_scales) -> None:
         raise ValueError(
             f"{k_pages.dtype} pages with k_scales {'given' if k_scales is not None else 'None'}, "
             f"v_scales {'given' if v_scales is not None else 'None'}: supported are int8 pages "
-            "with both scales (f32[L, K, P, Z]) or float pages with neither")
+            "with both scales (f32[L, K, P, Z]) or float pages with neither"
+        )
     if quant:
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
             if s.shape != k_pages.shape[:-1] or s.dtype != jnp.float32:
-                raise ValueError(f"{name} is {s.dtype}{list(s.shape)}; int8 pages of shape "
-                                 f"{list(k_pages.shape)} need f32{list(k_pages.shape[:-1])}")
+                raise ValueError(
+                    f"{name} is {s.dtype}{list(s.shape)}; int8 pages of shape "
+                    f"{list(k_pages.shape)} need f32{list(k_pages.shape[:-1])}"
+                )
 
 
 def ragged_paged_attention(
@@ -117,10 +135,24 @@ def ragged_paged_attention(
             k_scales, v_scales = k_scales[None], v_scales[None]
     _, kh, _, z, h = k_pages.shape
     bs = block_sizes or default_block_sizes(z, block_tables.shape[1], backend)
-    check_supported(backend, num_heads=q.shape[1], num_kv_heads=kh, head_dim=h, page_size=z,
-                    pool_elems=k_pages.size, block_sizes=bs)
-    kw = dict(num_decode=num_decode, scale=scale, softcap=softcap, block_sizes=bs,
-              interpret=interpret, k_scales=k_scales, v_scales=v_scales)
+    check_supported(
+        backend,
+        num_heads=q.shape[1],
+        num_kv_heads=kh,
+        head_dim=h,
+        page_size=z,
+        pool_elems=k_pages.size,
+        block_sizes=bs,
+    )
+    kw = dict(
+        num_decode=num_decode,
+        scale=scale,
+        softcap=softcap,
+        block_sizes=bs,
+        interpret=interpret,
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, window, layer)
     if backend == "tpu":
         from kernels_pallas.ragged_paged_attention.tpu import ragged_paged_attention_tpu

@@ -32,20 +32,30 @@ def _pow2(x: int) -> bool:
     return x > 0 and not x & (x - 1)
 
 
-def check_supported(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                    pool_elems: int, block_sizes: BlockSizes) -> None:
+def check_supported(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pool_elems: int,
+    block_sizes: BlockSizes,
+) -> None:
     """Raises ValueError naming the combination when the GPU kernel cannot tile it."""
     problems = []
     if num_heads % num_kv_heads or not _pow2(num_heads // num_kv_heads):
-        problems.append(f"num_heads={num_heads}, num_kv_heads={num_kv_heads} (supported: "
-                        "num_heads // num_kv_heads a power of two)")
+        problems.append(
+            f"num_heads={num_heads}, num_kv_heads={num_kv_heads} (supported: "
+            "num_heads // num_kv_heads a power of two)"
+        )
     if not _pow2(head_dim) or not 16 <= head_dim <= 256:
         problems.append(f"head_dim={head_dim} (supported: powers of two 16..256)")
     if not _pow2(page_size):
         problems.append(f"page_size={page_size} (supported: powers of two)")
     if not _pow2(block_sizes.pages_per_block) or block_sizes.pages_per_block * page_size < 16:
-        problems.append(f"pages_per_block={block_sizes.pages_per_block} (supported: a power of "
-                        "two with pages_per_block * page_size >= 16)")
+        problems.append(
+            f"pages_per_block={block_sizes.pages_per_block} (supported: a power of "
+            "two with pages_per_block * page_size >= 16)"
+        )
     if pool_elems >= 2**31:
         problems.append(f"a KV pool of {pool_elems} elements (supported: < 2**31, int32 offsets)")
     if problems:
@@ -58,8 +68,9 @@ def _kv_span(kv_len, pos_min, pos_max, window):
     return start, end
 
 
-def _attend(q, kv_refs, bt_ref, row, base, start, end, mask_fn, *, ppb, z, scale, softcap,
-            precision):
+def _attend(
+    q, kv_refs, bt_ref, row, base, start, end, mask_fn, *, ppb, z, scale, softcap, precision
+):
     """Online softmax of q [R, H] over the KV blocks holding keys [start, end). f32[R, H].
 
     kv_refs: (k, v) pages [L * K * P, Z, H], or (k, v, k scales, v scales) of int8 pages with
@@ -79,8 +90,16 @@ def _attend(q, kv_refs, bt_ref, row, base, start, end, mask_fn, *, ppb, z, scale
         if quant:
             k = k.astype(jnp.float32) * kv_refs[2][ids].reshape(bk)[:, None]
             v = v.astype(jnp.float32) * kv_refs[3][ids].reshape(bk)[:, None]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32) * scale
+        s = (
+            jax.lax.dot_general(
+                q,
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            * scale
+        )
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
         mask = mask_fn(j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :])
@@ -89,12 +108,16 @@ def _attend(q, kv_refs, bt_ref, row, base, start, end, mask_fn, *, ppb, z, scale
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         l = alpha * l + jnp.sum(p, axis=1)
-        acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v, precision=precision,
-                                             preferred_element_type=jnp.float32)
+        acc = alpha[:, None] * acc + jnp.dot(
+            p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
+        )
         return acc, m_new, l
 
-    init = (jnp.zeros((r, h), jnp.float32), jnp.full((r,), MASK_VALUE, jnp.float32),
-            jnp.zeros((r,), jnp.float32))
+    init = (
+        jnp.zeros((r, h), jnp.float32),
+        jnp.full((r,), MASK_VALUE, jnp.float32),
+        jnp.zeros((r,), jnp.float32),
+    )
     acc, _, l = jax.lax.fori_loop(start // bk, pl.cdiv(end, bk), body, init)
     # A query that sees no key (padding) gets 0, never NaN: its K/V reach the null page.
     return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
@@ -137,8 +160,9 @@ def _prefill_kernel(sc_ref, lens_ref, cu_ref, bt_ref, q_ref, *refs, kh, num_page
         q = q_ref[pl.ds(t0 * g, rows), :]
         base = (layer * kh + hd) * num_pages
         out = _attend(q, kv_refs, bt_ref, row, base, start, end, mask_fn, **kw)
-        plgpu.store(o_ref.at[pl.ds(t0 * g, rows), :], out,
-                    mask=jnp.broadcast_to(valid[:, None], out.shape))
+        plgpu.store(
+            o_ref.at[pl.ds(t0 * g, rows), :], out, mask=jnp.broadcast_to(valid[:, None], out.shape)
+        )
 
 
 def ragged_paged_attention_gpu(
@@ -177,8 +201,9 @@ def ragged_paged_attention_gpu(
     kv_lens = kv_lens.astype(jnp.int32)
     f32 = q.dtype == jnp.float32 or k_scales is not None  # int8 pages: f32 dots
     precision = jax.lax.Precision.HIGHEST if f32 else None
-    kw = dict(kh=kh, num_pages=num_pages, ppb=ppb, z=z, scale=scale, softcap=softcap,
-              precision=precision)
+    kw = dict(
+        kh=kh, num_pages=num_pages, ppb=ppb, z=z, scale=scale, softcap=softcap, precision=precision
+    )
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
     td = num_decode

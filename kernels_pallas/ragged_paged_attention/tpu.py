@@ -57,8 +57,22 @@ def _load(ref, scale_ref):
     return ref[...].astype(jnp.float32) * scale_ref[...]
 
 
-def _update(q, k_refs, v_refs, ks_refs, vs_refs, m_ref, l_ref, acc_ref, mask_fn, kv_start, *, z,
-            scale, softcap):
+def _update(
+    q,
+    k_refs,
+    v_refs,
+    ks_refs,
+    vs_refs,
+    m_ref,
+    l_ref,
+    acc_ref,
+    mask_fn,
+    kv_start,
+    *,
+    z,
+    scale,
+    softcap,
+):
     """One KV block of the online softmax (Milakov & Gimelshein 2018; FlashAttention).
 
     q: [R, H]; each k/v ref: [Z, H]; ks/vs refs: f32[Z, 1] scales of int8 pages (empty for float
@@ -70,10 +84,15 @@ def _update(q, k_refs, v_refs, ks_refs, vs_refs, m_ref, l_ref, acc_ref, mask_fn,
         ks_refs = vs_refs = (None,) * len(k_refs)
     scores, masks = [], []
     for i, k_ref in enumerate(k_refs):
-        s = jax.lax.dot_general(
-            q, _load(k_ref, ks_refs[i]), (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        ) * scale
+        s = (
+            jax.lax.dot_general(
+                q,
+                _load(k_ref, ks_refs[i]),
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            * scale
+        )
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
         kv_pos = kv_start + i * z + jax.lax.broadcasted_iota(jnp.int32, (1, z), 1)
@@ -133,8 +152,9 @@ def _split_refs(refs, ppb, quant):
     return k_refs, v_refs, ks_refs, vs_refs, refs[n * ppb :]
 
 
-def _decode_kernel(layer_ref, window_ref, lens_ref, bt_ref, q_ref, *refs, ppb, z, scale, softcap,
-                   quant):
+def _decode_kernel(
+    layer_ref, window_ref, lens_ref, bt_ref, q_ref, *refs, ppb, z, scale, softcap, quant
+):
     del layer_ref, bt_ref
     k_refs, v_refs, ks_refs, vs_refs, (o_ref, m_ref, l_ref, acc_ref) = _split_refs(refs, ppb, quant)
     b, j = pl.program_id(0), pl.program_id(2)
@@ -152,8 +172,21 @@ def _decode_kernel(layer_ref, window_ref, lens_ref, bt_ref, q_ref, *refs, ppb, z
         def mask_fn(kv_pos):
             return (kv_pos >= start) & (kv_pos < end)
 
-        _update(q_ref[...], k_refs, v_refs, ks_refs, vs_refs, m_ref, l_ref, acc_ref, mask_fn,
-                kv_start, z=z, scale=scale, softcap=softcap)
+        _update(
+            q_ref[...],
+            k_refs,
+            v_refs,
+            ks_refs,
+            vs_refs,
+            m_ref,
+            l_ref,
+            acc_ref,
+            mask_fn,
+            kv_start,
+            z=z,
+            scale=scale,
+            softcap=softcap,
+        )
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
@@ -165,13 +198,28 @@ def _scale_inputs(k_scales, v_scales, page_map, ppb, z):
     KV block, a f32[Z, 1] tile of the scales viewed as [L, K, P, Z, 1], at the page's index."""
     if k_scales is None:
         return [], []
-    specs = [pl.BlockSpec((None, None, None, z, 1), functools.partial(page_map, i))
-             for i in range(ppb)]
+    specs = [
+        pl.BlockSpec((None, None, None, z, 1), functools.partial(page_map, i)) for i in range(ppb)
+    ]
     return specs + specs, [k_scales[..., None]] * ppb + [v_scales[..., None]] * ppb
 
 
-def _decode(q, k_pages, v_pages, k_scales, v_scales, kv_lens, block_tables, window, layer, *,
-            scale, softcap, ppb, interpret):
+def _decode(
+    q,
+    k_pages,
+    v_pages,
+    k_scales,
+    v_scales,
+    kv_lens,
+    block_tables,
+    window,
+    layer,
+    *,
+    scale,
+    softcap,
+    ppb,
+    interpret,
+):
     td, n, h = q.shape
     _, kh, _, z, _ = k_pages.shape
     g = n // kh
@@ -189,8 +237,9 @@ def _decode(q, k_pages, v_pages, k_scales, v_scales, kv_lens, block_tables, wind
     ]
     scale_specs, scale_args = _scale_inputs(k_scales, v_scales, page_map, ppb, z)
     qo_spec = pl.BlockSpec((None, None, g, h), lambda b, hd, j, *_: (b, hd, 0, 0))
-    kernel = functools.partial(_decode_kernel, ppb=ppb, z=z, scale=scale, softcap=softcap,
-                               quant=k_scales is not None)
+    kernel = functools.partial(
+        _decode_kernel, ppb=ppb, z=z, scale=scale, softcap=softcap, quant=k_scales is not None
+    )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -198,15 +247,27 @@ def _decode(q, k_pages, v_pages, k_scales, v_scales, kv_lens, block_tables, wind
             grid=(td, kh, nkb),
             in_specs=[qo_spec] + page_specs + page_specs + scale_specs,
             out_specs=qo_spec,
-            scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
-                            pltpu.VMEM((g, h), jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((g, 1), jnp.float32),
+                pltpu.VMEM((g, 1), jnp.float32),
+                pltpu.VMEM((g, h), jnp.float32),
+            ],
         ),
         out_shape=jax.ShapeDtypeStruct((td, kh, g, h), jnp.float32),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
-    )(layer, window, kv_lens, block_tables.reshape(-1), q.reshape(td, kh, g, h),
-      *([k_pages] * ppb), *([v_pages] * ppb), *scale_args)
+    )(
+        layer,
+        window,
+        kv_lens,
+        block_tables.reshape(-1),
+        q.reshape(td, kh, g, h),
+        *([k_pages] * ppb),
+        *([v_pages] * ppb),
+        *scale_args,
+    )
     return out.reshape(td, n, h)
 
 
@@ -223,8 +284,24 @@ def _row_span(i, r, lens_ref, cu_ref, window, bq):
     return t0, t1, start, end
 
 
-def _prefill_kernel(layer_ref, window_ref, lens_ref, cu_ref, bt_ref, lo_ref, hi_ref, q_ref, *refs,
-                    ppb, z, g, bq, scale, softcap, quant):
+def _prefill_kernel(
+    layer_ref,
+    window_ref,
+    lens_ref,
+    cu_ref,
+    bt_ref,
+    lo_ref,
+    hi_ref,
+    q_ref,
+    *refs,
+    ppb,
+    z,
+    g,
+    bq,
+    scale,
+    softcap,
+    quant,
+):
     del layer_ref, bt_ref, lo_ref, hi_ref
     k_refs, v_refs, ks_refs, vs_refs, (o_ref, m_ref, l_ref, acc_ref) = _split_refs(refs, ppb, quant)
     i, r, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -248,16 +325,45 @@ def _prefill_kernel(layer_ref, window_ref, lens_ref, cu_ref, bt_ref, lo_ref, hi_
             vis = in_row & (kv_pos < kv_len) & (kv_pos <= q_pos)
             return vis & ((window <= 0) | (q_pos - kv_pos < window))
 
-        _update(q_ref[...], k_refs, v_refs, ks_refs, vs_refs, m_ref, l_ref, acc_ref, mask_fn,
-                kv_start, z=z, scale=scale, softcap=softcap)
+        _update(
+            q_ref[...],
+            k_refs,
+            v_refs,
+            ks_refs,
+            vs_refs,
+            m_ref,
+            l_ref,
+            acc_ref,
+            mask_fn,
+            kv_start,
+            z=z,
+            scale=scale,
+            softcap=softcap,
+        )
 
     @pl.when((r == pl.num_programs(2) - 1) & (j == pl.num_programs(3) - 1))
     def _():
         _finish(o_ref, l_ref, acc_ref)
 
 
-def _prefill(q, k_pages, v_pages, k_scales, v_scales, kv_lens, block_tables, cu_q_lens, window,
-             layer, *, scale, softcap, ppb, bq, interpret):
+def _prefill(
+    q,
+    k_pages,
+    v_pages,
+    k_scales,
+    v_scales,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    window,
+    layer,
+    *,
+    scale,
+    softcap,
+    ppb,
+    bq,
+    interpret,
+):
     tp, n, h = q.shape
     _, kh, _, z, _ = k_pages.shape
     g = n // kh
@@ -288,8 +394,16 @@ def _prefill(q, k_pages, v_pages, k_scales, v_scales, kv_lens, block_tables, cu_
     tpad = nqb * bq
     qt = jnp.pad(q, ((0, tpad - tp), (0, 0), (0, 0))).reshape(tpad, kh, g, h)
     qt = qt.transpose(1, 0, 2, 3).reshape(kh, tpad * g, h)
-    kernel = functools.partial(_prefill_kernel, ppb=ppb, z=z, g=g, bq=bq, scale=scale,
-                               softcap=softcap, quant=k_scales is not None)
+    kernel = functools.partial(
+        _prefill_kernel,
+        ppb=ppb,
+        z=z,
+        g=g,
+        bq=bq,
+        scale=scale,
+        softcap=softcap,
+        quant=k_scales is not None,
+    )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -297,16 +411,30 @@ def _prefill(q, k_pages, v_pages, k_scales, v_scales, kv_lens, block_tables, cu_
             grid=(kh, nqb, bp, nkb),
             in_specs=[qo_spec] + page_specs + page_specs + scale_specs,
             out_specs=qo_spec,
-            scratch_shapes=[pltpu.VMEM((bq * g, 1), jnp.float32),
-                            pltpu.VMEM((bq * g, 1), jnp.float32),
-                            pltpu.VMEM((bq * g, h), jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((bq * g, 1), jnp.float32),
+                pltpu.VMEM((bq * g, 1), jnp.float32),
+                pltpu.VMEM((bq * g, h), jnp.float32),
+            ],
         ),
         out_shape=jax.ShapeDtypeStruct((kh, tpad * g, h), jnp.float32),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")
+        ),
         interpret=interpret,
-    )(layer, window, kv_lens, cu_q_lens, block_tables.reshape(-1), lo, hi, qt,
-      *([k_pages] * ppb), *([v_pages] * ppb), *scale_args)
+    )(
+        layer,
+        window,
+        kv_lens,
+        cu_q_lens,
+        block_tables.reshape(-1),
+        lo,
+        hi,
+        qt,
+        *([k_pages] * ppb),
+        *([v_pages] * ppb),
+        *scale_args,
+    )
     out = out.reshape(kh, tpad, g, h).transpose(1, 0, 2, 3).reshape(tpad, n, h)
     return out[:tp]
 
@@ -344,12 +472,42 @@ def ragged_paged_attention_tpu(
     td = num_decode
     outs = []
     if td:
-        outs.append(_decode(q[:td], k_pages, v_pages, k_scales, v_scales, kv_lens[:td],
-                            block_tables[:td], window, layer, scale=scale, softcap=softcap,
-                            ppb=ppb, interpret=interpret))
+        outs.append(
+            _decode(
+                q[:td],
+                k_pages,
+                v_pages,
+                k_scales,
+                v_scales,
+                kv_lens[:td],
+                block_tables[:td],
+                window,
+                layer,
+                scale=scale,
+                softcap=softcap,
+                ppb=ppb,
+                interpret=interpret,
+            )
+        )
     if t > td:
         cu = cu_q_lens[td:].astype(jnp.int32) - td
-        outs.append(_prefill(q[td:], k_pages, v_pages, k_scales, v_scales, kv_lens[td:],
-                             block_tables[td:], cu, window, layer, scale=scale, softcap=softcap,
-                             ppb=ppb, bq=block_sizes.q_block, interpret=interpret))
+        outs.append(
+            _prefill(
+                q[td:],
+                k_pages,
+                v_pages,
+                k_scales,
+                v_scales,
+                kv_lens[td:],
+                block_tables[td:],
+                cu,
+                window,
+                layer,
+                scale=scale,
+                softcap=softcap,
+                ppb=ppb,
+                bq=block_sizes.q_block,
+                interpret=interpret,
+            )
+        )
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
