@@ -15,12 +15,12 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.engine.core import Engine, EngineConfig, default_num_pages, default_page_size
-from jaxinfer.engine.core import kv_cache_dtype as resolve_kv_dtype
+from jaxinfer.args import EngineArgs, check_keywords, describe, llm_signature
+from jaxinfer.engine.config import check_kv_pool, kv_cache_dtype, resolve
+from jaxinfer.engine.core import Engine
 from jaxinfer.engine.loop import EngineLoop
 from jaxinfer.engine.resume import ResumeState
 from jaxinfer.errors import RequestError, TokenizerError
-from jaxinfer.llm_args import check_kv_pool, check_llm_args
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.tokenizers.ids_only import IdsOnlyTokenizer, NoTokenizerWarning, no_tokenizer_message
@@ -43,179 +43,84 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
 
 
 class LLM:
-    """A loaded model with its engine.
+    """A loaded model with its engine: ``LLM(model, **options)``.
 
-    Args:
-        model: a Hugging Face model directory, a llama2.c checkpoint (file or directory), see
-            ``jaxinfer.load``.
-        dtype: "float32" (default; the fast dtype on CPU, where bfloat16 matmuls convert weights
-            every step) or "bfloat16" (the usual choice on TPU/GPU).
-        max_model_len: longest prompt + output in tokens (default: the model's context length).
-        kv_pages: pages in the KV pool (default: every row at full length, capped by
-            ``kv_cache_memory_gb``).
-        page_size: Z, tokens per KV page (default: ``engine.default_page_size``, 8 on CPU with
-            the XLA attention, 16 elsewhere).
-        max_num_seqs: most sequences decoded together.
-        max_num_batched_tokens: token budget per step (default max(512, max_num_seqs)).
-        attn_impl: attention implementation, see ``paged_attention.ATTN_IMPLS`` ("auto", "xla",
-            "pallas", "pallas_tpu_interpret", "cpu_kernel": XLA with the native CPU decode kernel
-            of ``jaxinfer.models.cpu_decode_kernel``, what "auto" runs on CPU where the pool allows,
-            ``paged_attention.engine_attn_impl``; ``engine.attn_impl`` says which ran, ...).
-        kv_cache_memory_gb: memory budget of the default pool, GiB.
-        tokenizer: tokenizer path overriding the one found beside the model.
-        seed: seeds the draws of per-request seeds for requests without one.
-        tensor_parallel_size: devices each model copy is split over (heads, MLP width,
-            vocabulary; see ``jaxinfer.models.sharding``). Default: all devices when the weights do
-            not
-            fit one device's memory, else 1.
-        data_parallel_size: engine replicas (each over its own ``tensor_parallel_size`` devices);
-            ``generate`` splits the prompts between them and merges the outputs in order.
-            Default 1.
-        speculative: speculative decoding drafter, "draft-model", "ngram" or "heads" (None: off);
-            see ``jaxinfer.speculative``.
-        num_speculative_tokens: R, draft tokens per round.
-        draft_model: the draft model of "draft-model": a checkpoint path with the target's
-            tokenizer, "self" or "layers:N" (the target's first N layers).
-        draft_heads: directory of Medusa heads for "heads" (``jaxinfer train-draft-heads``).
-        unroll_layers: layers as an unrolled loop over per-layer weights (faster decode, longer
-            compiles) or ``lax.scan`` over stacked ones; None = unrolled on CPU only.
-        async_scheduling: dispatch each step before the previous one's tokens are read back, so
-            host work overlaps the device (same outputs up to float near-ties, see
-            ``batch_invariant``); None = on, except with ``speculative``
-            (its rounds run synchronously; True with it raises ValueError). See ``EngineConfig``.
-        skip_tokenizer_init: load no tokenizer, as vLLM's option: prompts are token ids (a list,
-            or {"prompt_token_ids": [...]}), outputs have ``token_ids`` and ``text`` None, and a
-            request that needs text (a str prompt, "prompt", "messages", ``stop`` strings) fails
-            alone with a RequestError. EOS comes from the checkpoint's config
-            (``tokenizers.ids_only.config_special_ids``). A model with no tokenizer beside it
-            (and no ``tokenizer``) runs this way too, with a ``NoTokenizerWarning``; then
-            ``self.tokenizer`` is None.
-        batch_invariant: every request's logits (hence its greedy or seeded tokens and its
-            logprobs) bitwise the same whatever else is in the batch: batch size and
-            composition, prefill chunking, async scheduling, preemption
-            (``jaxinfer.models.batch_invariant``; slower, see the README). Not with ``speculative``,
-            a Pallas ``attn_impl``, or tensor/data parallel (ValueError).
-        enable_prefix_caching: reuse the KV pages of prompt prefixes (full pages) that earlier
-            requests computed (``jaxinfer.engine.prefix_cache``); outputs are the same with it off.
-            Each output's ``metrics.num_cached_tokens`` counts its prompt tokens read from the
-            cache; ``LLM.prefix_cache_stats()`` gives the hit rate and evictions.
-        reuse_compiled_buckets: run a step of a shape not compiled yet padded to a compiled one
-            at most one bucket larger (``jaxinfer.compile.buckets``): fewer compilations.
+        Args:
+            model: a Hugging Face model directory, a llama2.c checkpoint (file or directory), see
+                ``jaxinfer.load``.
+            **options: keyword arguments, the options of ``jaxinfer.args.EngineArgs`` (listed under
+                "Options" below with their defaults; ``inspect.signature(LLM)`` gives them too).
+                ``engine.attn_impl`` says which attention implementation runs, ``attn_impl_reason``
+                why; ``self.args`` holds the ``EngineArgs``.
 
-    Raises:
-        CheckpointError / TokenizerError: the model cannot be loaded (message names the file):
-            a damaged or inconsistent checkpoint, or weights beyond free memory.
-        ValueError: an argument of the wrong type or out of range, checked before loading
-            (``jaxinfer.llm_args``: unknown strings list what is supported); the KV pool and the
-            buffers of ``max_num_seqs`` rows need more memory than is free (the message gives
-            both in bytes); the KV pool cannot hold one sequence of ``max_model_len`` tokens.
-        ShardingError: the model cannot be split over ``tensor_parallel_size`` devices, or there
-            are fewer than tensor x data parallel devices (the message names the numbers).
+        Raises:
+            TypeError: a keyword that is not an option (the message names the close matches).
+            ValueError: an option of the wrong type or out of range, or options that do not go
+                together, checked before loading (``EngineArgs``); then, once the model's config is
+                known, options this backend and model cannot run (``engine.config.resolve``): the KV
+                pool and the buffers of ``max_num_seqs`` rows need more memory than is free (the
+                message gives both in bytes), the KV pool cannot hold one sequence of
+                ``max_model_len`` tokens, ``max_model_len`` beyond the model's context, ...
+            CheckpointError / TokenizerError: the model cannot be loaded (message names the file):
+                a damaged or inconsistent checkpoint, or weights beyond free memory.
+            ShardingError: the model cannot be split over ``tensor_parallel_size`` devices, or there
+                are fewer than tensor x data parallel devices (the message names the numbers).
 
-    Quantization (``jaxinfer.quant``): ``quantization`` None / "none" (weights as loaded),
-    "int8" (weight-only int8, w8a16) or "w8a8" (int8 weights and per-token int8 activations);
-    a quantized checkpoint (``jaxinfer quantize``) loads int8 without it. ``kv_cache_dtype``
-    "auto" (the weights' float dtype) or "int8" (per-token, per-head scales).
+        Options:
+    {options}
     """
 
-    def __init__(
-        self,
-        model: str | os.PathLike,
-        *,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
-        kv_pages: int | None = None,
-        page_size: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        attn_impl: str = "auto",
-        kv_cache_memory_gb: float = 2.0,
-        tokenizer: str | None = None,
-        seed: int = 0,
-        compilation_cache: bool = True,
-        tensor_parallel_size: int | None = None,
-        data_parallel_size: int | None = None,
-        speculative: str | None = None,
-        num_speculative_tokens: int = 4,
-        draft_model: str | None = None,
-        draft_heads: str | None = None,
-        quantization: str | None = None,
-        kv_cache_dtype: str = "auto",
-        unroll_layers: bool | None = None,
-        async_scheduling: bool | None = None,
-        skip_tokenizer_init: bool = False,
-        batch_invariant: bool = False,
-        enable_prefix_caching: bool = True,
-        reuse_compiled_buckets: bool = True,
-    ):
-        check_llm_args(locals())  # first: locals() is the arguments alone
-        from jaxinfer.loaders import load
-        from jaxinfer.models.sharding import ShardedPlacer, replica_meshes, replica_view
+    def __init__(self, model: str | os.PathLike, **options):
+        check_keywords(options, "LLM")
+        self._start(EngineArgs(model, **options))
 
-        if speculative is not None and async_scheduling:
-            raise ValueError(
-                "async_scheduling=True is not supported with speculative decoding "
-                "(its rounds run synchronously); leave it None or pass False"
-            )
-        if compilation_cache:
-            enable_compilation_cache()
-        placer = ShardedPlacer(tensor_parallel_size, data_parallel_size)
-        loaded = load(
-            model,
-            dtype=dtype,
-            tokenizer=tokenizer,
-            place=placer,
-            skip_tokenizer_init=skip_tokenizer_init,
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """The ``LLM`` of ``args`` (errors name the options as ``args.origin`` says: flags for
+        ``EngineArgs.from_cli_args``). Raises as ``LLM``."""
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
+        from jaxinfer.loaders import load
+        from jaxinfer.models.sharding import (
+            ShardedPlacer,
+            initialize_multihost,
+            replica_meshes,
+            replica_view,
         )
-        self.model_path = str(model)
+
+        self.args = args
+        initialize_multihost(args.multihost)
+        if args.compilation_cache:
+            enable_compilation_cache()
+        chat_template = args.read_chat_template()
+        placer = ShardedPlacer(args.tensor_parallel_size, args.data_parallel_size)
+        loaded = load(
+            args.model,
+            dtype=args.dtype,
+            tokenizer=args.tokenizer,
+            place=placer,
+            skip_tokenizer_init=args.skip_tokenizer_init,
+        )
+        self.model_path = str(args.model)
         self.config, self.params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
-        if quantization not in (None, "none"):
+        if chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = chat_template
+        self.mesh, self.sharding_plan = placer.mesh, placer.plan
+        run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
+        ecfg = resolve(args, run_cfg, self.params.embed.dtype, mesh=self.mesh, tp=placer.plan.tp)
+        devices = None if self.mesh is None else list(self.mesh.devices.flat)
+        check_kv_pool(run_cfg, ecfg, kv_cache_dtype(ecfg), placer.plan.tp, devices, args)
+        if args.quantization not in (None, "none"):
             from jaxinfer.quant.tensor import apply_quantization
 
-            if placer.mesh is not None:
-                raise ValueError("quantization with tensor/data parallel is not supported yet")
-            self.params = apply_quantization(self.params, quantization)
+            self.params = apply_quantization(self.params, args.quantization)
         # Without a tokenizer the engine gets a stand-in holding the config's special ids.
         self._engine_tokenizer = self.tokenizer or IdsOnlyTokenizer(self.config, loaded.path)
         if self.tokenizer is None:
-            _warn_no_tokenizer(model, self._engine_tokenizer.eos_ids, skip_tokenizer_init)
-        if (
-            max_model_len is not None
-            and not 2 <= max_model_len <= self.config.max_position_embeddings
-        ):
-            raise ValueError(
-                f"max_model_len={max_model_len} must be in "
-                f"[2, {self.config.max_position_embeddings}] "
-                "(the model's context length, max_position_embeddings)"
-            )
-        self.mesh, self.sharding_plan = placer.mesh, placer.plan
-        run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
-        ecfg = engine_config(
-            run_cfg,
-            self.params,
-            placer.plan.tp,
-            max_model_len=max_model_len,
-            page_size=page_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            attn_impl=attn_impl,
-            seed=seed,
-            kv_cache_dtype=kv_cache_dtype,
-            unroll_layers=unroll_layers,
-            async_scheduling=async_scheduling,
-            batch_invariant=batch_invariant,
-            enable_prefix_caching=enable_prefix_caching,
-            reuse_compiled_buckets=reuse_compiled_buckets,
-            kv_pages=kv_pages,
-            kv_cache_memory_gb=kv_cache_memory_gb,
-        )
-        check_kv_pool(
-            run_cfg,
-            ecfg,
-            resolve_kv_dtype(ecfg, self.params),
-            placer.plan.tp,
-            None if self.mesh is None else list(self.mesh.devices.flat),
-        )
+            _warn_no_tokenizer(args.model, self._engine_tokenizer.eos_ids, args.skip_tokenizer_init)
         if self.mesh is None:
             from jaxinfer.models.host_layout import engine_layout_on_host
 
@@ -227,11 +132,17 @@ class LLM:
                 Engine(run_cfg, replica_view(self.params, m), self._engine_tokenizer, ecfg, mesh=m)
                 for m in replica_meshes(self.mesh)
             ]
-        if speculative is not None:
+        if args.speculative is not None:
             from jaxinfer.speculative.engine import make_spec_engine
 
             self.engines = [
-                make_spec_engine(e, speculative, num_speculative_tokens, draft_model, draft_heads)
+                make_spec_engine(
+                    e,
+                    args.speculative,
+                    args.num_speculative_tokens,
+                    args.draft_model,
+                    args.draft_heads,
+                )
                 for e in self.engines
             ]
         self.engine = self.engines[0]
@@ -403,7 +314,8 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
-        list of conversations, through the tokenizer's chat template.
+        list of conversations, through the chat template (``chat_template``'s, else the
+        tokenizer's).
 
         Raises RequestError when the model runs without a tokenizer, TokenizerError when its
         tokenizer has no chat template."""
@@ -411,11 +323,16 @@ class LLM:
             raise RequestError(no_tokenizer_message(self.model_path, "chat()"))
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise TokenizerError(
-                f"the tokenizer of {self.model_path} has no chat template; use generate() with "
-                "plain prompts"
+                f"the tokenizer of {self.model_path} has no chat template; give one with "
+                "LLM(..., chat_template=FILE) (examples/chat_template.jinja suits story models "
+                "such as stories260K), or use generate() with plain prompts"
             )
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)
+
+
+LLM.__doc__ = LLM.__doc__.replace("{options}", describe(indent=8))
+LLM.__init__.__signature__ = llm_signature()
 
 
 def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
@@ -442,60 +359,6 @@ def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
     if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         return list(prompt), None
     raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
-
-
-def engine_config(
-    run_cfg,
-    params,
-    tp: int = 1,
-    *,
-    max_model_len: int | None,
-    page_size: int | None,
-    max_num_seqs: int,
-    max_num_batched_tokens: int | None,
-    attn_impl: str,
-    seed: int,
-    kv_cache_dtype: str,
-    unroll_layers: bool | None,
-    async_scheduling: bool | None,
-    batch_invariant: bool,
-    enable_prefix_caching: bool,
-    reuse_compiled_buckets: bool,
-    kv_pages: int | None,
-    kv_cache_memory_gb: float,
-) -> EngineConfig:
-    """The ``EngineConfig`` ``LLM`` gives its engines for these arguments (``LLM``'s of the same
-    names, defaults resolved): ``run_cfg`` the model config the engines run (after sharding's
-    changes), ``params`` the weights (real or ``jax.ShapeDtypeStruct`` leaves: only
-    ``params.embed.dtype`` is read, for the KV dtype), ``tp`` the devices of one model copy (the
-    default pool's memory budget is per device). ``jaxinfer.compile.while_loading`` derives
-    the first step's shapes from it before the weights exist.
-
-    Raises:
-        ValueError: ``kv_cache_dtype`` or ``attn_impl`` unknown, a size out of range
-            (``EngineConfig``'s checks)."""
-    max_model_len = max_model_len or run_cfg.max_position_embeddings
-    if page_size is None:
-        page_size = default_page_size(attn_impl)
-    ecfg = EngineConfig(
-        max_model_len=max_model_len,
-        page_size=page_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens or max(512, max_num_seqs),
-        attn_impl=attn_impl,
-        seed=seed,
-        kv_cache_dtype=kv_cache_dtype,
-        unroll_layers=unroll_layers,
-        async_scheduling=async_scheduling,
-        batch_invariant=batch_invariant,
-        enable_prefix_caching=enable_prefix_caching,
-        reuse_compiled_buckets=reuse_compiled_buckets,
-    )
-    if kv_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
-        kv_pages = default_num_pages(
-            run_cfg, ecfg, resolve_kv_dtype(ecfg, params), int(kv_cache_memory_gb * 2**30) * tp
-        )
-    return EngineConfig(**{**ecfg.__dict__, "num_pages": kv_pages})
 
 
 def _warn_no_tokenizer(model, eos_ids: tuple[int, ...], asked: bool) -> None:

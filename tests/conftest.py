@@ -45,6 +45,16 @@ def peak_alloc_bytes(fn) -> int:
     return peak
 
 
+def engine_config(cfg, dtype="float32", mesh=None, **options):
+    """The ``EngineConfig`` ``LLM`` gives an engine of model config ``cfg`` with weights of
+    ``dtype`` for ``LLM`` options ``options`` (``jaxinfer.engine.config.resolve``: this backend's
+    defaults, every check)."""
+    from jaxinfer.args import EngineArgs
+    from jaxinfer.engine.config import resolve
+
+    return resolve(EngineArgs("<in memory>", **options), cfg, dtype, mesh=mesh)
+
+
 def stories_reference() -> list[dict]:
     return json.loads((STORIES / "greedy_reference.json").read_text())
 

@@ -26,7 +26,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from jaxinfer.engine.core import Engine, EngineConfig  # noqa: E402
+from jaxinfer.args import EngineArgs  # noqa: E402
+from jaxinfer.engine.config import resolve  # noqa: E402
+from jaxinfer.engine.core import Engine  # noqa: E402
 from jaxinfer.loaders import load  # noqa: E402
 from jaxinfer.models.sharding import ShardedPlacer, replica_meshes, replica_view  # noqa: E402
 from jaxinfer.sampling.params import SamplingParams  # noqa: E402
@@ -54,15 +56,17 @@ def build(path, tp: int, dp: int):
     # TPU/GPU default) on the other meshes: both forms are checked sharded, and scan compiles
     # several times faster.
     unroll = None if (tp * dp == 1 or (tp, dp) == (2, 1)) else False
-    ecfg = EngineConfig(
+    cfg = placer.plan.cfg
+    args = EngineArgs(
+        path,
         max_model_len=64,
         page_size=32,
-        num_pages=12,
+        kv_pages=12,
         max_num_seqs=4,
         max_num_batched_tokens=64,
         unroll_layers=unroll,
     )
-    cfg = placer.plan.cfg
+    ecfg = resolve(args, cfg, loaded.params.embed.dtype, mesh=placer.mesh, tp=placer.plan.tp)
     if placer.mesh is None:
         return [Engine(cfg, loaded.params, tok, ecfg)], placer
     return [

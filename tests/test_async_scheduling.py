@@ -97,10 +97,10 @@ def test_async_stops_exactly_at_max_model_len(stories_llm, sync_llm):
 
 
 def test_async_scheduling_flag_is_validated():
-    from jaxinfer.engine.core import EngineConfig
+    from jaxinfer.args import EngineArgs
 
     with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
-        EngineConfig(max_model_len=64, async_scheduling="yes")
+        EngineArgs("m", async_scheduling="yes")
 
 
 def test_async_with_speculative_is_refused(stories_dir):

@@ -7,15 +7,14 @@ The raw logits come from a hook on the engine's sampling call: each row is keyed
 seed, output index), both of which the row's ``SamplingTensors`` carry, so every request here
 has its own seed."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import stories_reference
+from conftest import engine_config, stories_reference
 
-from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.args import EngineArgs
+from jaxinfer.engine.config import resolve
 from jaxinfer.llm import LLM
 from jaxinfer.models.batch_invariant import invariant_forward_logits
 from jaxinfer.models.config import ModelConfig
@@ -270,17 +269,13 @@ def test_refused_where_not_supported(stories_dir):
     with pytest.raises(ValueError, match="batch_invariant must be True or False"):
         LLM(stories_dir, batch_invariant=1, compilation_cache=False)
     cfg = ModelConfig("llama", 32, 16, 32, 1, 2, 2, 8)
-    ecfg = EngineConfig(
-        max_model_len=16,
-        num_pages=8,
-        page_size=8,
-        attn_impl="pallas_tpu_interpret",
-        batch_invariant=True,
-    )
+    kw = dict(max_model_len=16, kv_pages=8, page_size=8, batch_invariant=True)
     with pytest.raises(ValueError, match="attn_impl='pallas_tpu_interpret'"):
-        Engine(cfg, None, _NoText(), ecfg)  # refused before the params are looked at
+        engine_config(cfg, attn_impl="pallas_tpu_interpret", **kw)  # before the params exist
+    with pytest.raises(ValueError, match="--attn-impl pallas_tpu_interpret"):
+        resolve(EngineArgs("m", attn_impl="pallas_tpu_interpret", **kw, origin="cli"), cfg, "f4")
     with pytest.raises(ValueError, match="batch_invariant"):
-        dataclasses.replace(ecfg, batch_invariant="yes")
+        EngineArgs("m", batch_invariant="yes")
 
 
 def test_cli_flag_reaches_llm(monkeypatch, tmp_path):
@@ -288,8 +283,8 @@ def test_cli_flag_reaches_llm(monkeypatch, tmp_path):
     from jaxinfer.cli.main import _load_llm, build_parser
 
     got = []
-    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **kw: got.append(kw))
+    monkeypatch.setattr(jaxinfer.llm.LLM, "from_engine_args", got.append)
     base = ["generate", "--model", "m", "--prompts", "p", "--out", str(tmp_path / "o")]
     for extra, want in (([], False), (["--batch-invariant"], True)):
         _load_llm(build_parser().parse_args(base + extra))
-        assert got.pop()["batch_invariant"] is want
+        assert got.pop().batch_invariant is want

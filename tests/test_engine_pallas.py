@@ -63,9 +63,12 @@ def test_resolve_attn_impl():
 
 
 def test_cli_choices_match_attn_impls():
-    from jaxinfer.cli.main import ATTN_IMPL_CHOICES
+    from jaxinfer.cli.main import build_parser
 
-    assert ATTN_IMPL_CHOICES == ATTN_IMPLS
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for command in ("generate", "serve"):
+        (action,) = [a for a in sub.choices[command]._actions if a.dest == "attn_impl"]
+        assert tuple(action.choices) == ATTN_IMPLS
 
 
 def test_engine_rejects_unsupported_combination(stories_dir):

@@ -22,8 +22,9 @@ def loaded():
     return load(STORIES, skip_tokenizer_init=True).params
 
 
+# (True, True, 128) is the CPU default (resolve)
 @pytest.mark.parametrize(
-    "unroll, out_in, scan", [(None, None, None), (False, None, None), (None, False, 64)]
+    "unroll, out_in, scan", [(True, True, 128), (False, True, 128), (True, False, 64)]
 )
 def test_same_tree_and_bits_as_the_eager_transforms_without_compiling(loaded, unroll, out_in, scan):
     from jax import monitoring
@@ -48,7 +49,7 @@ def test_same_tree_and_bits_as_the_eager_transforms_without_compiling(loaded, un
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype and not g.committed
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    if (unroll, out_in) == (None, None):  # the engine leaves it as it is
+    if (unroll, out_in) == (True, True):  # the engine leaves it as it is
         again = out_in_projections(unstack_layers(got, scan_from_tokens(ecfg)))
         assert all(
             a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got), strict=True)
@@ -56,7 +57,9 @@ def test_same_tree_and_bits_as_the_eager_transforms_without_compiling(loaded, un
 
 
 def test_what_it_leaves_to_the_engine(loaded):
-    ecfg = EngineConfig(max_model_len=512)
+    ecfg = EngineConfig(
+        max_model_len=512, unroll_layers=True, out_in_weights=True, scan_layers_from_tokens=128
+    )  # the CPU default (resolve)
     assert applies(loaded)
     done = engine_layout_on_host(loaded, ecfg)
     assert not applies(done) and engine_layout_on_host(done, ecfg) is done  # already laid out

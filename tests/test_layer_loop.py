@@ -5,15 +5,13 @@ _parity), the threshold picks the loop form, bad values are refused naming the f
 greedy output with the scan path against llama2.c's reference is in test_engine (the CPU default
 runs it) and below with every step a scan."""
 
-import dataclasses
-
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.config import EngineConfig, scan_from_tokens
+from jaxinfer.engine.config import DEFAULT_SCAN_LAYERS_FROM_TOKENS, EngineConfig, scan_from_tokens
 from jaxinfer.models.attention import dense_attn_fn
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.forward import compute_logits, forward
@@ -88,19 +86,26 @@ def test_scan_over_unstacked_layers_matches_both_loops(stacked, out_in):
 
 
 def test_scan_from_tokens_values():
-    assert EngineConfig(64).scan_layers_from_tokens is None
-    assert scan_from_tokens(EngineConfig(64, scan_layers_from_tokens=0)) is None  # never
-    assert scan_from_tokens(EngineConfig(64, scan_layers_from_tokens=16)) == 16
+    from conftest import engine_config
+
+    from jaxinfer.args import EngineArgs
+
+    def resolved(**kw):
+        return scan_from_tokens(engine_config(CFG, max_model_len=64, **kw))
+
+    assert resolved() == DEFAULT_SCAN_LAYERS_FROM_TOKENS  # the default
+    assert resolved(scan_layers_from_tokens=0) is None  # never
+    assert resolved(scan_layers_from_tokens=16) == 16
     for bad in (-1, True, 2.0, "32"):
         with pytest.raises(ValueError, match="scan_layers_from_tokens"):
-            EngineConfig(64, scan_layers_from_tokens=bad)
+            EngineArgs("m", scan_layers_from_tokens=bad)
     # batch-invariant engines never switch loop form with the step's size
-    assert scan_from_tokens(EngineConfig(64, batch_invariant=True)) is None
-    assert (
-        scan_from_tokens(EngineConfig(64, batch_invariant=True, scan_layers_from_tokens=0)) is None
-    )
+    assert resolved(batch_invariant=True) is None
+    assert resolved(batch_invariant=True, scan_layers_from_tokens=0) is None
     with pytest.raises(ValueError, match="scan_layers_from_tokens=8 with batch_invariant"):
-        EngineConfig(64, batch_invariant=True, scan_layers_from_tokens=8)
+        EngineArgs("m", batch_invariant=True, scan_layers_from_tokens=8)
+    with pytest.raises(TypeError, match="scan_layers_from_tokens=None"):
+        EngineConfig(64, scan_layers_from_tokens=None)  # an EngineConfig is resolved
     params = init_random(CFG, jax.random.PRNGKey(0))
     for bad in (0, -3, False, 1.5):
         with pytest.raises(ValueError, match="scan_from_tokens"):
@@ -116,26 +121,15 @@ def test_engine_every_step_a_scan_reproduces_llama2c(stories_dir):
     (scan_layers_from_tokens=1): llama2.c's greedy reference, its cases in one batch."""
     from conftest import assert_reproduces_stories_reference
 
-    from jaxinfer.engine import core as engine_mod
     from jaxinfer.llm import LLM
 
-    orig = engine_mod.Engine.__init__
-
-    def init(self, cfg, params, tokenizer, ecfg, *a, **kw):
-        orig(
-            self,
-            cfg,
-            params,
-            tokenizer,
-            dataclasses.replace(ecfg, unroll_layers=True, scan_layers_from_tokens=1),
-            *a,
-            **kw,
-        )
-
-    engine_mod.Engine.__init__ = init
-    try:
-        llm = LLM(stories_dir, max_model_len=256, max_num_seqs=4, compilation_cache=False)
-    finally:
-        engine_mod.Engine.__init__ = orig
+    llm = LLM(
+        stories_dir,
+        max_model_len=256,
+        max_num_seqs=4,
+        unroll_layers=True,
+        scan_layers_from_tokens=1,
+        compilation_cache=False,
+    )
     assert isinstance(llm.engine.params.layers, tuple) and llm.engine.params.scan_from_tokens == 1
     assert_reproduces_stories_reference(llm)

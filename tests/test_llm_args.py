@@ -1,5 +1,6 @@
-"""LLM's constructor arguments are checked before the model loads, and the KV pool and row
-buffers they imply before they are allocated (issue 15, class 4; ``jaxinfer.llm_args``).
+"""LLM's constructor arguments are checked before the model loads (``jaxinfer.args.EngineArgs``),
+and the KV pool and row buffers they imply before they are allocated (issue 15, class 4;
+``jaxinfer.engine.config.check_kv_pool``).
 
 Bad arguments are given with a missing model path: a ValueError naming the argument (not the
 CheckpointError of the path) shows the argument was checked first. The memory cases construct
@@ -79,14 +80,40 @@ def test_llm_model_argument_type():
         LLM(None)
 
 
-def test_every_llm_argument_has_a_check_and_its_default_passes():
+def test_every_llm_argument_is_an_option_with_a_check_and_its_default_passes():
+    """LLM's signature is EngineArgs' fields (help(LLM), notebooks and IDEs show them all), each
+    with a check and help; the defaults pass their checks."""
+    from jaxinfer.args import EngineArgs, option_fields
     from jaxinfer.llm import LLM
-    from jaxinfer.llm_args import RULES, check_llm_args
 
     params = dict(inspect.signature(LLM.__init__).parameters)
     params.pop("self")
-    assert set(params) == set(RULES)
-    check_llm_args({n: p.default for n, p in params.items() if n != "model"} | {"model": "m"})
+    fields = {f.name: f for f in option_fields()}
+    assert list(params) == list(fields)
+    assert params["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for name, p in list(params.items())[1:]:
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == fields[name].default
+        opt = fields[name].metadata["option"]
+        assert callable(opt.check) and opt.help, name
+        assert f"        {name}: " in LLM.__doc__, name  # documented in LLM's docstring
+    args = EngineArgs(model="m", **{n: p.default for n, p in list(params.items())[1:]})
+    assert args == EngineArgs("m")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_seq_len=3), r"unexpected keyword argument 'max_seq_len'; did you mean 'max_mod"),
+        (dict(page_sizes=8), r"unexpected keyword argument 'page_sizes'; did you mean 'page_size'"),
+        (dict(origin="cli"), r"unexpected keyword argument 'origin'$"),
+        (dict(zzz=1), r"LLM\(\) got an unexpected keyword argument 'zzz'$"),
+    ],
+)
+def test_unknown_keyword_is_a_type_error_with_close_matches(kwargs, match):
+    from jaxinfer.llm import LLM
+
+    with pytest.raises(TypeError, match=match):
+        LLM("/nonexistent/model", **kwargs)
 
 
 def test_kv_pool_beyond_memory_is_refused_with_bytes(stories_dir):
@@ -126,9 +153,8 @@ def test_kv_pool_slots_beyond_int32(stories_dir, monkeypatch):
 def test_huge_max_num_seqs(stories_dir, monkeypatch):
     """2**31 - 1 rows: 2**32 int32 sampling slots (Engine's num_slots) twice = 32 GiB; refused
     against memory (8 GiB here), and against int32 row ids where memory would allow it."""
-    from jaxinfer.engine.core import EngineConfig
+    from jaxinfer.engine.config import EngineConfig, check_kv_pool
     from jaxinfer.llm import LLM
-    from jaxinfer.llm_args import check_kv_pool
 
     rows = 2**31 - 1
     monkeypatch.setattr(memory_limits, "available_host_bytes", lambda: 2**33)

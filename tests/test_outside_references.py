@@ -100,15 +100,19 @@ def _prompt_predicting_itself(model, freq_pres: float):
 @pytest.fixture(scope="module")
 def engines(tiny):
     """The plain engine and an n-gram speculative one (R = 2) over the tiny model."""
-    from jaxinfer.engine.core import Engine, EngineConfig
+    from conftest import engine_config
+
+    from jaxinfer.engine.core import Engine
     from jaxinfer.speculative.config import SpecConfig
     from jaxinfer.speculative.engine import SpecEngine
 
     cfg, params, _ = tiny
-    ecfg = EngineConfig(
+    ecfg = engine_config(
+        cfg,
+        params.embed.dtype,
         max_model_len=48,
         page_size=8,
-        num_pages=32,
+        kv_pages=32,
         max_num_seqs=4,
         max_num_batched_tokens=64,
         attn_impl="xla",

@@ -318,20 +318,17 @@ def test_page_major_pool_holds_the_same_writes(dtype):
 
 def test_page_major_pool_refused_where_it_cannot_run():
     """The Pallas kernels read the head-major pool: asking for a page-major one with them raises."""
-    import jax
+    from conftest import engine_config
 
-    from jaxinfer.engine.core import Engine, EngineConfig
     from jaxinfer.models.config import ModelConfig
-    from jaxinfer.models.params import init_random
 
     cfg = ModelConfig("llama", 32, 16, 32, 1, 2, 2, 8)
-    params = init_random(cfg, jax.random.PRNGKey(0))
-    ecfg = EngineConfig(
-        max_model_len=16,
-        num_pages=8,
-        page_size=8,
-        attn_impl="pallas_tpu_interpret",
-        kv_page_major=True,
-    )
-    with pytest.raises(ValueError, match="kv_page_major"):
-        Engine(cfg, params, None, ecfg)
+    with pytest.raises(ValueError, match="kv_page_major=True needs attn_impl resolving to 'xla'"):
+        engine_config(
+            cfg,
+            max_model_len=16,
+            kv_pages=8,
+            page_size=8,
+            attn_impl="pallas_tpu_interpret",
+            kv_page_major=True,
+        )

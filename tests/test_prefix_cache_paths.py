@@ -25,15 +25,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import engine_config
 
-from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.engine.core import Engine
 from jaxinfer.sampling.sampler import SamplingParams
 
 Z = 8
 SIZES = dict(
     max_model_len=32,
     page_size=Z,
-    num_pages=12,
+    kv_pages=12,
     max_num_seqs=4,
     max_num_batched_tokens=32,
     max_prefill_seqs=4,
@@ -57,7 +58,9 @@ def base_ids(stories):
 
 
 def make_engine(model, caching: bool, **kw) -> Engine:
-    ecfg = EngineConfig(**{**SIZES, **kw, "enable_prefix_caching": caching})
+    ecfg = engine_config(
+        model.config, model.params.embed.dtype, **{**SIZES, **kw, "enable_prefix_caching": caching}
+    )
     return Engine(model.config, model.params, model.tokenizer, ecfg)
 
 
@@ -307,7 +310,7 @@ def _pallas_check(cfg, params, tokenizer, attn_impl, waves):
     kw = dict(
         max_model_len=32,
         page_size=16,
-        num_pages=6,
+        kv_pages=6,
         max_num_seqs=2,
         max_num_batched_tokens=32,
         max_prefill_seqs=2,
@@ -315,7 +318,12 @@ def _pallas_check(cfg, params, tokenizer, attn_impl, waves):
     )
     engines = {
         c: Engine(
-            cfg, params, tokenizer, EngineConfig(**kw, attn_impl=attn_impl, enable_prefix_caching=c)
+            cfg,
+            params,
+            tokenizer,
+            engine_config(
+                cfg, params.embed.dtype, **kw, attn_impl=attn_impl, enable_prefix_caching=c
+            ),
         )
         for c in (True, False)
     }

@@ -322,13 +322,17 @@ class _NoTokenizer:
 
 
 def _engine_greedy(cfg, params, prompts, kv_cache_dtype="auto", max_tokens=8):
-    from jaxinfer.engine.core import Engine, EngineConfig
+    from conftest import engine_config
+
+    from jaxinfer.engine.core import Engine
     from jaxinfer.sampling.sampler import SamplingParams
 
-    ecfg = EngineConfig(
+    ecfg = engine_config(
+        cfg,
+        params.embed.dtype,
         max_model_len=64,
         page_size=16,
-        num_pages=16,
+        kv_pages=16,
         max_num_seqs=4,
         max_num_batched_tokens=64,
         attn_impl="xla",

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import engine_config
 from scipy import stats
 
-from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.engine.core import Engine
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import init_random, param_shapes, params_from_flat
 from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors, processed_logits
@@ -219,14 +220,17 @@ def _tiny(vocab: int, seed: int, layers: int = 2, scale: float = 0.6):
     return cfg, init_random(cfg, jax.random.key(seed), scale=scale)
 
 
-def _ecfg(max_num_seqs=64, max_model_len=32):
-    return EngineConfig(
+def _ecfg(max_num_seqs=64, max_model_len=32, **kw):
+    """The engine config of ``_tiny``'s models (resolved as ``LLM`` does: CPU defaults)."""
+    cfg = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=64)
+    sizes = dict(
         max_model_len=max_model_len,
         page_size=8,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(256, max_num_seqs),
-        num_pages=max_num_seqs * (max_model_len // 8 + 1) + 1,
+        kv_pages=max_num_seqs * (max_model_len // 8 + 1) + 1,
     )
+    return engine_config(cfg, **{**sizes, **kw})
 
 
 def _run(engine, prompts, params):
@@ -264,9 +268,7 @@ def test_end_to_end_sampling_distribution_with_a_different_draft_model():
     # All n rows run together and their prefills share one step (max_prefill_seqs = n): the
     # prefill round and the first verify round then have the same shapes, and the compiled
     # rounds (~8 s each) are 2 or 3 instead of one per power-of-two row count on the way up.
-    ecfg = dataclasses.replace(
-        _ecfg(max_num_seqs=n), max_prefill_seqs=n, max_num_batched_tokens=n * len(prompt)
-    )
+    ecfg = _ecfg(max_num_seqs=n, max_prefill_seqs=n, max_num_batched_tokens=n * len(prompt))
     eng = SpecEngine(
         cfg,
         params,

@@ -24,9 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from jaxinfer.args import EngineArgs
 
 # cli_generate imports job_plan early: it copies Engine's methods (job_plan).
 from jaxinfer.cli.generate import EXIT_INTERRUPTED, EXIT_WRITE_FAILED, Terminated, run_jobs
@@ -34,6 +37,7 @@ from jaxinfer.cli.generate import check_terminated as _check_terminated  # noqa:
 from jaxinfer.cli.generate import error_record as _error_record  # noqa: F401 - tests
 from jaxinfer.cli.generate import interrupt_status as _interrupt_status
 from jaxinfer.cli.generate import sigterm_as_interrupt as _sigterm_as_interrupt
+from jaxinfer.cli.llm_from_args import engine_args
 from jaxinfer.cli.llm_from_args import load_llm as _load_llm
 from jaxinfer.cli.output_file import Done, OutputFile
 from jaxinfer.cli.partial import Checkpointer, partial_path, run_settings
@@ -47,17 +51,6 @@ from jaxinfer.cli.prompts_file import (
 )
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.sampling.params import SamplingParams
-
-ATTN_IMPL_CHOICES = (
-    "auto",
-    "xla",
-    "pallas",
-    "pallas_tpu",
-    "pallas_gpu",
-    "pallas_tpu_interpret",
-    "pallas_gpu_interpret",
-    "cpu_kernel",
-)
 
 EXIT_USAGE = 2
 __all__ = [
@@ -82,11 +75,35 @@ def _sampling_defaults() -> dict:
     return {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` with each flag's default where it says something: " (default: X)" is added
+    unless the help states the default itself, or it is None or a switch's (whose help says
+    what it means)."""
+
+    def _get_help_string(self, action):
+        text, default = action.help or "", action.default
+        if (
+            "(default" in text
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or not action.option_strings
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+    def _split_lines(self, text, width):  # never break a flag at its dashes
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    from jaxinfer.version import package_version
+
+    fmt = HelpFormatter
     parser = argparse.ArgumentParser(
         prog="jaxinfer", description="jaxinfer: LLM inference in JAX.", formatter_class=fmt
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = sub.add_parser(
         "generate",
@@ -100,14 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     io = g.add_argument_group("input and output")
     io.add_argument(
-        "--model",
-        required=True,
-        help="model: a Hugging Face directory or a llama2.c checkpoint (file or dir)",
-    )
-    io.add_argument(
         "--prompts",
         required=True,
         type=Path,
+        metavar="FILE",
         help=(
             "prompts file: JSONL ({'id', 'prompt'|'messages'|'prompt_token_ids', sampling "
             "fields}; read as JSONL when it ends in .jsonl or every non-blank line starts with "
@@ -120,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         required=True,
         type=Path,
+        metavar="FILE",
         help="output JSONL file (a regular file); appended to, ids already present are "
         "skipped; locked while a run writes it, so a second run on it is refused",
     )
@@ -132,149 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flight) this often, and on SIGTERM/Ctrl-C, so a rerun continues them; 0 = only on "
         "SIGTERM/Ctrl-C. Removed when the job completes",
     )
-    io.add_argument(
-        "--tokenizer", default=None, help="tokenizer file overriding the one found beside the model"
-    )
-    io.add_argument(
-        "--skip-tokenizer-init",
-        action="store_true",
-        help="load no tokenizer (as vLLM): records give prompt_token_ids, output records have "
-        "token_ids and no text, records that need text get an error record; a model with no "
-        "tokenizer beside it runs this way too, with a warning",
-    )
-
-    e = g.add_argument_group("engine")
-    e.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="weight and KV cache dtype: float32 is the fast dtype on CPU, bfloat16 is for TPU/GPU",
-    )
-    e.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output in tokens (None: the model's context length)",
-    )
-    e.add_argument(
-        "--kv-pages",
-        type=int,
-        default=None,
-        help="pages in the KV pool (None: every sequence at full length, up to 2 GiB)",
-    )
-    e.add_argument(
-        "--page-size",
-        type=int,
-        default=None,
-        help="tokens per KV page (None: 8 on CPU with the XLA attention, else 16)",
-    )
-    e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded together")
-    e.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget of one step (None: max(512, max-num-seqs))",
-    )
-    # = paged_attention.ATTN_IMPLS (spelled out: the CLI imports jax lazily; a test checks).
-    e.add_argument(
-        "--attn-impl",
-        default="auto",
-        choices=ATTN_IMPL_CHOICES,
-        help="attention implementation: auto (on CPU cpu_kernel where the KV pool "
-        "allows, else xla; the Pallas kernel where verified), xla, pallas (this "
-        "backend's kernel), pallas_tpu, pallas_gpu, pallas_{tpu,gpu}_interpret "
-        "(kernels run on CPU, for tests), cpu_kernel (XLA with a native CPU decode "
-        "kernel built by the C++ compiler)",
-    )
-    sd = g.add_argument_group("speculative decoding")
-    sd.add_argument(
-        "--speculative",
-        default=None,
-        choices=["draft-model", "ngram", "heads"],
-        help="drafter: a smaller draft model, n-gram prompt lookup or Medusa heads",
-    )
-    sd.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=4,
-        help="R, draft tokens proposed per sequence and round",
-    )
-    sd.add_argument(
-        "--draft-model",
-        default=None,
-        help="draft model: a checkpoint with the target's tokenizer, 'self' or "
-        "'layers:N' (the target's first N layers)",
-    )
-    sd.add_argument(
-        "--draft-heads",
-        default=None,
-        help="directory of draft heads written by 'jaxinfer train-draft-heads'",
-    )
-    e.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=None,
-        help="devices each model copy is split over (None: all devices when the weights do not "
-        "fit one device, else 1)",
-    )
-    e.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=None,
-        help="engine replicas; the prompts are split between them (None: 1)",
-    )
-    e.add_argument(
-        "--multihost",
-        action="store_true",
-        help="call jax.distributed.initialize() (one process per host; process 0 writes --out); "
-        "automatic on multi-host TPU slices and with JAXINFER_MULTIHOST=1",
-    )
-    e.add_argument(
-        "--quantization",
-        default="none",
-        choices=["none", "int8", "w8a8"],
-        help="int8 weights: int8 (weight-only, w8a16) or w8a8 (int8 activations too); "
-        "a checkpoint from `jaxinfer quantize` is int8 already",
-    )
-    e.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="dispatch each step before the previous one's tokens are read back "
-        "(default: on, off with --speculative)",
-    )
-    e.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="every request's logits, tokens and logprobs bitwise the same whatever "
-        "else is in the batch (its size, chunking, preemption); slower, see README",
-    )
-    e.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="do not reuse the KV pages of prompt prefixes that earlier requests "
-        "computed (prefix caching is on by default; outputs are the same)",
-    )
-    e.add_argument(
-        "--no-reuse-compiled-buckets",
-        dest="reuse_compiled_buckets",
-        action="store_false",
-        help="compile every new step shape before running it, "
-        "instead of padding it to a compiled shape one bucket up (same outputs)",
-    )
-    e.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "int8"],
-        help="KV cache pages: auto (the weights' float dtype) or int8 (per-token, per-head scales)",
-    )
-    e.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="engine seed: draws the seeds of requests that have none",
-    )
+    EngineArgs.add_cli_args(g)
 
     d = _sampling_defaults()
     s = g.add_argument_group(
@@ -358,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d["seed"],
         help="per-request seed of prompts without their own 'seed', reduced modulo 2**32 "
-        "(None: drawn from the engine seed)",
+        "(default: drawn from the engine seed)",
     )
 
     o = g.add_argument_group("display")
@@ -376,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantize_parser(sub)
     from jaxinfer.server.command import add_serve_parser
 
-    add_serve_parser(sub, fmt, g)
+    add_serve_parser(sub, fmt)
     return parser
 
 
@@ -430,6 +302,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"model {args.model} does not exist")
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
         raise UsageError(f"tokenizer {args.tokenizer} does not exist or is not a file")
+    eargs = engine_args(args)  # every engine flag checked before the output file opens
     out_path: Path = args.out
     jobs, _ = read_jobs(args.prompts, defaults)
     if not jobs:
@@ -437,7 +310,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from jaxinfer.models.sharding import initialize_multihost, is_output_host
 
-    multihost = initialize_multihost(args.multihost)
+    multihost = initialize_multihost(eargs.multihost)
     if multihost and not is_output_host():
         out = OutputFile.reader(out_path)  # every host computes; process 0 writes
     else:
@@ -452,7 +325,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         enabled=not multihost,
     )
     try:
-        return run_jobs(args, jobs, out, say, t_start, ckpt, _load_llm)
+        return run_jobs(args, jobs, out, say, t_start, ckpt, lambda _: _load_llm(eargs))
     except BaseException:
         out.close(discard=out.written == 0)  # a failed command leaves no empty file behind
         raise

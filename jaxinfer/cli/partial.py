@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxinfer.args import OUTPUT_SETTINGS, ChatTemplate, PathArg, is_template_text, option_of
 from jaxinfer.engine.parallel_sampling import child_params
 from jaxinfer.engine.resume import ResumeState
 from jaxinfer.errors import JaxinferError
@@ -49,22 +50,10 @@ from jaxinfer.sampling.params import SamplingParams
 SUFFIX = ".partial.json"
 FORMAT = "jaxinfer-partial"
 VERSION = 1
-SETTINGS = (
-    "model",
-    "tokenizer",
-    "skip_tokenizer_init",
-    "dtype",
-    "quantization",
-    "kv_cache_dtype",
-    "max_model_len",
-    "speculative",
-    "num_speculative_tokens",
-    "draft_model",
-    "draft_heads",
-    "batch_invariant",
-)
-"""Command-line settings a partial output depends on (they change the tokens); the file
-records them and is ignored when the rerun's differ."""
+SETTINGS = OUTPUT_SETTINGS
+"""Command-line settings a partial output depends on: the engine options that change the tokens
+(``Option.changes_outputs`` in ``jaxinfer.args``); the file records them and is ignored when the
+rerun's differ."""
 MAX_WARNINGS = 5
 """Entries named one by one in warnings; the rest are counted."""
 
@@ -77,13 +66,14 @@ def partial_path(out: Path) -> Path:
 
 
 def run_settings(args) -> dict:
-    """The `SETTINGS` of a parsed ``generate`` command line, paths made absolute."""
+    """The `SETTINGS` of a parsed ``generate`` command line, paths made absolute (those of path
+    options that name an existing file: ``draft_model`` may be "self", ``chat_template`` the
+    template text)."""
     d = {k: getattr(args, k, None) for k in SETTINGS}
-    for k in ("model", "tokenizer", "draft_heads"):
-        if d[k] is not None:
-            d[k] = str(Path(d[k]).resolve())
-    if d["draft_model"] is not None and Path(d["draft_model"]).exists():
-        d["draft_model"] = str(Path(d["draft_model"]).resolve())
+    for k, v in d.items():
+        if isinstance(option_of(k).check, PathArg | ChatTemplate) and v is not None:
+            if not is_template_text(v) and Path(v).exists():
+                d[k] = str(Path(v).resolve())
     return d
 
 

@@ -53,7 +53,6 @@ compile-free part (file reads, ~1-2 s for 110M against a 4-6 s first-step compil
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import threading
@@ -85,17 +84,10 @@ def enabled() -> bool:
 def llm_arguments(kwargs: dict) -> dict:
     """``kwargs`` (``LLM``'s keyword arguments, the model path apart) completed with ``LLM``'s
     defaults. Raises TypeError for a name ``LLM`` does not take."""
-    from jaxinfer.llm import LLM
+    from jaxinfer.args import check_keywords, option_fields
 
-    sig = inspect.signature(LLM.__init__)
-    unknown = set(kwargs) - set(sig.parameters)
-    if unknown:
-        raise TypeError(f"LLM takes no argument(s) {sorted(unknown)}")
-    return {
-        name: kwargs.get(name, p.default)
-        for name, p in sig.parameters.items()
-        if p.kind is p.KEYWORD_ONLY
-    }
+    check_keywords(kwargs, "LLM")
+    return {f.name: kwargs.get(f.name, f.default) for f in option_fields() if f.name != "model"}
 
 
 def unsupported(kwargs: dict) -> str | None:
@@ -227,12 +219,13 @@ def _abstract_of(tree) -> list:
 
 def start_for_jobs(args, jobs) -> FirstStepCompile:
     """``FirstStepCompile.start`` for ``jaxinfer generate``: the model and engine flags of
-    ``args`` (``llm_from_args.llm_kwargs``), the prompts and sampling dicts of ``jobs``
+    ``args`` (``EngineArgs.add_cli_args``'s), the prompts and sampling dicts of ``jobs``
     (``jobs.Job``, in the order they run)."""
-    from jaxinfer.cli.llm_from_args import llm_kwargs
+    from jaxinfer.args import option_fields
 
+    kwargs = {f.name: getattr(args, f.name) for f in option_fields()[1:] if hasattr(args, f.name)}
     return FirstStepCompile.start(
-        args.model, llm_kwargs(args), [j.prompt for j in jobs], [j.sampling for j in jobs]
+        args.model, kwargs, [j.prompt for j in jobs], [j.sampling for j in jobs]
     )
 
 
@@ -306,13 +299,13 @@ class FirstStepCompile:
     def _plan(self, model, kwargs: dict, prompts: list, sampling: list):
         """Config, tokenizer, the first prompts' ids, ``EngineConfig``, the first step's keys
         and the abstract arguments; returns the compile function (None when skipped)."""
+        from jaxinfer.args import EngineArgs
         from jaxinfer.compile.buckets import BackgroundCompiler
         from jaxinfer.engine.batch import decode_bucket, next_pow2
-        from jaxinfer.engine.config import kv_cache_dtype
+        from jaxinfer.engine.config import kv_cache_dtype, resolve
         from jaxinfer.engine.step import jitted_forward_step, jitted_sample_step
-        from jaxinfer.llm import encode_prompt, engine_config
+        from jaxinfer.llm import encode_prompt
         from jaxinfer.loaders import _resolve_dtype
-        from jaxinfer.models.paged_attention import engine_attn_impl
         from jaxinfer.models.sharding import plan_sharding
         from jaxinfer.sampling.sampler import SamplingParams
 
@@ -322,11 +315,9 @@ class FirstStepCompile:
             return None
         run_cfg = plan_sharding(cfg, 1).cfg
         dtype = _resolve_dtype(kwargs["dtype"])
-        embed = SimpleNamespace(embed=jax.ShapeDtypeStruct((1,), dtype))  # the KV dtype's source
-        names = inspect.signature(engine_config).parameters
-        ecfg = engine_config(run_cfg, embed, 1, **{k: kwargs[k] for k in names if k in kwargs})
+        ecfg = resolve(EngineArgs(model, **kwargs), run_cfg, dtype)
         aparams = abstract_params(run_cfg, dtype, ecfg)
-        akv = abstract_kv(run_cfg, ecfg, kv_cache_dtype(ecfg, aparams))
+        akv = abstract_kv(run_cfg, ecfg, kv_cache_dtype(ecfg))
         from jaxinfer.memory_limits import shortfall
 
         if shortfall(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(akv))) is not None:
@@ -358,13 +349,6 @@ class FirstStepCompile:
         if len(fwd) != 1 or len(keys) != 1 + len(flags):
             self.reason = f"first step keys {keys} (one forward key and its sampling expected)"
             return None
-        impl, _ = engine_attn_impl(
-            ecfg.attn_impl,
-            page_major=akv.page_major,  # as Engine's
-            kv_dtype=akv.k_pages.dtype,
-            batch_invariant=ecfg.batch_invariant,
-        )
-        ecfg = dataclasses.replace(ecfg, attn_impl=impl)
         num_slots = next_pow2(decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs))
         stand_in = SimpleNamespace(  # what BackgroundCompiler's compile function reads
             cfg=run_cfg,

@@ -41,7 +41,6 @@ from jaxinfer.engine.step_controls import has_penalties, logits_controls, needs_
 from jaxinfer.errors import RequestError
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.kv_cache import PageAllocator, init_kv_cache
-from jaxinfer.models.paged_attention import XLA_IMPLS, check_attn_impl, engine_attn_impl
 from jaxinfer.models.params import Params, out_in_projections, unstack_layers
 from jaxinfer.models.sharding import to_host
 from jaxinfer.outputs import RequestOutput, TokenLogprob
@@ -75,79 +74,23 @@ MAX_STEP_FAILURES = 2
 class Engine:
     """Continuous-batching engine over one model.
 
-    Raises:
-        ValueError: at construction when the pool cannot hold one sequence of ``max_model_len``
-            tokens (the message says how many pages are needed), or ``attn_impl`` is unknown,
-            unavailable on this backend, or cannot tile this model (the message says why), or
-            ``batch_invariant`` is asked with a Pallas ``attn_impl`` or a mesh.
-        RuntimeError: ``attn_impl="cpu_kernel"`` whose build fails.
-
-    ``attn_impl`` is the implementation it runs (``paged_attention.engine_attn_impl``: "auto"
-    resolved, e.g. "cpu_kernel" or "xla" on CPU), ``attn_impl_reason`` why; ``ecfg.attn_impl``
-    is that resolved name too (the static argument of every jitted step).
+    ``ecfg`` is a resolved config (``jaxinfer.engine.config.resolve``: sizes checked, backend
+    defaults applied), which the engine only reads. ``attn_impl`` is the implementation it runs
+    (``ecfg.attn_impl``, the static argument of every jitted step), ``attn_impl_reason`` why.
     """
 
     def __init__(
         self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig, mesh=None
     ):
-        impl = check_attn_impl(
-            cfg, ecfg.attn_impl, ecfg.page_size, ecfg.num_pages, ecfg.max_pages_per_seq
-        )
-        page_major = ecfg.kv_page_major
-        if page_major is None:
-            page_major = jax.default_backend() == "cpu" and impl in XLA_IMPLS and mesh is None
-        elif page_major and impl not in XLA_IMPLS:
-            raise ValueError(
-                f"kv_page_major=True needs attn_impl resolving to 'xla' (got {impl!r}): "
-                "the Pallas kernels read the head-major pool"
-            )
-        elif page_major and mesh is not None:
-            raise ValueError(
-                "kv_page_major=True is not supported with a mesh: sharded KV pools are head-major"
-            )
-        self.kv_page_major = page_major
-        if ecfg.batch_invariant and (impl != "xla" or mesh is not None):
-            raise ValueError(
-                "batch_invariant=True runs its own XLA attention on one device: "
-                + (
-                    f"attn_impl={ecfg.attn_impl!r} (resolved {impl!r}) is not supported with it; "
-                    "use 'xla' or 'auto'"
-                    if impl != "xla"
-                    else "tensor/data parallel engines are not supported with it yet"
-                )
-            )
-        kv_dtype = kv_cache_dtype(ecfg, params)
-        # Every jitted step's static attn_impl: "auto" resolved for this engine's pool.
-        impl, self.attn_impl_reason = engine_attn_impl(
-            ecfg.attn_impl,
-            page_major=page_major,
-            kv_dtype=kv_dtype,
-            mesh=mesh,
-            batch_invariant=ecfg.batch_invariant,
-        )
-        self.attn_impl, ecfg = impl, dataclasses.replace(ecfg, attn_impl=impl)
-        if kv_dtype == np.int8 and mesh is not None:
-            raise ValueError("kv_cache_dtype='int8' with a sharded engine is not supported yet")
-        need = ecfg.max_pages_per_seq + 1
-        if ecfg.num_pages < need:
-            raise ValueError(
-                f"KV pool too small: {ecfg.num_pages} pages of {ecfg.page_size} tokens cannot hold "
-                f"one sequence of max_model_len={ecfg.max_model_len}; need at least {need} pages "
-                f"({ecfg.max_pages_per_seq} + 1 reserved). Raise kv_pages or lower max_model_len."
-            )
-        if ecfg.max_num_batched_tokens < ecfg.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={ecfg.max_num_batched_tokens} must be >= "
-                f"max_num_seqs={ecfg.max_num_seqs} (every running sequence decodes each step)"
-            )
-        keep = ecfg.keep_host_memory
-        if keep if keep is not None else jax.default_backend() == "cpu":
+        # ecfg is resolved (``engine.config.resolve``): every choice is made, every check done.
+        self.kv_page_major = ecfg.kv_page_major
+        self.attn_impl, self.attn_impl_reason = ecfg.attn_impl, ecfg.attn_impl_reason
+        kv_dtype = kv_cache_dtype(ecfg)
+        if ecfg.keep_host_memory:
             keep_freed_host_memory()
-        unroll = ecfg.unroll_layers
-        if unroll if unroll is not None else jax.default_backend() == "cpu":
+        if ecfg.unroll_layers:
             params = unstack_layers(params, scan_from_tokens(ecfg))
-        out_in = ecfg.out_in_weights
-        if out_in if out_in is not None else (jax.default_backend() == "cpu" and mesh is None):
+        if ecfg.out_in_weights:
             params = out_in_projections(params)
         self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
         self.mesh = mesh  # a jax.sharding.Mesh the params are sharded over (None: one device)
@@ -184,7 +127,7 @@ class Engine:
             self._no_prev = jax.device_put(
                 self._no_prev, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             )
-        self._async = ecfg.async_scheduling is not False
+        self._async = ecfg.async_scheduling
         self._inflight: _InFlight | None = None
         # Step-failure recovery (``step``): sequences the current attempt's device work covers,
         # sequences to run alone until they sample a token, failed steps per request.

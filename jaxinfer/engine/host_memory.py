@@ -10,7 +10,9 @@ the settings of glibc's ``MALLOC_MMAP_MAX_`` / ``MALLOC_TRIM_THRESHOLD_`` enviro
 so freed buffers are reused without page faults. The cost: the process keeps its peak heap
 (RSS does not shrink after a large step).
 
-This is process-wide; the engine applies it on the CPU backend (``EngineConfig.keep_host_memory``).
+This is process-wide; an engine applies it when its ``EngineConfig.keep_host_memory`` is set: by
+default on the CPU backend (``LLM(keep_host_memory=False)`` / ``--no-keep-host-memory`` leave the
+allocator as it is).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,6 @@ M_MMAP_MAX = -4
 def keep_freed_host_memory() -> bool:
     """Applies the setting once per process. Returns True when applied, False where the C library
     has no glibc ``mallopt`` (e.g. macOS, musl): nothing changes there, and a debug log says so."""
-    if os.environ.get("JAXINFER_KEEP_HOST_MEMORY", "1") == "0":
-        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

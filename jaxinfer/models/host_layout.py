@@ -55,7 +55,7 @@ def applies(params: Params) -> bool:
 
 def engine_layout_on_host(params: Params, ecfg: EngineConfig) -> Params:
     """``params`` in the layout ``Engine.__init__`` gives them on one CPU device under ``ecfg``
-    (``unroll_layers`` / ``out_in_weights``, default on): ``out_in_projections(unstack_layers(
+    (``unroll_layers`` / ``out_in_weights``): ``out_in_projections(unstack_layers(
     params, scan_from_tokens(ecfg)))``'s tree and values, built with numpy (no XLA compile).
     Returns ``params`` unchanged where ``applies`` is False (the engine then transforms them
     itself, with the same result).
@@ -66,8 +66,7 @@ def engine_layout_on_host(params: Params, ecfg: EngineConfig) -> Params:
     """
     if not applies(params):
         return params
-    unroll = ecfg.unroll_layers is not False
-    out_in = ecfg.out_in_weights is not False
+    unroll, out_in = ecfg.unroll_layers, ecfg.out_in_weights
     if not (unroll or out_in):
         return params
     put = jax.device_put

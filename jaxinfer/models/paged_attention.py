@@ -184,9 +184,10 @@ XLA_IMPLS = ("xla", "cpu_kernel")
 KERNEL_VERIFIED_BACKENDS: tuple[str, ...] = ()
 
 
-def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
+def resolve_attn_impl(attn_impl: str, backend: str | None = None, what: str | None = None) -> str:
     """The concrete implementation of ``attn_impl`` on ``backend`` (default: jax's), from the
-    backend alone.
+    backend alone. Errors start with ``what``, the setting as the user wrote it (default
+    ``attn_impl=<value>``).
 
     "auto": the backend's kernel where verified (``KERNEL_VERIFIED_BACKENDS``), else "xla" (an
     engine on CPU then refines "xla" to "cpu_kernel" where its pool allows: ``engine_attn_impl``);
@@ -197,28 +198,28 @@ def resolve_attn_impl(attn_impl: str, backend: str | None = None) -> str:
         ValueError: unknown ``attn_impl``, "pallas" on CPU, "cpu_kernel" off CPU, or a kernel
             for another backend.
     """
+    what = what or f"attn_impl={attn_impl!r}"
     if attn_impl not in ATTN_IMPLS:
-        raise ValueError(f"attn_impl={attn_impl!r} is not available; supported: {ATTN_IMPLS}")
+        raise ValueError(f"{what} is not available; supported: {ATTN_IMPLS}")
     backend = backend or jax.default_backend()
     if attn_impl == "auto":
         return f"pallas_{backend}" if backend in KERNEL_VERIFIED_BACKENDS else "xla"
     if attn_impl == "cpu_kernel" and backend != "cpu":
         raise ValueError(
-            f"attn_impl='cpu_kernel' is a native kernel for XLA's CPU backend (jax "
+            f"{what} is a native kernel for XLA's CPU backend (jax "
             f"backend is {backend!r}); use 'auto', 'xla' or 'pallas'"
         )
     if attn_impl == "pallas":
         if backend not in ("tpu", "gpu"):
             raise ValueError(
-                f"attn_impl='pallas' needs a TPU or GPU (jax backend is {backend!r}); on CPU use "
+                f"{what} needs a TPU or GPU (jax backend is {backend!r}); on CPU use "
                 "'xla', or 'pallas_tpu_interpret' / 'pallas_gpu_interpret' to test the kernels"
             )
         return f"pallas_{backend}"
     if attn_impl in ("pallas_tpu", "pallas_gpu") and backend != attn_impl.removeprefix("pallas_"):
         other = "'pallas' (the current backend's kernel)" if backend in ("tpu", "gpu") else "'xla'"
         raise ValueError(
-            f"attn_impl={attn_impl!r} cannot run on jax backend {backend!r}; use "
-            f"{other} or '{attn_impl}_interpret'"
+            f"{what} cannot run on jax backend {backend!r}; use {other} or '{attn_impl}_interpret'"
         )
     return attn_impl
 

@@ -401,14 +401,13 @@ def step_out_shardings(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
 # ------------------------------------------------------------------------------ multi-host
 
 
-def multihost_requested(flag: bool = False) -> bool:
-    """True with ``flag``, ``JAXINFER_MULTIHOST=1``, or on a TPU slice of several hosts
-    (``TPU_WORKER_HOSTNAMES`` lists more than one host). ``JAXINFER_MULTIHOST=0`` turns it off."""
-    env = os.environ.get("JAXINFER_MULTIHOST")
-    if env is not None:
-        return env not in ("0", "", "false")
-    if flag:
-        return True
+def multihost_requested(multihost: bool | None = None) -> bool:
+    """Whether to run multi-host: ``multihost`` when True or False (``EngineArgs.multihost``,
+    ``--multihost`` / ``--no-multihost``); None (the default) on a TPU slice of several hosts
+    (``TPU_WORKER_HOSTNAMES`` lists more than one host, or ``MEGASCALE_COORDINATOR_ADDRESS`` is
+    set)."""
+    if multihost is not None:
+        return multihost
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     many_hosts = len([h for h in hosts.split(",") if h]) > 1
     return many_hosts or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
@@ -417,13 +416,13 @@ def multihost_requested(flag: bool = False) -> bool:
 _initialized = False
 
 
-def initialize_multihost(flag: bool = False) -> bool:
+def initialize_multihost(multihost: bool | None = None) -> bool:
     """Calls ``jax.distributed.initialize()`` (once, before any other JAX call) when
-    ``multihost_requested``; the coordinator is found from the TPU environment (or
+    ``multihost_requested(multihost)``; the coordinator is found from the TPU environment (or
     ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` elsewhere). Returns
-    whether it did."""
+    whether this process runs multi-host."""
     global _initialized
-    if _initialized or not multihost_requested(flag):
+    if _initialized or not multihost_requested(multihost):
         return _initialized
     jax.distributed.initialize()
     _initialized = True

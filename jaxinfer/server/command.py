@@ -2,8 +2,9 @@
 
     jaxinfer serve --model ../shared/models/stories260K --port 8000
 
-Takes every engine flag of ``jaxinfer generate`` (the same argparse actions, copied from its
-parser, so the two never drift) plus ``--host``, ``--port``, ``--served-model-name``,
+Takes the model and engine flags of ``jaxinfer generate`` (both come from
+``jaxinfer.args.EngineArgs.add_cli_args``; ``--multihost`` apart: one process serves) plus
+``--host``, ``--port``, ``--served-model-name``,
 ``--max-queue``, ``--warmup`` and ``--drain-timeout``. Start-up order: the port is bound first (a
 port in use fails at once, exit status 2, before the model loads), then the model is loaded and
 optionally warmed up, and only then does the socket listen: no client connects to a server
@@ -23,14 +24,14 @@ import signal
 import socket
 import sys
 
-# Flags of `generate` that `serve` shares, by dest (groups "engine" and "speculative decoding",
-# and these of "input and output").
-_SHARED_IO = ("model", "tokenizer", "skip_tokenizer_init")
-_NOT_SHARED = ("multihost",)  # one process serves; multi-host serving is not supported
+NOT_SERVED = ("multihost",)
+"""Engine options ``serve`` has no flag for: one process serves (no multi-host serving yet)."""
 
 
-def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Registers ``serve`` on ``sub`` with ``generate``'s model and engine flags."""
+def add_serve_parser(sub, fmt) -> argparse.ArgumentParser:
+    """Registers ``serve`` on ``sub`` with the model and engine flags (``EngineArgs``)."""
+    from jaxinfer.args import EngineArgs
+
     p = sub.add_parser(
         "serve",
         formatter_class=fmt,
@@ -40,23 +41,14 @@ def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.Ar
         "connected client shares the continuous batch. Needs the serve extra: "
         "pip install -e '.[serve]'.",
     )
-    for group in generate._action_groups:
-        shared = [
-            a
-            for a in group._group_actions
-            if a.dest not in _NOT_SHARED
-            and (group.title != "input and output" or a.dest in _SHARED_IO)
-        ]
-        if group.title in ("engine", "speculative decoding", "input and output") and shared:
-            g = p.add_argument_group("model" if group.title == "input and output" else group.title)
-            for action in shared:
-                g._add_action(action)
+    EngineArgs.add_cli_args(p, exclude=NOT_SERVED)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument(
         "--served-model-name",
         default=None,
+        metavar="NAME",
         help="the model name clients pass as 'model' (default: --model as given)",
     )
     s.add_argument(
@@ -72,13 +64,13 @@ def add_serve_parser(sub, fmt, generate: argparse.ArgumentParser) -> argparse.Ar
         const="cover",
         default=None,
         choices=("cover", "serving", "all", "requests"),
-        help="compile step shapes before the port opens. cover (the default when "
-        "given alone): a set of shapes one bucket above every shape the buckets "
-        "allow, so every step runs padded to a compiled one at once "
-        "(jaxinfer.compile.warmup.cover_keys, jaxinfer.compile.buckets); serving: every step "
-        "with at most one prefill row (precompile.serving_keys, ~2x cover's "
-        "shapes); all: every step shape (~9x); requests: run one request and a batch "
-        "of eight",
+        help="compile step shapes before the port opens. cover (what --warmup alone means): "
+        "a set of shapes one bucket above every shape the buckets allow, so every step runs "
+        "padded to a compiled one at once (jaxinfer.compile.warmup.cover_keys, "
+        "jaxinfer.compile.buckets); serving: every step with at most one prefill row "
+        "(jaxinfer.compile.warmup.serving_keys, ~2x cover's shapes); all: every step shape "
+        "(~9x); requests: run one request and a batch of eight (default: none, each step "
+        "shape compiles when first used)",
     )
     s.add_argument(
         "--drain-timeout",
@@ -231,15 +223,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not Path(args.model).exists():
         raise UsageError(f"model {args.model} does not exist")
+    from jaxinfer.cli.llm_from_args import engine_args
+    from jaxinfer.cli.llm_from_args import load_llm as _load_llm
+
+    eargs = engine_args(args, multihost=False)  # every engine flag checked before the port
     sock = bind_socket(args.host, args.port)
     try:
-        from jaxinfer.cli.llm_from_args import load_llm as _load_llm
         from jaxinfer.server.app import create_app
 
         say = lambda msg: print(f"jaxinfer: {msg}", file=sys.stderr, flush=True)
         try:
             with _stop_on_signal() as stop:
-                llm = _load_llm(args)
+                llm = _load_llm(eargs)
                 stop.check()
                 if args.warmup:
                     say(f"warming up ({args.warmup}): compiling step shapes before the port opens")

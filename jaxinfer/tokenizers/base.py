@@ -98,7 +98,8 @@ class Tokenizer:
         if self.chat_template is None:
             raise TokenizerError(
                 f"{self.path}: the tokenizer has no chat template (no chat_template in "
-                "tokenizer_config.json and no chat_template.jinja beside it)"
+                "tokenizer_config.json and no chat_template.jinja beside it); give one with "
+                "--chat-template FILE or LLM(chat_template=FILE)"
             )
         from jaxinfer.tokenizers.chat_template import ChatTemplateError, render_chat_template
 

@@ -1,0 +1,202 @@
+"""``EngineArgs`` (jaxinfer.args): one field per option makes the CLI flags, LLM's keyword
+arguments and their checks; errors name the setting as the user wrote it, by construction: the
+flag from the command line, the argument from Python. Checked against the argparse parser itself
+(every option is a flag with its field as dest, and a spelled ``--flag value`` parses back to the
+value) and end to end through generate and serve."""
+
+import argparse
+import re
+
+import pytest
+
+from jaxinfer.args import EngineArgs, flag_of, negative_of, option_fields
+from jaxinfer.cli import main as cli
+
+BASE = ["generate", "--model", "m", "--prompts", "p", "--out", "o"]
+
+
+def _actions(command="generate"):
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    return {opt: a for a in sub.choices[command]._actions for opt in a.option_strings}
+
+
+def _parse(*argv, command="generate"):
+    base = BASE if command == "generate" else ["serve", "--model", "m"]
+    return cli.build_parser().parse_args([*base, *argv])
+
+
+def test_every_option_is_a_flag_of_its_field_and_defaults_round_trip():
+    actions = _actions()
+    for f in option_fields():
+        a = actions[flag_of(f.name)]
+        assert a.dest == f.name, f.name
+        if isinstance(f.default, bool) or f.name in ("async_scheduling", "multihost"):
+            assert actions[negative_of(f.name)] is a  # a switch: both spellings, one action
+    assert EngineArgs.from_cli_args(_parse()) == EngineArgs("m")  # CLI defaults = LLM defaults
+    assert flag_of("enable_prefix_caching") == "--enable-prefix-caching"
+    assert negative_of("enable_prefix_caching") == "--no-prefix-caching"
+
+
+FLAGS = [
+    (["--no-prefix-caching"], dict(enable_prefix_caching=False)),
+    (["--no-prefix-caching", "--enable-prefix-caching"], dict(enable_prefix_caching=True)),
+    (["--no-reuse-compiled-buckets"], dict(reuse_compiled_buckets=False)),
+    (["--async-scheduling"], dict(async_scheduling=True)),
+    (["--no-async-scheduling"], dict(async_scheduling=False)),
+    (
+        ["--no-kv-page-major", "--keep-host-memory"],
+        dict(kv_page_major=False, keep_host_memory=True),
+    ),
+    (["--max-prefill-seqs", "3"], dict(max_prefill_seqs=3)),
+    (["--kv-cache-memory-gb", "0.5"], dict(kv_cache_memory_gb=0.5)),
+    (
+        ["--quantization", "int8", "--dtype", "bfloat16"],
+        dict(quantization="int8", dtype="bfloat16"),
+    ),
+    (["--speculative", "ngram", "--num-speculative-tokens", "2"], dict(num_speculative_tokens=2)),
+    (["--no-multihost"], dict(multihost=False)),
+]
+
+
+@pytest.mark.parametrize("argv, want", FLAGS)
+def test_flags_reach_engine_args(argv, want):
+    args = EngineArgs.from_cli_args(_parse(*argv))
+    assert {k: getattr(args, k) for k in want} == want and args.origin == "cli"
+
+
+ERRORS = [
+    (dict(max_model_len=0), "max_model_len=0 is out of range", "--max-model-len 0 is out of range"),
+    (dict(page_size=0), "page_size=0 is out of range", "--page-size 0 is out of range"),
+    (dict(seed=-1), "seed=-1 is out of range", "--seed -1 is out of range"),
+    (
+        dict(kv_cache_memory_gb=-1.0),
+        "kv_cache_memory_gb=-1.0 must",
+        "--kv-cache-memory-gb -1.0 must",
+    ),
+    (
+        dict(draft_model="self"),
+        "draft_model is used only with speculative='draft-model' (speculative=None)",
+        "--draft-model is used only with --speculative draft-model (--speculative not given)",
+    ),
+    (
+        dict(speculative="heads"),
+        "speculative='heads' needs draft_heads",
+        "--speculative heads needs --draft-heads",
+    ),
+    (
+        dict(speculative="ngram", batch_invariant=True),
+        "batch_invariant=True is not supported with speculative decoding (speculative='ngram')",
+        "--batch-invariant is not supported with speculative decoding (--speculative ngram)",
+    ),
+    (
+        dict(speculative="ngram", async_scheduling=True),
+        "async_scheduling=True is not supported with speculative",
+        "--async-scheduling is not supported with speculative",
+    ),
+    (
+        dict(batch_invariant=True, scan_layers_from_tokens=8),
+        "scan_layers_from_tokens=8 with batch_invariant=True",
+        "--scan-layers-from-tokens 8 with --batch-invariant",
+    ),
+]
+
+
+@pytest.mark.parametrize("kwargs, python, cli_message", ERRORS)
+def test_errors_name_the_argument_from_python_and_the_flag_from_the_command_line(
+    kwargs, python, cli_message
+):
+    with pytest.raises(ValueError) as e:
+        EngineArgs("m", **kwargs)
+    assert str(e.value).startswith(python), str(e.value)
+    with pytest.raises(ValueError) as e:
+        EngineArgs.from_cli_args(argparse.Namespace(model="m", **kwargs))
+    assert str(e.value).startswith(cli_message), str(e.value)
+    assert not any(f"{k}=" in str(e.value) for k in kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_num_batched_tokens=4, max_num_seqs=8),
+        dict(attn_impl="pallas_tpu"),
+        dict(batch_invariant=True, seed=7),
+        dict(enable_prefix_caching=False, kv_page_major=True, async_scheduling=False),
+        dict(draft_model="layers:2", speculative="draft-model"),
+    ],
+)
+def test_spelled_flags_parse_back_to_the_values(kwargs):
+    """What ``spell`` writes is what the user types: parsed by the real parser, each spelled
+    setting gives its value back."""
+    args = EngineArgs("m", **kwargs, origin="cli")
+    argv = [w for k in kwargs for w in args.spell(k).split()]
+    parsed = _parse(*argv)
+    assert {k: getattr(parsed, k) for k in kwargs} == kwargs
+    assert args.name("max_num_seqs") == "--max-num-seqs"
+    assert EngineArgs("m").spell("attn_impl", "xla") == "attn_impl='xla'"
+
+
+def test_serve_has_every_engine_flag_but_multihost():
+    gen, serve = _actions("generate"), _actions("serve")
+    engine = {flag for f in option_fields() for flag in (flag_of(f.name), negative_of(f.name))}
+    assert engine & set(gen) - {"--multihost", "--no-multihost"} <= set(serve)
+    assert "--multihost" in gen and "--multihost" not in serve
+    args = EngineArgs.from_cli_args(_parse("--no-prefix-caching", command="serve"), multihost=False)
+    assert not args.enable_prefix_caching and args.multihost is False
+
+
+def test_help_reads_well():
+    """No "(default: True)" on a negative flag, no doubled or None defaults, no underscores
+    for other options in help texts (they name flags)."""
+    for command in ("generate", "serve"):
+        sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+        text = sub.choices[command].format_help()
+        flat = " ".join(text.split())
+        assert "(default: True)" not in flat and "(default: False)" not in flat, command
+        assert "(default: None)" not in flat, command
+        assert re.search(r"\(default:[^()]*\) \(default:", flat) is None, command  # doubled
+        assert "--enable-prefix-caching, --no-prefix-caching" in text
+        assert "(default: max(512, --max-num-seqs))" in flat
+        assert "max_num_seqs" not in flat and "kv_cache_dtype" not in flat
+    serve = " ".join(sub.choices["serve"].format_help().split())
+    assert "clients pass as 'model' (default: --model as given) --max-queue" in serve
+
+
+def test_generate_error_names_the_flag(stories_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time"}\n')
+    base = [
+        "generate",
+        "--model",
+        str(stories_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "o.jsonl"),
+        "--no-progress",
+    ]
+    assert cli.main([*base, "--max-model-len", "0"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "jaxinfer: error: invalid engine setting: --max-model-len 0 is out of range"
+    ), err
+    assert cli.main([*base, "--kv-pages", "3"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert "Raise --kv-pages or lower --max-model-len." in err and "_" not in err.split(": ", 2)[2]
+    assert cli.main([*base, "--max-model-len", "600"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert "--max-model-len 600 must be in [2, 512]" in err, err
+    assert cli.main([*base, "--max-num-seqs", "8", "--max-num-batched-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--max-num-batched-tokens 4 must be >= --max-num-seqs 8" in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_python_errors_of_resolve_name_arguments(stories_dir):
+    from jaxinfer.llm import LLM
+
+    with pytest.raises(ValueError, match=r"^max_model_len=600 must be in \[2, 512\]"):
+        LLM(stories_dir, max_model_len=600, compilation_cache=False)
+    with pytest.raises(ValueError, match=r"Raise kv_pages or lower max_model_len\.$"):
+        LLM(stories_dir, kv_pages=3, compilation_cache=False)
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens=4 must be >= max_num_seqs=8"):
+        LLM(stories_dir, max_num_seqs=8, max_num_batched_tokens=4, compilation_cache=False)
