@@ -1,6 +1,7 @@
 """``EngineArgs``: every engine and model-loading option, defined once.
 
-Each option is one field of the frozen dataclass ``EngineArgs``; its metadata (an ``Option``) holds
+Each option is one field of the frozen dataclass ``EngineArgs``; its metadata (an ``Option``,
+``jaxinfer.options``) holds
 the help text, the command-line flag (and the negative flag of a switch), the choices and the
 check. From the fields come:
 
@@ -34,16 +35,26 @@ import argparse
 import dataclasses
 import difflib
 import inspect
-import math
-import numbers
 import os
 import textwrap
-from pathlib import Path
 
 from jaxinfer.engine.config import KV_CACHE_DTYPES, resolve  # noqa: F401 - resolve: see above
-from jaxinfer.loaders import WEIGHT_DTYPES
-from jaxinfer.models.config import INT32_MAX
 from jaxinfer.models.paged_attention import ATTN_IMPLS
+from jaxinfer.options import (
+    ChatTemplate,
+    Choice,
+    Dtype,
+    Gib,
+    Int,
+    Option,
+    PathArg,
+    Switch,
+    add_flag,
+    chat_template_text,
+    default_text,
+    option,
+    render,
+)
 from jaxinfer.quant.tensor import MODES
 from jaxinfer.speculative.config import SPECULATIVE_METHODS
 
@@ -51,209 +62,7 @@ SEED_MAX = 2**63 - 1
 QUANTIZATIONS = (None, "none", *MODES)
 
 
-# ------------------------------------------------------------------------- checks
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class Int:
-    """An integer in [low, high] (None too when ``optional``)."""
-
-    low: int
-    high: int = INT32_MAX
-    optional: bool = False
-    metavar = "N"
-    cli_type = int
-
-    def __call__(self, args: EngineArgs, name: str, v) -> None:
-        if v is None and self.optional:
-            return
-        if not _is_int(v):
-            none = " or None" if self.optional else ""
-            raise ValueError(
-                f"{args.name(name)} must be an integer{none}, got {v!r} ({type(v).__name__})"
-            )
-        if not self.low <= v <= self.high:
-            raise ValueError(
-                f"{args.spell(name)} is out of range: expected an integer in "
-                f"[{self.low}, {self.high}]"
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """One of ``values`` (``cli``: the ones the command line offers, default ``values``)."""
-
-    values: tuple
-    cli: tuple | None = None
-    metavar = None
-    cli_type = str
-
-    def __call__(self, args: EngineArgs, name: str, v) -> None:
-        if not any(v is a or (isinstance(v, str) and v == a) for a in self.values):
-            raise ValueError(
-                f"{args.spell(name)} is not supported; supported: "
-                + ", ".join(repr(a) for a in self.values)
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class Switch:
-    """True or False (None too when ``optional``: the backend's default)."""
-
-    optional: bool = False
-    metavar = None
-    cli_type = None
-
-    def __call__(self, args: EngineArgs, name: str, v) -> None:
-        if not (isinstance(v, bool) or (self.optional and v is None)):
-            allowed = "True, False or None" if self.optional else "True or False"
-            raise ValueError(f"{args.name(name)} must be {allowed}, got {v!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class PathArg:
-    """A non-empty path, str or os.PathLike (None too when ``optional``)."""
-
-    optional: bool = False
-    metavar = "PATH"
-    cli_type = str
-
-    def __call__(self, args: EngineArgs, name: str, v) -> None:
-        if v is None and self.optional:
-            return
-        if isinstance(v, bytes) or not isinstance(v, str | os.PathLike) or not os.fspath(v):
-            raise ValueError(
-                f"{args.name(name)} must be a non-empty path (str or os.PathLike), got {v!r}"
-            )
-
-
-class Dtype:
-    """A weight dtype name (or numpy/jax dtype) of ``WEIGHT_DTYPES``."""
-
-    metavar = None
-    cli_type = str
-    cli = WEIGHT_DTYPES
-
-    def __call__(self, args: EngineArgs, name: str, v) -> None:
-        import jax.numpy as jnp
-
-        try:
-            ok = not isinstance(v, bool) and v is not None and jnp.dtype(v).name in WEIGHT_DTYPES
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"{args.spell(name)} is not supported; supported: {', '.join(WEIGHT_DTYPES)} "
-                f"(int8 weights: {args.spell('quantization', 'int8')})"
-            )
-
-
-class Gib:
-    """A finite number of GiB > 0."""
-
-    metavar = "GIB"
-    cli_type = float
-
-    def __call__(self, args: EngineArgs, name: str, v) -> None:
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise ValueError(f"{args.name(name)} must be a number, got {v!r} ({type(v).__name__})")
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{args.spell(name)} must be a finite number > 0 (GiB)")
-
-
-class ChatTemplate:
-    """A Jinja chat template: a file, or the template text itself (vLLM's ``--chat-template``:
-    text when it holds a ``{`` or a newline), or None. The file must exist and the template
-    compile."""
-
-    metavar = "FILE"
-    cli_type = str
-
-    def __call__(self, args: EngineArgs, name: str, v) -> None:
-        PathArg(optional=True)(args, name, v)
-        if v is not None:
-            read_chat_template(args, name, v)
-
-
-def is_template_text(v) -> bool:
-    """Whether a ``chat_template`` value is the template itself rather than a file name."""
-    return isinstance(v, str) and ("{" in v or "\n" in v)
-
-
-def read_chat_template(args: EngineArgs, name: str, v) -> str:
-    """The template text of ``chat_template`` value ``v`` (a file's contents, or ``v``).
-
-    Raises:
-        ValueError: the file does not exist or cannot be read, or the template does not compile;
-            the message names the file (or says it is the text given).
-    """
-    from jinja2 import TemplateSyntaxError
-
-    from jaxinfer.tokenizers.chat_template import compile_chat_template
-
-    if is_template_text(v):
-        text, where = v, f"{args.name(name)} (the template text given)"
-    else:
-        where = args.spell(name, os.fspath(v))
-        try:
-            text = Path(v).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ValueError(
-                f"{where}: no such file (a chat template is a Jinja file, or the template text "
-                "itself)"
-            ) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"{where}: cannot read the chat template: {e}") from None
-    try:
-        compile_chat_template(text)
-    except TemplateSyntaxError as e:
-        raise ValueError(
-            f"{where}: the chat template does not compile: {e} (template line {e.lineno})"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - RecursionError from nesting, and the like
-        raise ValueError(f"{where}: the chat template does not compile: {e!r}") from None
-    return text
-
-
 # ------------------------------------------------------------------------- options
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """An ``EngineArgs`` field's metadata.
-
-    Attributes:
-        help: what the option does, for ``--help`` and ``LLM``'s docstring; ``{field}`` names
-            another option (its flag in ``--help``).
-        check: ``check(args, name, value)`` raises ValueError for a bad value.
-        group: the ``--help`` group.
-        flag: the command-line flag (default ``--`` + the name with dashes); for a switch, the
-            flag that sets True.
-        negative: a switch's flag that sets False (default ``--no-`` + ``flag``'s stem).
-        default_text: the default in words (default: the value; "on"/"off"), ``{field}`` as
-            in ``help``.
-        changes_outputs: a different value can give different tokens (``jaxinfer.cli.partial``
-            keeps partial outputs only across runs with the same values).
-        metavar: the value's name in ``--help``.
-    """
-
-    help: str
-    check: object
-    group: str = "engine"
-    flag: str | None = None
-    negative: str | None = None
-    default_text: str | None = None
-    changes_outputs: bool = False
-    metavar: str | None = None
-
-
-def option(default, help: str, check, **kw):
-    """An ``EngineArgs`` field: ``default`` and its ``Option`` (``help``, ``check``, ``kw``)."""
-    return dataclasses.field(default=default, metadata={"option": Option(help, check, **kw)})
 
 
 MODEL, ENGINE, TUNING, PARALLEL, SPEC = (
@@ -571,7 +380,7 @@ class EngineArgs:
                 target = groups[opt.group]
             else:
                 target = parser
-            _add_flag(target, f, opt)
+            add_flag(target, f, flag_of)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace, **overrides) -> EngineArgs:
@@ -584,11 +393,9 @@ class EngineArgs:
         return cls(**given, origin="cli")
 
     def read_chat_template(self) -> str | None:
-        """The chat template's text (``chat_template``'s file read), or None. Raises
-        ValueError as the check does."""
-        if self.chat_template is None:
-            return None
-        return read_chat_template(self, "chat_template", self.chat_template)
+        """The chat template's text (``chat_template``'s file read; checked when these args
+        were made), or None. Raises OSError for a file gone since."""
+        return None if self.chat_template is None else chat_template_text(self.chat_template)
 
 
 # ------------------------------------------------------------------------- from the fields
@@ -606,75 +413,12 @@ def option_of(field: str) -> Option:
 
 def flag_of(field: str) -> str:
     """The command-line flag of option ``field``: ``max_model_len`` -> ``--max-model-len``."""
-    return option_of(field).flag or "--" + field.replace("_", "-")
+    return option_of(field).flag_of(field)
 
 
 def negative_of(field: str) -> str:
     """The flag that sets switch ``field`` False: ``--no-batch-invariant``."""
-    return option_of(field).negative or "--no-" + flag_of(field).removeprefix("--")
-
-
-class _SwitchAction(argparse.Action):
-    """A switch with a flag for True and one for False (argparse's BooleanOptionalAction with
-    a negative flag of our choosing)."""
-
-    def __init__(self, option_strings, dest, negative, **kw):
-        super().__init__([*option_strings, negative], dest, nargs=0, **kw)
-        self.negative = negative
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, option_string != self.negative)
-
-    def format_usage(self) -> str:
-        return " | ".join(self.option_strings)
-
-
-class _Names(dict):
-    """``{field}`` in help texts: the option's flag for ``--help``, its name for docstrings."""
-
-    def __init__(self, cli: bool):
-        super().__init__()
-        self.cli = cli
-
-    def __missing__(self, field: str) -> str:
-        return flag_of(field) if self.cli else field
-
-
-def _render(text: str, cli: bool) -> str:
-    return text.format_map(_Names(cli))
-
-
-def _default_text(f: dataclasses.Field, opt: Option, cli: bool) -> str | None:
-    if opt.default_text is not None:
-        return _render(opt.default_text, cli)
-    if isinstance(f.default, bool):
-        return "on" if f.default else "off"
-    return None if f.default in (None, dataclasses.MISSING) else str(f.default)
-
-
-def _add_flag(target, f: dataclasses.Field, opt: Option) -> None:
-    help = _render(opt.help, cli=True)
-    default = _default_text(f, opt, cli=True)
-    if default is not None:
-        help += f" (default: {default})"
-    help = help.replace("%", "%%")
-    check = opt.check
-    kw = dict(dest=f.name, help=help)
-    if f.default is dataclasses.MISSING:
-        kw["required"] = True
-    else:
-        kw["default"] = f.default
-    if isinstance(check, Switch):
-        target.add_argument(
-            flag_of(f.name), action=_SwitchAction, negative=negative_of(f.name), **kw
-        )
-        return
-    choices = getattr(check, "cli", None) or getattr(check, "values", None)
-    if choices is not None:
-        kw["choices"] = choices
-    target.add_argument(
-        flag_of(f.name), type=check.cli_type, metavar=opt.metavar or check.metavar, **kw
-    )
+    return option_of(field).negative_of(field)
 
 
 _FIELDS = {f.name: f for f in option_fields()}
@@ -709,9 +453,9 @@ def describe(indent: int = 8, width: int = 100) -> str:
     lines = []
     for f in option_fields()[1:]:
         opt = f.metadata["option"]
-        default = _default_text(f, opt, cli=False)
+        default = default_text(f, str)
         text = (
-            f"{f.name}: {_render(opt.help, cli=False)}"
+            f"{f.name}: {render(opt.help, str)}"
             + (f" (default: {default})" if default else "")
             + "."
         )

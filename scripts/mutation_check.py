@@ -74,6 +74,8 @@ LME, LME_MODEL = "tests/test_lm_eval.py", "jaxinfer/eval/lm_eval_model.py"
 PCP = "tests/test_prefix_cache_paths.py"
 PS = "tests/test_parallel_sampling.py"
 PC = "tests/test_prefix_cache.py"
+EA = "tests/test_engine_args.py"
+CTO = "tests/test_chat_template_option.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M(
@@ -908,6 +910,103 @@ MUTATIONS: list[Mutation] = [
         "pass",
         ("tests/test_bucket_reuse.py",),
         "background",
+    ),
+    # Issue 29: EngineArgs (one source of truth for options), resolve, the chat-template option.
+    M(
+        "cli_error_names_python_argument",
+        "jaxinfer/args.py",
+        'return flag_of(field) if self.origin == "cli" else field',
+        "return field",
+        (EA,),
+        "errors_name or generate_error",
+    ),
+    M(
+        "spell_python_form_on_cli",
+        "jaxinfer/args.py",
+        'if self.origin != "cli":\n            return f"{field}={v!r}"',
+        'if True:\n            return f"{field}={v!r}"',
+        (EA,),
+        "errors_name or spelled",
+    ),
+    M(
+        "negative_switch_sets_true",
+        "jaxinfer/options.py",
+        "setattr(namespace, self.dest, option_string != self.negative)",
+        "setattr(namespace, self.dest, True)",
+        (EA,),
+        "flags_reach",
+    ),
+    M(
+        "unknown_llm_keyword_accepted",
+        "jaxinfer/args.py",
+        'raise TypeError(f"{caller}() got an unexpected keyword argument {n!r}{hint}")',
+        "pass",
+        ("tests/test_llm_args.py",),
+        "unknown_keyword",
+    ),
+    M(
+        "output_setting_dropped",
+        "jaxinfer/args.py",
+        '"{attn_impl} or tensor/data parallelism",\n        Switch(),\n        changes_outputs=True,',
+        '"{attn_impl} or tensor/data parallelism",\n        Switch(),',
+        (EA,),
+        "partial_settings",
+    ),
+    M(
+        "chat_template_not_applied",
+        "jaxinfer/llm.py",
+        "self.tokenizer.chat_template = chat_template",
+        "pass",
+        (CTO,),
+        "continues_like_llama2c or generate_messages",
+    ),
+    M(
+        "chat_template_file_unchecked",
+        "jaxinfer/options.py",
+        "        if v is not None:\n            check_chat_template(args, name, v)",
+        "        pass",
+        (CTO,),
+        "bad_template",
+    ),
+    M(
+        "page_major_default_off_on_cpu",
+        "jaxinfer/engine/config.py",
+        "page_major = cpu and impl in XLA_IMPLS and mesh is None",
+        "page_major = False",
+        (EA,),
+        "resolve_applies",
+    ),
+    M(
+        "async_on_with_speculative",
+        "jaxinfer/engine/config.py",
+        "args.speculative is None if args.async_scheduling is None",
+        "True if args.async_scheduling is None",
+        (EA,),
+        "resolve_applies",
+    ),
+    M(
+        "pool_too_small_unchecked",
+        "jaxinfer/engine/config.py",
+        "    if num_pages < need:",
+        "    if False:",
+        (EA,),
+        "python_errors_of_resolve",  # the CLI run would hang on a 3-page pool
+    ),
+    M(
+        "keep_host_memory_always",
+        "jaxinfer/engine/core.py",
+        "        if ecfg.keep_host_memory:\n            keep_freed_host_memory()",
+        "        keep_freed_host_memory()",
+        (EA,),
+        "environment",
+    ),
+    M(
+        "multihost_option_ignored",
+        "jaxinfer/models/sharding.py",
+        "    if multihost is not None:\n        return multihost\n",
+        "",
+        (EA,),
+        "environment",
     ),
 ]
 

@@ -292,8 +292,9 @@ def test_engines_the_kernel_cannot_serve_refuse_it(stories_dir):
     from jaxinfer.llm import LLM
 
     for kw, why in (
-        (dict(kv_cache_dtype="int8"), "not a KV pool of int8"),
-        (dict(dtype="bfloat16"), "not a KV pool of bfloat16"),
+        (dict(kv_cache_dtype="int8"), r"not a KV pool of int8 \(kv_cache_dtype='int8'\)"),
+        (dict(dtype="bfloat16"), r"not a KV pool of bfloat16 \(dtype='bfloat16'\)"),
+        (dict(kv_page_major=False), r"not kv_page_major=False"),
     ):
         with pytest.raises(
             ValueError,

@@ -200,3 +200,102 @@ def test_python_errors_of_resolve_name_arguments(stories_dir):
         LLM(stories_dir, kv_pages=3, compilation_cache=False)
     with pytest.raises(ValueError, match=r"^max_num_batched_tokens=4 must be >= max_num_seqs=8"):
         LLM(stories_dir, max_num_seqs=8, max_num_batched_tokens=4, compilation_cache=False)
+
+
+def test_resolve_applies_each_backend_default():
+    """resolve leaves no None or "auto": the documented defaults (EngineArgs' help) on CPU and,
+    for the switches that follow the backend, elsewhere; a mesh turns off what one device
+    needs; explicit values win."""
+    import numpy as np
+
+    from jaxinfer.engine.config import EngineConfig, resolve
+    from jaxinfer.models.config import ModelConfig
+
+    cfg = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=96)
+
+    def resolved(backend="cpu", mesh=None, **kw):
+        return resolve(EngineArgs("m", **kw), cfg, np.float32, mesh=mesh, backend=backend)
+
+    cpu = resolved(attn_impl="xla")
+    assert (cpu.max_model_len, cpu.page_size, cpu.max_num_batched_tokens) == (96, 8, 512)
+    assert cpu.num_pages == 64 * 12 + 1  # every row at full length: 64 x 96 / 8 pages + null
+    assert cpu.unroll_layers and cpu.out_in_weights and cpu.kv_page_major and cpu.keep_host_memory
+    assert cpu.scan_layers_from_tokens == 128 and cpu.async_scheduling
+    assert (cpu.attn_impl, cpu.kv_cache_dtype) == ("xla", "float32")
+    assert cpu.attn_impl_reason == "attn_impl='xla' asked"
+    tpu = resolved("tpu", attn_impl="xla")
+    assert tpu.page_size == 16 and not (tpu.unroll_layers or tpu.out_in_weights)
+    assert not (tpu.kv_page_major or tpu.keep_host_memory)
+    sharded = resolved(mesh=object(), attn_impl="xla")
+    assert not (sharded.kv_page_major or sharded.out_in_weights) and sharded.unroll_layers
+    assert not resolved(speculative="ngram").async_scheduling  # its rounds run synchronously
+    assert resolved(batch_invariant=True).scan_layers_from_tokens == 0
+    assert resolved(attn_impl="pallas_tpu_interpret").kv_page_major is False
+    assert resolved(kv_cache_dtype="int8").kv_cache_dtype == "int8"
+    assert resolve(EngineArgs("m"), cfg, "bfloat16").kv_cache_dtype == "bfloat16"
+    explicit = resolved(
+        page_size=4, kv_pages=50, max_num_batched_tokens=64, max_prefill_seqs=2, unroll_layers=False
+    )
+    assert (explicit.page_size, explicit.num_pages, explicit.max_num_batched_tokens) == (4, 50, 64)
+    assert explicit.max_prefill_seqs == 2 and not explicit.unroll_layers
+    assert all(v is not None and v != "auto" for v in vars(cpu).values())
+    with pytest.raises(TypeError, match="attn_impl='auto'"):
+        EngineConfig(64, attn_impl="auto")
+
+
+def test_partial_settings_are_the_options_that_change_outputs():
+    """The options a partial-state file depends on (cli.partial.SETTINGS) come from
+    ``changes_outputs``: the hand-kept list they replaced, and the chat template."""
+    from jaxinfer.cli.partial import SETTINGS
+
+    before = {
+        "model",
+        "tokenizer",
+        "skip_tokenizer_init",
+        "dtype",
+        "quantization",
+        "kv_cache_dtype",
+        "max_model_len",
+        "speculative",
+        "num_speculative_tokens",
+        "draft_model",
+        "draft_heads",
+        "batch_invariant",
+    }
+    assert set(SETTINGS) == before | {"chat_template"}
+
+
+def test_environment_switches_are_options_now(monkeypatch):
+    """keep_host_memory and multihost were environment variables (JAXINFER_KEEP_HOST_MEMORY,
+    JAXINFER_MULTIHOST); now options: an engine applies the allocator setting only when its
+    config says so, and multi-host runs when asked, or by default on a TPU slice of several
+    hosts, whatever those variables say."""
+    import jax
+    import numpy as np
+
+    import jaxinfer.engine.core as core
+    from jaxinfer.engine.config import EngineConfig
+    from jaxinfer.models.config import ModelConfig
+    from jaxinfer.models.params import init_random
+    from jaxinfer.models.sharding import multihost_requested
+
+    monkeypatch.setenv("JAXINFER_KEEP_HOST_MEMORY", "0")
+    monkeypatch.setenv("JAXINFER_MULTIHOST", "1")
+    calls = []
+    monkeypatch.setattr(core, "keep_freed_host_memory", lambda: calls.append(1))
+    cfg = ModelConfig("llama", 64, 32, 64, 1, 4, 2, 8, max_position_embeddings=32)
+    params = init_random(cfg, jax.random.key(0))
+
+    class Tok:
+        eos_ids, bos_id = (), None
+
+    for keep in (False, True):
+        ecfg = EngineConfig(32, page_size=8, num_pages=5, max_num_seqs=1, keep_host_memory=keep)
+        core.Engine(cfg, params, Tok(), ecfg)
+        assert len(calls) == keep
+    assert np.dtype(ecfg.kv_cache_dtype) == np.float32
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS", raising=False)
+    assert not multihost_requested(None) and multihost_requested(True)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a,host-b")
+    assert multihost_requested(None) and not multihost_requested(False)

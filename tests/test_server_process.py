@@ -132,8 +132,12 @@ def test_serve_takes_every_engine_flag_of_generate():
             for s in a.option_strings
         }
 
-    engine = flags(gen, ("engine", "speculative decoding")) - {"--multihost"}
-    assert engine <= flags(serve, ("engine", "speculative decoding"))
+    from jaxinfer.args import option_fields, option_of
+
+    titles = {option_of(f.name).group for f in option_fields()}  # model, engine, parallelism, ...
+    engine = flags(gen, titles) - {"--multihost", "--no-multihost"}
+    assert "--kv-cache-dtype" in engine and "--no-prefix-caching" in engine
+    assert engine == flags(serve, titles)
     assert {
         "--model",
         "--tokenizer",

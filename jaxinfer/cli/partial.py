@@ -40,10 +40,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxinfer.args import OUTPUT_SETTINGS, ChatTemplate, PathArg, is_template_text, option_of
+from jaxinfer.args import OUTPUT_SETTINGS, option_of
 from jaxinfer.engine.parallel_sampling import child_params
 from jaxinfer.engine.resume import ResumeState
 from jaxinfer.errors import JaxinferError
+from jaxinfer.options import ChatTemplate, PathArg, is_template_text
 from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.sampling.params import SamplingParams
 

@@ -245,9 +245,9 @@ def resolve(
             if mesh is not None
             else spell("kv_page_major")
             if not page_major
-            else f"int8 pages ({spell('kv_cache_dtype')})"
+            else f"a KV pool of int8 ({spell('kv_cache_dtype')})"
             if kv_dtype == np.int8
-            else f"{kv_dtype} pages ({spell('dtype')})"
+            else f"a KV pool of {kv_dtype} ({spell('dtype')})"
             if kv_dtype != np.float32
             else None
         )
