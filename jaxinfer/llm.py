@@ -383,5 +383,5 @@ def _warn_no_tokenizer(model, eos_ids: tuple[int, ...], asked: bool) -> None:
         "be token ids (prompt_token_ids), outputs have no text, and requests that need "
         f"text fail alone; {stop}",
         NoTokenizerWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of LLM() or LLM.from_engine_args()
     )

@@ -98,7 +98,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
     ]
     runs, forward, sample = {}, eng._forward, eng._sample
     # (reuse, async): the third run, synchronous, meets the second's shapes (compiles nothing)
-    for reuse, asynchronous in ((False, None), (True, None), (True, False)):
+    for reuse, asynchronous in ((False, True), (True, True), (True, False)):
         if hasattr(eng.allocator, "clear_cache"):
             eng.allocator.clear_cache()  # the same steps both times: no prefix cache hits
         monkeypatch.setattr(
@@ -108,7 +108,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
                 eng.ecfg, reuse_compiled_buckets=reuse, async_scheduling=asynchronous
             ),
         )
-        monkeypatch.setattr(eng, "_async", asynchronous is not False)
+        monkeypatch.setattr(eng, "_async", asynchronous)
         monkeypatch.setattr(eng, "compile_keys", set())  # as a fresh engine
         monkeypatch.setattr(eng, "_wanted", {})
         shapes = _dispatched_shapes(eng, forward, monkeypatch)
@@ -140,7 +140,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
         assert set(plan.keys) == eng.compile_keys, (plan.keys, eng.compile_keys)
         assert plan.steps == len(shapes)
         runs[reuse, asynchronous] = (shapes, [o.token_ids for o in outs])
-    (plain, toks_plain), (reused, toks_reused) = runs[False, None], runs[True, None]
+    (plain, toks_plain), (reused, toks_reused) = runs[False, True], runs[True, True]
     assert runs[True, False][1] == toks_reused
     assert len(set(reused)) < len(set(plain)), (sorted(set(plain)), sorted(set(reused)))
     assert len(reused) == len(plain)  # the same steps, some of them padded
