@@ -208,21 +208,15 @@ def resolve(
     cpu = backend == "cpu"
     max_model_len = args.max_model_len or context
     page_size = args.page_size or (8 if cpu and impl in XLA_IMPLS else 16)
+    max_pages = -(-max_model_len // page_size)
     max_num_seqs = args.max_num_seqs
+    max_num_batched_tokens = args.max_num_batched_tokens or max(512, max_num_seqs)
     num_pages = args.kv_pages
     if num_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
         budget = int(args.kv_cache_memory_gb * 2**30) * tp
         num_pages = default_num_pages(cfg, kv_dtype, page_size, max_num_seqs, max_model_len, budget)
-    sizes = EngineConfig(
-        max_model_len=max_model_len,
-        page_size=page_size,
-        num_pages=num_pages,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(512, max_num_seqs),
-        max_prefill_seqs=args.max_prefill_seqs,
-    )
     try:  # a Pallas kernel must tile this model and pool
-        check_attn_impl(cfg, impl, page_size, num_pages, sizes.max_pages_per_seq)
+        check_attn_impl(cfg, impl, page_size, num_pages, max_pages)
     except ValueError as e:
         raise ValueError(f"{spell('attn_impl')}: {e}") from None
     page_major = args.kv_page_major
@@ -264,25 +258,27 @@ def resolve(
         batch_invariant=args.batch_invariant,
         backend=backend,
     )
-    need = sizes.max_pages_per_seq + 1
+    need = max_pages + 1
     if num_pages < need:
         raise ValueError(
             f"KV pool too small: {num_pages} pages of {page_size} tokens cannot hold one sequence "
             f"of {spell('max_model_len', max_model_len)}; need at least {need} pages "
-            f"({sizes.max_pages_per_seq} + 1 reserved). Raise {name('kv_pages')} or lower "
+            f"({max_pages} + 1 reserved). Raise {name('kv_pages')} or lower "
             f"{name('max_model_len')}."
         )
-    if sizes.max_num_batched_tokens < max_num_seqs:
+    if max_num_batched_tokens < max_num_seqs:
         raise ValueError(
-            f"{spell('max_num_batched_tokens', sizes.max_num_batched_tokens)} must be >= "
+            f"{spell('max_num_batched_tokens', max_num_batched_tokens)} must be >= "
             f"{spell('max_num_seqs')} (every running sequence decodes each step)"
         )
     scan = args.scan_layers_from_tokens
-    return dataclasses.replace(
-        sizes,
+    resolved = dict(
+        max_model_len=max_model_len,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_num_batched_tokens=max_num_batched_tokens,
         attn_impl=impl,
         attn_impl_reason=reason,
-        seed=args.seed,
         kv_cache_dtype=kv_dtype.name,
         unroll_layers=cpu if args.unroll_layers is None else args.unroll_layers,
         scan_layers_from_tokens=(
@@ -296,10 +292,15 @@ def resolve(
         async_scheduling=(
             args.speculative is None if args.async_scheduling is None else args.async_scheduling
         ),
-        batch_invariant=args.batch_invariant,
-        enable_prefix_caching=args.enable_prefix_caching,
-        reuse_compiled_buckets=args.reuse_compiled_buckets,
     )
+    # Every other EngineConfig field is the option of the same name as given (max_num_seqs,
+    # max_prefill_seqs, seed, batch_invariant, enable_prefix_caching, ...).
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in resolved
+    }
+    return EngineConfig(**{**given, **resolved})
 
 
 def check_kv_pool(
