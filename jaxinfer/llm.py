@@ -15,10 +15,11 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.engine.core import Engine, EngineConfig, default_num_pages, default_page_size
+from jaxinfer.engine.core import EngineConfig, EngineCore, default_num_pages, default_page_size
 from jaxinfer.engine.core import kv_cache_dtype as resolve_kv_dtype
 from jaxinfer.engine.loop import EngineLoop
 from jaxinfer.engine.resume import ResumeState
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.errors import RequestError, TokenizerError
 from jaxinfer.llm_args import check_kv_pool, check_llm_args
 from jaxinfer.outputs import RequestOutput
@@ -221,14 +222,15 @@ class LLM:
 
             # The engine's weight layout built with numpy on CPU: no XLA compiles (host_layout).
             self.params = engine_layout_on_host(self.params, ecfg)
-            self.engines = [Engine(run_cfg, self.params, self._engine_tokenizer, ecfg)]
+            runners = [ModelRunner(run_cfg, self.params, ecfg)]
         else:
-            self.engines = [
-                Engine(run_cfg, replica_view(self.params, m), self._engine_tokenizer, ecfg, mesh=m)
+            runners = [
+                ModelRunner(run_cfg, replica_view(self.params, m), ecfg, mesh=m)
                 for m in replica_meshes(self.mesh)
             ]
+        self.engines = [EngineCore(r, self._engine_tokenizer) for r in runners]
         if speculative is not None:
-            from jaxinfer.speculative.engine import make_spec_engine
+            from jaxinfer.speculative.strategy import make_spec_engine
 
             self.engines = [
                 make_spec_engine(e, speculative, num_speculative_tokens, draft_model, draft_heads)
@@ -285,7 +287,7 @@ class LLM:
         ``resume[i]``, when not None, continues prompt i from a partial output: its seed and
         output tokens so far (``jaxinfer.engine.resume.ResumeState``; for n > 1 a sequence of n,
         one per
-        completion; ``Engine.add_request`` says what is rebuilt); the result equals an
+        completion; ``EngineCore.add_request`` says what is rebuilt); the result equals an
         uninterrupted run's. A partial output that has already finished, or does not fit the
         request, makes that request's error output.
 
@@ -468,8 +470,7 @@ def engine_config(
     names, defaults resolved): ``run_cfg`` the model config the engines run (after sharding's
     changes), ``params`` the weights (real or ``jax.ShapeDtypeStruct`` leaves: only
     ``params.embed.dtype`` is read, for the KV dtype), ``tp`` the devices of one model copy (the
-    default pool's memory budget is per device). ``jaxinfer.compile.while_loading`` derives
-    the first step's shapes from it before the weights exist.
+    default pool's memory budget is per device).
 
     Raises:
         ValueError: ``kv_cache_dtype`` or ``attn_impl`` unknown, a size out of range

@@ -245,7 +245,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "seed_step_ignores_pending",
-        "jaxinfer/engine/core.py",
+        "jaxinfer/engine/batch.py",
         "steps[r] = len(row.seq.output_ids) + len(row.seq.pending)",
         "steps[r] = len(row.seq.output_ids)",
         ("tests/test_async_scheduling.py",),
@@ -310,7 +310,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "spec_min_tokens_ends_early",
-        "jaxinfer/speculative/engine.py",
+        "jaxinfer/speculative/strategy.py",
         "            last_pos[i] = start\n"
         "            min_left[i] = seq.params.min_tokens - len(seq.output_ids)",
         "            last_pos[i] = start\n"
@@ -368,7 +368,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "greedy_variant_never_run",
-        "jaxinfer/engine/core.py",
+        "jaxinfer/engine/runner.py",
         "greedy=flags == GREEDY_FLAGS,",
         "greedy=False,",
         ("tests/test_bucket_reuse.py",),
@@ -451,7 +451,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "recover_keeps_consumed_pool",
         "jaxinfer/engine/core.py",
-        "        self._reset_device_state()\n",
+        "        self.runner.reset_after_failure()\n",
         "",
         ("tests/test_step_recovery.py",),
         "consumed_the_pool",
@@ -564,7 +564,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "n_record_drops_logprobs",
         "jaxinfer/outputs.py",
-        '            "stop_reason": self.stop_reason,\n        }\n        if self.logprobs is not None:',
+        '            "stop_reason": self.stop_reason,\n        }\n        if self.logprobs is not None:',  # noqa: E501
         '            "stop_reason": self.stop_reason,\n        }\n        if False:',
         (PS,),
         "parent_output",
@@ -672,12 +672,14 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "pc_spec_rejected_slot_cached",
-        "jaxinfer/speculative/engine.py",
-        "        return results\n\n    def _reset_device_state",
-        "        for i, (seq, _, r) in enumerate(verify):  # old num_computed + 1 + r\n"
-        "            if seq.finish_reason is None:\n"
-        "                self.scheduler.cache_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"  # noqa: E501
-        "        return results\n\n    def _reset_device_state",
+        "jaxinfer/engine/core.py",
+        "                    break\n        return results\n\n    def _recover",
+        "                    break\n"
+        "        for row in rows:  # old num_computed + 1 + drafted\n"
+        "            if row.drafted and row.seq.finish_reason is None:\n"
+        "                n = row.seq.num_computed - len(row.tokens) + 1 + row.drafted\n"
+        "                self.scheduler.cache_full_pages(row.seq, n)\n"
+        "        return results\n\n    def _recover",
         (PCP,),
         "speculative",
     ),
@@ -847,16 +849,16 @@ MUTATIONS: list[Mutation] = [
     M(
         "new_shape_dispatched_before_collect",
         "jaxinfer/engine/core.py",
-        'return ("forward", self._buckets(sched).key) not in self.compile_keys',
-        "return False",
+        "if nxt.forward_key not in self.compile_keys:",
+        "if False:",
         ("tests/test_async_scheduling.py",),
         "first_token",
     ),
     M(
         "always_collect_before_dispatch",
         "jaxinfer/engine/core.py",
-        'return ("forward", self._buckets(sched).key) not in self.compile_keys',
-        "return True",
+        "if nxt.forward_key not in self.compile_keys:",
+        "if True:",
         ("tests/test_async_scheduling.py",),
         "first_token",
     ),
@@ -879,8 +881,8 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "reuse_never",
-        "jaxinfer/engine/core.py",
-        "chosen = bucket_reuse.choose_buckets(need, usable, flags)",
+        "jaxinfer/compile/buckets.py",
+        "chosen = choose_buckets(need, usable, flags)",
         "chosen = need",
         ("tests/test_bucket_reuse.py",),
         "tail",
@@ -903,8 +905,8 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "background_compile_never_started",
-        "jaxinfer/engine/core.py",
-        "self.compile_keys.update(self._compiler.submit(need, flags, self.compile_keys))",
+        "jaxinfer/compile/buckets.py",
+        "keys.update(self.compiler.submit(need, flags, keys))",
         "pass",
         ("tests/test_bucket_reuse.py",),
         "background",

@@ -26,7 +26,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from jaxinfer.engine.core import Engine, EngineConfig  # noqa: E402
+from jaxinfer.engine.core import EngineConfig, EngineCore  # noqa: E402
+from jaxinfer.engine.runner import ModelRunner  # noqa: E402
 from jaxinfer.loaders import load  # noqa: E402
 from jaxinfer.models.sharding import ShardedPlacer, replica_meshes, replica_view  # noqa: E402
 from jaxinfer.sampling.params import SamplingParams  # noqa: E402
@@ -64,9 +65,9 @@ def build(path, tp: int, dp: int):
     )
     cfg = placer.plan.cfg
     if placer.mesh is None:
-        return [Engine(cfg, loaded.params, tok, ecfg)], placer
+        return [EngineCore(ModelRunner(cfg, loaded.params, ecfg), tok)], placer
     return [
-        Engine(cfg, replica_view(loaded.params, m), tok, ecfg, mesh=m)
+        EngineCore(ModelRunner(cfg, replica_view(loaded.params, m), ecfg, mesh=m), tok)
         for m in replica_meshes(placer.mesh)
     ], placer
 
@@ -77,7 +78,7 @@ def run(engines, prompts, max_tokens):
     logits = []
     jitted = {}
     for eng in engines:
-        fwd = eng._forward
+        fwd = eng.runner._forward  # the jitted forward (a test reaching inside the runner)
         jitted[id(fwd)] = fwd
         fwd.clear_cache()  # jit objects of equal options share one cache: count this run's only
 
@@ -86,7 +87,7 @@ def run(engines, prompts, max_tokens):
             logits.append(np.asarray(lg))
             return kv, lg
 
-        eng._forward = recording
+        eng.runner._forward = recording
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engines[i % len(engines)].add_request(str(i), ids, sp)

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from conftest import stories_reference
 
-from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.engine.core import EngineConfig
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.errors import RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.models.batch_invariant import invariant_forward_logits
 from jaxinfer.models.config import ModelConfig
@@ -36,10 +38,11 @@ FILLERS = [
 
 
 def record_logits(engine) -> dict:
-    """Hooks ``engine._sample`` (replacing any earlier hook): returns a dict that fills with
-    (seed, output index) -> the raw logits row f32[V] of every sampled row (a later row of the
-    same key replaces it: the last prefill chunk comes after the others)."""
-    sample = engine.__dict__.setdefault("_unhooked_sample", engine._sample)
+    """Hooks the runner's jitted sampling call (replacing any earlier hook): returns a dict that
+    fills with (seed, output index) -> the raw logits row f32[V] of every sampled row (a later
+    row of the same key replaces it: the last prefill chunk comes after the others)."""
+    runner = engine.runner
+    sample = runner.__dict__.setdefault("_unhooked_sample", runner._sample)
     seen = {}
 
     def hook(logits, st, controls, **kw):
@@ -49,7 +52,7 @@ def record_logits(engine) -> dict:
                 seen[int(seeds[r]), int(steps[r])] = lg[r].copy()
         return sample(logits, st, controls, **kw)
 
-    engine._sample = hook
+    runner._sample = hook
     return seen
 
 
@@ -134,6 +137,14 @@ SIZES = dict(
 @pytest.fixture(scope="module")
 def inv_llm(stories_dir):
     return LLM(stories_dir, **SIZES)
+
+
+def test_prompt_logprobs_refused_by_a_batch_invariant_engine(inv_llm):
+    """Its forward makes the last tokens' logits only: a request for prompt logprobs fails
+    validation, naming why."""
+    assert not inv_llm.engine.capabilities.prompt_logprobs
+    with pytest.raises(RequestError, match="not supported with batch_invariant=True"):
+        inv_llm.engine.validate([1, 2, 3], SamplingParams(prompt_logprobs=1))
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +289,7 @@ def test_refused_where_not_supported(stories_dir):
         batch_invariant=True,
     )
     with pytest.raises(ValueError, match="attn_impl='pallas_tpu_interpret'"):
-        Engine(cfg, None, _NoText(), ecfg)  # refused before the params are looked at
+        ModelRunner(cfg, None, ecfg)  # refused before the params are looked at
     with pytest.raises(ValueError, match="batch_invariant"):
         dataclasses.replace(ecfg, batch_invariant="yes")
 

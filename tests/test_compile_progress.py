@@ -91,18 +91,18 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
     # new compile keys; with XLA's executables already cached (in memory or on disk) the
     # "compile" can be shorter than the 0.1 s poll, so a dispatch that adds keys is held 0.4 s,
     # standing in for a cold compilation.
-    from jaxinfer.engine import core as engine_mod
+    from jaxinfer.engine.runner import ModelRunner
 
-    dispatch = engine_mod.Engine._dispatch
+    run = ModelRunner.run
 
     def slow_when_new(self, *a, **kw):
         before = len(self.compile_keys)
-        out = dispatch(self, *a, **kw)
+        out = run(self, *a, **kw)
         if len(self.compile_keys) > before:
             time.sleep(0.4)
         return out
 
-    monkeypatch.setattr(engine_mod.Engine, "_dispatch", slow_when_new)
+    monkeypatch.setattr(ModelRunner, "run", slow_when_new)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "Once upon a time"}) + "\n")
     rc = cli.main(

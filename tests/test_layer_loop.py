@@ -116,26 +116,19 @@ def test_engine_every_step_a_scan_reproduces_llama2c(stories_dir):
     (scan_layers_from_tokens=1): llama2.c's greedy reference, its cases in one batch."""
     from conftest import assert_reproduces_stories_reference
 
-    from jaxinfer.engine import core as engine_mod
+    from jaxinfer.engine.runner import ModelRunner
     from jaxinfer.llm import LLM
 
-    orig = engine_mod.Engine.__init__
+    orig = ModelRunner.__init__
 
-    def init(self, cfg, params, tokenizer, ecfg, *a, **kw):
-        orig(
-            self,
-            cfg,
-            params,
-            tokenizer,
-            dataclasses.replace(ecfg, unroll_layers=True, scan_layers_from_tokens=1),
-            *a,
-            **kw,
-        )
+    def init(self, cfg, params, ecfg, *a, **kw):
+        ecfg = dataclasses.replace(ecfg, unroll_layers=True, scan_layers_from_tokens=1)
+        orig(self, cfg, params, ecfg, *a, **kw)
 
-    engine_mod.Engine.__init__ = init
+    ModelRunner.__init__ = init
     try:
         llm = LLM(stories_dir, max_model_len=256, max_num_seqs=4, compilation_cache=False)
     finally:
-        engine_mod.Engine.__init__ = orig
+        ModelRunner.__init__ = orig
     assert isinstance(llm.engine.params.layers, tuple) and llm.engine.params.scan_from_tokens == 1
     assert_reproduces_stories_reference(llm)

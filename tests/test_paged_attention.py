@@ -320,7 +320,8 @@ def test_page_major_pool_refused_where_it_cannot_run():
     """The Pallas kernels read the head-major pool: asking for a page-major one with them raises."""
     import jax
 
-    from jaxinfer.engine.core import Engine, EngineConfig
+    from jaxinfer.engine.core import EngineConfig
+    from jaxinfer.engine.runner import ModelRunner
     from jaxinfer.models.config import ModelConfig
     from jaxinfer.models.params import init_random
 
@@ -334,4 +335,4 @@ def test_page_major_pool_refused_where_it_cannot_run():
         kv_page_major=True,
     )
     with pytest.raises(ValueError, match="kv_page_major"):
-        Engine(cfg, params, None, ecfg)
+        ModelRunner(cfg, params, ecfg)

@@ -258,12 +258,12 @@ def test_precompiled_workload_compiles_nothing_and_keeps_the_pool(llm):
         report = precompile(engine, WORKLOAD_KEYS, progress=lambda k, n, key: seen.append((k, n)))
         assert seen == [(1, 3), (2, 3), (3, 3)]
         assert set(report.keys) == set(PRECOMPILED) and report.new_keys == 3
-        sizes = engine._forward._cache_size(), engine._sample._cache_size()
+        sizes = engine.runner._forward._cache_size(), engine.runner._sample._cache_size()
         events.clear()
         check_texts(run_staggered(engine, cases), cases)
     finally:
         monitoring.unregister_event_duration_listener(listener)
-    assert (engine._forward._cache_size(), engine._sample._cache_size()) == sizes
+    assert (engine.runner._forward._cache_size(), engine.runner._sample._cache_size()) == sizes
     assert [e for e in events if "compile" in e[0] or "jaxpr" in e[0]] == []
     assert engine.compile_keys == set(PRECOMPILED)  # the workload stayed inside them
 
@@ -285,7 +285,7 @@ def test_precompiled_workload_compiles_nothing_and_keeps_the_pool(llm):
 
     check_texts(run_staggered(engine, cases, precompile_mid_run), cases)
     assert checked == [10]
-    assert (engine._forward._cache_size(), engine._sample._cache_size()) == sizes
+    assert (engine.runner._forward._cache_size(), engine.runner._sample._cache_size()) == sizes
 
 
 def test_bad_keys_are_errors_naming_them(llm):
@@ -323,7 +323,13 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
     monkeypatch.setattr(jaxinfer.compile.warmup, "precompile", fake_precompile)
     ecfg = EngineConfig(max_model_len=128, page_size=32, max_num_seqs=4, max_num_batched_tokens=64)
     n = sum(k[0] == "forward" for k in serving_keys(ecfg))
-    llm = types.SimpleNamespace(engines=[types.SimpleNamespace(ecfg=ecfg, name=i) for i in (0, 1)])
+    from jaxinfer.engine.runner import Capabilities
+
+    llm = types.SimpleNamespace(
+        engines=[
+            types.SimpleNamespace(ecfg=ecfg, name=i, capabilities=Capabilities()) for i in (0, 1)
+        ]
+    )
     said = []
     precompile_engines(llm, "serving", said.append, interval=0.0)
     assert calls == [(0, n), (1, n)]
@@ -345,7 +351,7 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
     assert rows and {
         k for k in got[0] if k[0] == "sample" and k[2:] not in ((False, 0), GREEDY_FLAGS)
     } == {("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, 20), (True, 20))}
-    llm.engines[1].spec = object()  # a speculative engine
+    llm.engines[1].capabilities = Capabilities(precompile=False)  # a speculative engine
     with pytest.raises(UsageError, match="--warmup requests"):
         precompile_engines(llm, "serving", said.append)
 

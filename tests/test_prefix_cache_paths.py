@@ -26,7 +26,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.engine.core import Engine, EngineConfig
+from jaxinfer.engine.core import EngineConfig, EngineCore
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.sampling.sampler import SamplingParams
 
 Z = 8
@@ -56,12 +57,12 @@ def base_ids(stories):
     return ids
 
 
-def make_engine(model, caching: bool, **kw) -> Engine:
+def make_engine(model, caching: bool, **kw) -> EngineCore:
     ecfg = EngineConfig(**{**SIZES, **kw, "enable_prefix_caching": caching})
-    return Engine(model.config, model.params, model.tokenizer, ecfg)
+    return EngineCore(ModelRunner(model.config, model.params, ecfg), model.tokenizer)
 
 
-def run_waves(eng: Engine, waves) -> list:
+def run_waves(eng: EngineCore, waves) -> list:
     """Runs each wave of (prompt ids, params) to completion, in order; returns the final outputs
     in order. A wave may be a function of the outputs so far. Checks the pool's invariants after
     every step and that every page ends free or cached."""
@@ -249,16 +250,16 @@ def test_failed_step_leaves_no_stale_cached_page(stories, base_ids):
     marker = 497  # a token id whose step fails
     waves = waves_for(base_ids)
     on = make_engine(stories, True)
-    real = on._forward
+    real = on.runner.run
 
-    def faulty(params, kv, batch, *args, **kw):
-        if marker in np.asarray(batch.tokens):
-            for leaf in jax.tree_util.tree_leaves(kv):
+    def faulty(inputs, prev=None):
+        if marker in np.asarray(inputs.batch.tokens):
+            for leaf in jax.tree_util.tree_leaves(on.runner.kv):
                 leaf.delete()  # what a failed donated call leaves behind
             raise RuntimeError("INTERNAL: simulated device fault")
-        return real(params, kv, batch, *args, **kw)
+        return real(inputs, prev)
 
-    on._forward = faulty
+    on.runner.run = faulty
     bad = [(base_ids[:16] + [marker], SamplingParams(temperature=0.0, max_tokens=2))]
     outs_on = run_waves(on, [waves[0], bad, waves[1]])
     assert outs_on[2].finish_reason == "error" and "simulated device fault" in outs_on[2].error
@@ -314,8 +315,11 @@ def _pallas_check(cfg, params, tokenizer, attn_impl, waves):
         unroll_layers=False,
     )
     engines = {
-        c: Engine(
-            cfg, params, tokenizer, EngineConfig(**kw, attn_impl=attn_impl, enable_prefix_caching=c)
+        c: EngineCore(
+            ModelRunner(
+                cfg, params, EngineConfig(**kw, attn_impl=attn_impl, enable_prefix_caching=c)
+            ),
+            tokenizer,
         )
         for c in (True, False)
     }
@@ -361,7 +365,7 @@ def test_pallas_gpu_kernel_interpret():
 
 
 def _spec_engine(model, caching, method, draft):
-    from jaxinfer.speculative.engine import make_spec_engine
+    from jaxinfer.speculative.strategy import make_spec_engine
 
     eng = make_engine(model, caching, async_scheduling=False)
     return make_spec_engine(eng, method, 3, draft, None)

@@ -322,7 +322,8 @@ class _NoTokenizer:
 
 
 def _engine_greedy(cfg, params, prompts, kv_cache_dtype="auto", max_tokens=8):
-    from jaxinfer.engine.core import Engine, EngineConfig
+    from jaxinfer.engine.core import EngineConfig, EngineCore
+    from jaxinfer.engine.runner import ModelRunner
     from jaxinfer.sampling.sampler import SamplingParams
 
     ecfg = EngineConfig(
@@ -334,7 +335,7 @@ def _engine_greedy(cfg, params, prompts, kv_cache_dtype="auto", max_tokens=8):
         attn_impl="xla",
         kv_cache_dtype=kv_cache_dtype,
     )
-    eng = Engine(cfg, params, _NoTokenizer(), ecfg)
+    eng = EngineCore(ModelRunner(cfg, params, ecfg), _NoTokenizer())
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, sp)

@@ -10,7 +10,7 @@ from test_step_recovery import _assert_idle, _reference_requests, _unvalidated
 def test_failure_with_a_step_in_flight_recomputes_without_its_tokens(stories_llm):
     llm = stories_llm
     eng = llm.engine
-    assert eng._async
+    assert eng.async_scheduling
     refs = _reference_requests(llm.tokenizer)
     refs = refs[1:]  # the two 64-step cases (the first runs 200 steps)
     for i, (ids, sp, _) in enumerate(refs):

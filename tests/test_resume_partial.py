@@ -1,4 +1,4 @@
-"""Resuming from partial outputs (issue 17 section 3): ``Engine.add_request(resume=...)`` and
+"""Resuming from partial outputs (issue 17 section 3): ``EngineCore.add_request(resume=...)`` and
 ``jaxinfer generate``'s partial-state file beside ``--out``.
 
 The judge is always an uninterrupted run of the same requests: a request resumed from its first
@@ -22,7 +22,7 @@ import pytest
 
 from jaxinfer.cli import main as cli
 from jaxinfer.cli import partial as partial_mod
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.resume import ResumeState
 from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.params import SamplingParams
@@ -283,13 +283,13 @@ def _assert_same_records(got: dict[str, dict], want: dict[str, dict]) -> None:
 
 
 class _Hook:
-    """Wraps ``Engine.step`` (calls counted) and ``Engine._collect`` (sampled rows counted);
+    """Wraps ``EngineCore.step`` (calls counted) and ``EngineCore._collect`` (sampled rows counted);
     ``at`` (step number -> action) runs an action before that step."""
 
     def __init__(self, monkeypatch, at: dict | None = None):
         self.steps = self.sampled = 0
         self.at = at or {}
-        step, collect = Engine.step, Engine._collect
+        step, collect = EngineCore.step, EngineCore._collect
 
         def hooked_step(eng):
             self.steps += 1
@@ -301,8 +301,8 @@ class _Hook:
             self.sampled += len(done.sampled)
             return collect(eng, done)
 
-        monkeypatch.setattr(Engine, "step", hooked_step)
-        monkeypatch.setattr(Engine, "_collect", counted_collect)
+        monkeypatch.setattr(EngineCore, "step", hooked_step)
+        monkeypatch.setattr(EngineCore, "_collect", counted_collect)
 
 
 def _sigterm():

@@ -576,16 +576,16 @@ def test_an_engine_failure_is_a_500_for_that_request_alone(server, monkeypatch):
     llm = server.llm
     eng = llm.engine
     marker = 5  # prompts with this token fail on the (simulated) device
-    real = eng._forward
+    real = eng.runner.run
 
-    def faulty(params, kv, batch, *args, **kw):
-        if marker in np.asarray(batch.tokens):
-            for leaf in jax.tree_util.tree_leaves(kv):
+    def faulty(inputs, prev=None):
+        if marker in np.asarray(inputs.batch.tokens):
+            for leaf in jax.tree_util.tree_leaves(eng.runner.kv):
                 leaf.delete()
             raise RuntimeError("INTERNAL: simulated device fault")
-        return real(params, kv, batch, *args, **kw)
+        return real(inputs, prev)
 
-    monkeypatch.setattr(eng, "_forward", faulty)
+    monkeypatch.setattr(eng.runner, "run", faulty)
     ok = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
 
     async def main():

@@ -19,7 +19,6 @@ from jaxinfer.cli.output_file import OutputFile, OutputWriteError
 from jaxinfer.cli.partial import Checkpointer
 from jaxinfer.cli.prompts_file import Job, plan
 from jaxinfer.compile.plan import start_job
-from jaxinfer.compile.while_loading import start_for_jobs
 from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling.params import SamplingParams
 
@@ -87,18 +86,14 @@ def _generate(
     stats: dict,
     bar,
     ckpt: Checkpointer,
-    warm=None,
 ) -> None:
     """Generates ``run`` (jobs with their prompt token ids), continuing the requests ``ckpt``
     holds partial outputs of; writes each record (and counts it in ``stats``) as its prompt
-    finishes, and gives ``ckpt`` every output. ``warm``: the first step's compile started
-    before loading (``compile_while_loading``), used when it fits. Raises OutputWriteError."""
+    finishes, and gives ``ckpt`` every output. Raises OutputWriteError."""
     prompts = [{"prompt_token_ids": ids} for _, ids in run]
     params = [SamplingParams.from_dict(j.sampling) for j, _ in run]
     resume = ckpt.plan(llm, [(j.id, ids, p) for (j, ids), p in zip(run, params, strict=True)])
-    if warm is not None:
-        warm.adopt(llm, [ids for _, ids in run], params, resume)
-    start_job(llm, [ids for _, ids in run], params, resume, bar, background=True)  # k/n, ahead
+    start_job(llm, [ids for _, ids in run], params, resume, bar, background=True)  # k/n
     stats["resumed"] = ckpt.resumed
     t0 = time.perf_counter()
     for res in llm.generate_stream(
@@ -141,7 +136,6 @@ def run_jobs(
         say(f"{out_path}: cut away a partial last line (interrupted write)")
     run, errors, skipped = plan(jobs, done.ids)
 
-    warm = start_for_jobs(args, run) if run else None  # compiles the first step meanwhile
     llm = load_llm(args) if run else None
     ids_run = []
     for job in run:
@@ -188,7 +182,7 @@ def run_jobs(
             out.write(error_record(job))
             stats["errors"] += 1
         if ids_run:
-            _generate(llm, ids_run, out, stats, bar, ckpt, warm)
+            _generate(llm, ids_run, out, stats, bar, ckpt)
         completed = True
     except KeyboardInterrupt as e:
         interrupted = interrupt_status(e)

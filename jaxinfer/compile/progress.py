@@ -1,23 +1,24 @@
 """``jaxinfer generate``'s progress bar, with "compiling (k/n)" shown while a step compiles.
 
 A cold run spends its first seconds compiling one step function per new bucket shape (the
-forward step per ``Buckets.key``, the sampling step per row count and option set); without a word
-on screen the bar would sit at 0/N. ``Engine.compile_keys`` grows when a step with a new key is
-dispatched, and the jitted call compiles before it returns; the engine's ``num_steps`` only counts
-a step when its tokens are read back, which (async scheduling or not) comes after the dispatch
-that grew the keys has returned. So "keys grew, and no step was counted since" means "compiling".
+forward step per ``Buckets.key``, the sampling step per row count and option set); without a
+word on screen the bar would sit at 0/N. ``EngineCore.compile_keys`` grows when a step with a new
+key is dispatched, and the jitted call compiles before it returns; the engine's ``num_steps``
+only counts a step when its tokens are read back, which (async scheduling or not) comes after the
+dispatch that grew the keys has returned. So "keys grew, and no step was counted since" means
+"compiling".
 
-k is the number of distinct step functions (keys, over all engines) dispatched so far, the one
-being compiled included. n is the number of keys the job is predicted to meet
-(``jaxinfer.compile.plan``: the whole workload run through the engine's host step loop, each output
-to its ``max_tokens``), given by ``CompileProgressBar.expect``; without a prediction (several
-engines, speculative decoding...) only "compiling (k)" is shown, since the buckets bound the keys
-only loosely (hundreds, where a job meets 5-20). The prediction is exact when no output stops
-early; outputs that stop early (EOS, stop strings) skip some tail shapes, so a run may end with
-k < n. When a run meets more keys than predicted (the job changed under it, an engine setting the
-plan does not model), n grows with k ("k/k": the count is honest, the total is not known). A key
-whose executable comes from JAX's in-memory or persistent cache, or was compiled ahead on the
-background thread, shows "compiling" only for the moment it takes to fetch it.
+k is the number of distinct step functions (keys, over all engines) dispatched so far, the one being
+compiled included. n is the number of keys the job is predicted to meet (``jaxinfer.compile.plan``:
+the whole workload run through an engine core over a stub runner, each output to its
+``max_tokens``), given by ``CompileProgressBar.expect``; without a prediction (several engines,
+speculative decoding...) only "compiling (k)" is shown, since the buckets bound the keys only
+loosely (hundreds, where a job meets 5-20). The prediction is exact when no output stops early;
+outputs that stop early (EOS, stop strings) skip some tail shapes, so a run may end with k < n. When
+a run meets more keys than predicted (the job changed under it, an engine setting the plan does not
+model), n grows with k ("k/k": the count is honest, the total is not known). A key whose executable
+comes from JAX's in-memory or persistent cache, or was compiled on bucket reuse's background thread,
+shows "compiling" only for the moment it takes to fetch it.
 """
 
 from __future__ import annotations
