@@ -24,6 +24,7 @@ from jaxinfer.cli import main as cli
 from jaxinfer.cli import partial as partial_mod
 from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.resume import ResumeState
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.params import SamplingParams
 
@@ -283,8 +284,9 @@ def _assert_same_records(got: dict[str, dict], want: dict[str, dict]) -> None:
 
 
 class _Hook:
-    """Wraps ``EngineCore.step`` (calls counted) and ``EngineCore._collect`` (sampled rows counted);
-    ``at`` (step number -> action) runs an action before that step."""
+    """Wraps ``EngineCore.step`` (calls counted) and ``EngineCore._collect`` (sampled rows counted)
+    of the engines that run the model (the job plan runs a core of its own over a stub runner, on
+    a thread); ``at`` (step number -> action) runs an action before that step."""
 
     def __init__(self, monkeypatch, at: dict | None = None):
         self.steps = self.sampled = 0
@@ -292,13 +294,15 @@ class _Hook:
         step, collect = EngineCore.step, EngineCore._collect
 
         def hooked_step(eng):
-            self.steps += 1
-            if self.steps in self.at:
-                self.at[self.steps]()
+            if isinstance(eng.runner, ModelRunner):
+                self.steps += 1
+                if self.steps in self.at:
+                    self.at[self.steps]()
             return step(eng)
 
         def counted_collect(eng, done):
-            self.sampled += len(done.sampled)
+            if isinstance(eng.runner, ModelRunner):
+                self.sampled += len(done.sampled)
             return collect(eng, done)
 
         monkeypatch.setattr(EngineCore, "step", hooked_step)

@@ -603,7 +603,7 @@ def test_an_engine_failure_is_a_500_for_that_request_alone(server, monkeypatch):
     assert bad.status_code == 500, bad.text
     assert "simulated device fault" in bad.json()["error"]["message"]
     assert bad.json()["error"]["type"] == "InternalServerError"
-    monkeypatch.setattr(eng, "_forward", real)
+    monkeypatch.setattr(eng.runner, "run", real)
     assert (
         good.json()["choices"][0]["text"]
         == _alone(llm, "Once upon a time", max_tokens=12, temperature=0).text
