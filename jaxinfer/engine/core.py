@@ -37,8 +37,9 @@ from jaxinfer.engine.config import (  # noqa: F401 - re-exported: jaxinfer.engin
     kv_cache_dtype,
     scan_from_tokens,
 )
-from jaxinfer.engine.intake import check_request, check_stop_strings, new_request_state
+from jaxinfer.engine.intake import check_request, check_stop_strings, new_request_state, replay
 from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.engine.recovery import StepRecovery
 from jaxinfer.engine.request_output import RequestState, advance, build_output
 from jaxinfer.engine.resume import ResumeState, check_resume
 from jaxinfer.engine.runner import Capabilities, ModelRunner, StepInputs, StepOutput
@@ -78,10 +79,6 @@ def _from_runner(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.runner, name), doc=f"{doc} (``ModelRunner.{name}``)")
 
 
-MAX_STEP_FAILURES = 2
-"""A request in this many failed steps fails (``EngineCore.step``'s recovery)."""
-
-
 class EngineCore:
     """Continuous-batching engine core over one ``ModelRunner`` (module docstring).
 
@@ -96,9 +93,6 @@ class EngineCore:
     Raises:
         ValueError: ``max_num_batched_tokens`` < ``max_num_seqs``, or ``batch_invariant`` on an
             engine that cannot honour it (speculative decoding).
-
-    ``attn_impl`` is the implementation the runner runs (``ModelRunner.attn_impl``, "auto"
-    resolved), ``attn_impl_reason`` why; ``ecfg.attn_impl`` is that resolved name too.
     """
 
     def __init__(
@@ -141,12 +135,7 @@ class EngineCore:
         # Whether a step is dispatched before the previous one's tokens are read back.
         self.async_scheduling = ecfg.async_scheduling is not False and caps.async_scheduling
         self._inflight: _InFlight | None = None
-        # Step-failure recovery (``step``): sequences the current attempt's device work covers,
-        # sequences to run alone until they sample a token, failed steps per request.
-        self._culprits: list[Sequence] = []
-        self._isolate: list[Sequence] = []
-        self._failures: dict[str, int] = {}
-        self.num_step_failures = 0
+        self.recovery = StepRecovery()  # step-failure recovery (``step``, ``_recover``)
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
         if cfg.model_type == "llama2c" and tokenizer.bos_id is not None:
@@ -170,18 +159,17 @@ class EngineCore:
     attn_impl_reason = _from_runner("attn_impl_reason", "why that implementation")
     compile_keys = _from_runner("compile_keys", "the compile keys met so far")
 
+    @property
+    def num_step_failures(self) -> int:
+        """Steps that failed so far (each recovered from: ``step``)."""
+        return self.recovery.num_step_failures
+
     def prefix_cache_stats(self) -> dict:
         """Prefix-cache counters (``PrefixCachingAllocator.stats``: queried_tokens, hit_tokens,
         hit_rate, evictions, cached_pages); all zero with prefix caching off."""
         if isinstance(self.allocator, PrefixCachingAllocator):
             return self.allocator.stats()
-        return {
-            "queried_tokens": 0,
-            "hit_tokens": 0,
-            "hit_rate": 0.0,
-            "evictions": 0,
-            "cached_pages": 0,
-        }
+        return dict(queried_tokens=0, hit_tokens=0, hit_rate=0.0, evictions=0, cached_pages=0)
 
     def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
         """Tokens of ``prompt_ids`` this engine's prefix cache holds now (0 with caching off);
@@ -268,14 +256,7 @@ class EngineCore:
         seed = self.draw_seed(params) if resume is None else resume.seed
         req = new_request_state(request_id, prompt_ids, params, prompt, seed, self.tokenizer)
         if resume is not None:
-            lps = resume.logprobs or [None] * len(resume.token_ids)
-            for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
-                if (reason := self._advance(req, int(tok), lp)) is not None:
-                    raise RequestError(
-                        f"the partial output has already finished ({reason!r} at "
-                        f"output token {i} of {len(resume.token_ids)})"
-                    )
-            req.resumed = len(resume.token_ids)
+            replay(req, resume, self._advance)
         return req
 
     def has_unfinished(self) -> bool:
@@ -296,27 +277,20 @@ class EngineCore:
 
         A step that raises (a device error, a host error while building or reading it) fails
         only the requests that caused it; the engine stays usable (``_recover``)."""
-        self._culprits = []
+        self.recovery.culprits = []
         try:
             results = self._run_step()
         except Exception as e:  # noqa: BLE001 - every step failure is recovered from, see _recover
             return self._recover(e)
-        if self._isolate:  # an isolated request that sampled a token is innocent
-            got = {o.request_id for o in results}
-            self._isolate = [
-                s
-                for s in self._isolate
-                if s.status is not SeqStatus.FINISHED and s.request_id not in got
-            ]
+        self.recovery.cleared({o.request_id for o in results})
         return results
 
     def _schedule(self) -> ScheduleOutput:
         """The next step's rows: the first sequence to isolate alone, if any, else the usual."""
-        only = self._isolate[0] if self._isolate else None
-        sched = self.scheduler.schedule(only=only)
+        sched = self.scheduler.schedule(only=self.recovery.only())
         if not sched.rows:
             raise RuntimeError("scheduler produced an empty step while requests are pending")
-        self._culprits = [row.seq for row in sched.rows]
+        self.recovery.culprits = [row.seq for row in sched.rows]
         return sched
 
     def _run_step(self) -> list[RequestOutput]:
@@ -328,7 +302,7 @@ class EngineCore:
         done, self._inflight = self._inflight, None
         if (
             self.async_scheduling
-            and not self._isolate
+            and not self.recovery.isolate
             and self.scheduler.has_work()
             and not any(has_penalties(seq.params) for seq, _ in done.sampled)
         ):
@@ -338,9 +312,9 @@ class EngineCore:
                 nxt = self._prepare(sched)
                 if nxt.forward_key not in self.compile_keys:  # a new shape compiles
                     return self._collect_then_dispatch(done, nxt)
-                self._culprits = [row.seq for row in sched.rows]
+                self.recovery.culprits = [row.seq for row in sched.rows]
                 self._inflight = self._dispatch(nxt, done)
-        self._culprits = [seq for seq, _ in done.sampled]
+        self.recovery.culprits = [seq for seq, _ in done.sampled]
         return self._collect(done)
 
     def _prepare(self, sched: ScheduleOutput) -> _Step:
@@ -362,7 +336,7 @@ class EngineCore:
         """Async scheduling when the next step compiles a new shape: reads the step in flight
         first, so its tokens (a cold run's first token) do not wait for the compile, then
         dispatches the next step without the rows that finished meanwhile."""
-        self._culprits = [seq for seq, _ in done.sampled]
+        self.recovery.culprits = [seq for seq, _ in done.sampled]
         results = self._collect(done)
         sched = nxt.sched
         live = dataclasses.replace(
@@ -371,7 +345,7 @@ class EngineCore:
             prefill=[r for r in sched.prefill if r.seq.status is not SeqStatus.FINISHED],
         )
         if live.rows:
-            self._culprits = [row.seq for row in live.rows]
+            self.recovery.culprits = [row.seq for row in live.rows]
             try:
                 if len(live.rows) != len(sched.rows):  # rows left: buckets and flags anew
                     nxt = self._prepare(live)
@@ -426,7 +400,7 @@ class EngineCore:
         )
         if done.prompt_lp is not None:  # before the sampled tokens: outputs hold them complete
             plan = done.prompt_lp
-            self._culprits += [seq for seq, _, _ in plan.entries]  # mid-prefill rows too
+            self.recovery.culprits += [seq for seq, _, _ in plan.entries]  # mid-prefill rows too
             host = jax.tree.map(to_host, done.out.prompt_logprobs)
             plp.record(plan, host, self._prompt_logprobs_of)
         now = time.perf_counter()
@@ -469,17 +443,11 @@ class EngineCore:
         return results
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
-        """Fails the requests that caused a failed step and leaves the engine usable.
-
-        Every running sequence is preempted (its KV may be half written, or the pool was donated
-        to the failed call); recomputation gives the same output, as sampling keys depend only on
-        (seed, output index). A failed step of one request fails that request with the error. A
-        failed step of several runs each of them alone, one step at a time, until it samples a
-        token (innocent) or fails alone (guilty); a request in ``MAX_STEP_FAILURES`` failed steps
-        fails. Returns the outputs of the failed requests (``finish_reason`` "error")."""
-        culprits, self._culprits = list(dict.fromkeys(self._culprits)), []
+        """Fails the requests that caused a failed step and leaves the engine usable
+        (``jaxinfer.engine.recovery``): every running sequence is preempted, the device state a
+        failed call consumed is rebuilt, the step in flight is dropped with its tokens. Returns
+        the outputs of the failed requests (``finish_reason`` "error")."""
         self._inflight = None
-        self.num_step_failures += 1
         self.runner.reset_after_failure()
         if self.speculative is not None:
             self.speculative.reset_after_failure()
@@ -491,16 +459,8 @@ class EngineCore:
         if isinstance(self.allocator, PrefixCachingAllocator):
             self.allocator.clear_cache()  # pages the failed step was to write are not trusted
         msg = f"step failed: {type(exc).__name__}: {exc}"
-        results = []
-        for seq in culprits:
-            if seq.status is SeqStatus.FINISHED:
-                continue
-            n = self._failures[seq.request_id] = self._failures.get(seq.request_id, 0) + 1
-            if len(culprits) == 1 or n >= MAX_STEP_FAILURES:
-                results.append(self.fail_request(seq.request_id, msg))
-            elif all(seq is not s for s in self._isolate):
-                self._isolate.append(seq)
-        self._isolate = [s for s in self._isolate if s.status is not SeqStatus.FINISHED]
+        results = [self.fail_request(seq.request_id, msg) for seq in self.recovery.blame()]
+        self.recovery.cleared(set())  # the failed ones leave the isolated
         return results
 
     def fail_request(self, request_id: str, error: str) -> RequestOutput:
@@ -508,7 +468,7 @@ class EngineCore:
         req = self._requests[request_id]
         req.error = error
         self.scheduler.finish(req.seq, "error")
-        self._failures.pop(request_id, None)
+        self.recovery.forget(request_id)
         return self._output(req)
 
     def abort_request(self, request_id: str) -> None:
@@ -517,8 +477,7 @@ class EngineCore:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req.seq, "abort")
-            self._failures.pop(request_id, None)
-            self._isolate = [s for s in self._isolate if s is not req.seq]
+            self.recovery.forget(request_id)
 
     def _prompt_logprobs_of(self, request_id: str) -> list | None:
         req = self._requests.get(request_id)

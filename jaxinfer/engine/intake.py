@@ -3,10 +3,14 @@ the host state ``EngineCore.add_request`` builds for it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jaxinfer.engine.prompt_logprobs import check_request as check_prompt_logprobs
 from jaxinfer.engine.request_output import RequestState
+from jaxinfer.engine.resume import ResumeState
 from jaxinfer.engine.scheduler import Sequence
 from jaxinfer.errors import RequestError
+from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams
 from jaxinfer.tokenizers import IncrementalDetokenizer, Tokenizer
 from jaxinfer.tokenizers.ids_only import no_tokenizer_message
@@ -78,3 +82,22 @@ def new_request_state(
     )
     plps = None if params.prompt_logprobs is None else [None] * params.prompt_logprobs_from
     return RequestState(seq, prompt, detok, prompt_logprobs=plps)
+
+
+def replay(
+    req: RequestState,
+    resume: ResumeState,
+    advance: Callable[[RequestState, int, TokenLogprob | None], str | None],
+) -> None:
+    """Replays a partial output's tokens (``resume.token_ids``, with their logprobs) through
+    ``advance`` (the engine's ``request_output.advance``: the same checks that appended them the
+    first time), rebuilding ``req``'s host state. Raises RequestError when the partial output has
+    already finished."""
+    lps = resume.logprobs or [None] * len(resume.token_ids)
+    for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
+        if (reason := advance(req, int(tok), lp)) is not None:
+            raise RequestError(
+                f"the partial output has already finished ({reason!r} at "
+                f"output token {i} of {len(resume.token_ids)})"
+            )
+    req.resumed = len(resume.token_ids)
