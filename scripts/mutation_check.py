@@ -903,6 +903,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_bucket_reuse.py",),
         "background",
     ),
+    # The renovation (issue 29): the runner's compile API and the engine's capabilities.
+    M(
+        "runner_lowers_sampling_on_other_logits",
+        "jaxinfer/engine/runner.py",
+        "(b, self.cfg.vocab_size), jnp.float32, sharding=self._replicated",
+        "(b, self.cfg.vocab_size), jnp.bfloat16, sharding=self._replicated",
+        ("tests/test_precompile.py",),
+        "runner_compile",
+    ),
+    M(
+        "spec_claims_prompt_logprobs",
+        "jaxinfer/speculative/strategy.py",
+        "        prompt_logprobs=False,  # the round",
+        "        prompt_logprobs=True,  # the round",
+        ("tests/test_speculative.py",),
+        "refuses",
+    ),
     M(
         "background_compile_never_started",
         "jaxinfer/compile/buckets.py",

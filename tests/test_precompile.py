@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.compile.warmup import all_keys, precompile, serving_keys, with_sample_keys
-from jaxinfer.engine.batch import build_step_batch, next_pow2
+from jaxinfer.engine.batch import Buckets, build_step_batch, next_pow2
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
 from jaxinfer.engine.scheduler import Scheduler, Sequence
@@ -286,6 +286,46 @@ def test_precompiled_workload_compiles_nothing_and_keeps_the_pool(llm):
     check_texts(run_staggered(engine, cases, precompile_mid_run), cases)
     assert checked == [10]
     assert (engine.runner._forward._cache_size(), engine.runner._sample._cache_size()) == sizes
+
+
+def test_runner_compile_builds_what_a_step_dispatches(llm):
+    """``ModelRunner.compile`` (ahead of time, from abstract arguments) builds the executables a
+    real step of the same keys runs: a prompt-logprobs prefill (its own forward key) with a
+    penalty (the sampling variant with logits controls), then a decode step, compile nothing when
+    they run (``jax.monitoring``'s lowering and backend-compile events), and the keys the steps
+    count are the ones given. Its output is llama2.c's greedy continuation."""
+    from jax import monitoring
+
+    from jaxinfer.engine.runner import step_keys
+
+    engine, runner = llm.engine, llm.engine.runner
+    (ids, _, expected), _ = reference_cases(llm)
+    ids = ids[:9]  # one prefill of Tp = 32 (the floor), one row, M = 4: (0, 32, 1, 4)
+    k = min(20, llm.config.vocab_size)
+    prefill, decode = Buckets(0, 32, 1, 4), Buckets(1, 0, 0, 4)
+    keys = step_keys(prefill, (True, 0), k) + step_keys(decode, (True, 0))
+    assert keys[0] == ("forward_prompt_logprobs", (0, 32, 1, 4), k)
+    for key in keys:
+        runner.compile(key)
+    assert not set(keys[:2]) & runner.compile_keys  # compiling does not count a key
+    events = []
+    listener = lambda name, secs, **kw: events.append(name)  # noqa: E731
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=2, repetition_penalty=1.0 + 1e-6, prompt_logprobs=1
+        )
+        engine.add_request("aot", ids, sp)
+        while engine.has_unfinished():
+            outs = engine.step()
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert [e for e in events if "backend_compile" in e or "mlir_module" in e] == [], events
+    assert set(keys) <= runner.compile_keys
+    assert expected.startswith(llm.tokenizer.decode(ids + outs[-1].token_ids))
+    assert len(outs[-1].prompt_logprobs) == len(ids)
+    with pytest.raises(ValueError, match="cannot lower key .'spec_round'"):
+        runner.lower(("spec_round", (16, 4, 4), False, 0))
 
 
 def test_bad_keys_are_errors_naming_them(llm):

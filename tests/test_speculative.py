@@ -490,3 +490,30 @@ def test_bad_configs():
     cfg, params = _tiny(16, 0)
     with pytest.raises(ValueError, match="draft model"):
         _spec_engine(cfg, params, _IdTokenizer(), _ecfg(8), SpecConfig("draft-model", 2))
+
+
+def test_what_a_speculative_engine_refuses():
+    """A speculative engine's capabilities: no prompt logprobs (its rounds make logits at the
+    verify positions only: the request is refused, naming why), no async scheduling, no
+    precompiled step shapes (its steps are rounds) and no batch invariance."""
+    from jaxinfer.compile.warmup import precompile
+    from jaxinfer.errors import RequestError
+
+    cfg, params = _tiny(16, 0)
+    eng = _spec_engine(cfg, params, _IdTokenizer(), _ecfg(8), SpecConfig("ngram", 2))
+    caps = eng.capabilities
+    assert not (caps.prompt_logprobs or caps.async_scheduling or caps.precompile)
+    assert not eng.async_scheduling
+    with pytest.raises(RequestError, match="prompt_logprobs is not supported with speculative"):
+        eng.validate([1, 2, 3], SamplingParams(prompt_logprobs=1))
+    eng.validate([1, 2, 3], SamplingParams(logprobs=1))  # sampled-token logprobs are fine
+    with pytest.raises(ValueError, match="speculative engine"):
+        precompile(eng, [("forward", (4, 0, 0, 4))])
+    with pytest.raises(ValueError, match="batch_invariant=True is not supported with spec"):
+        _spec_engine(
+            cfg,
+            params,
+            _IdTokenizer(),
+            dataclasses.replace(_ecfg(8), batch_invariant=True, attn_impl="xla"),
+            SpecConfig("ngram", 2),
+        )
