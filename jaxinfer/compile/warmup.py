@@ -182,7 +182,7 @@ def precompile(
     before = set(runner.compile_keys)
     done: list[Key] = []
     if workers > 1:
-        _compile_ahead(runner, fwd, workers, progress)
+        _compile_on_threads(runner, fwd, workers, progress)
         progress = None
     prev = None
     for k, bk in enumerate(fwd, 1):
@@ -196,7 +196,9 @@ def precompile(
     return PrecompileReport(tuple(done), len(set(done) - before), time.perf_counter() - t0)
 
 
-def _compile_ahead(runner, fwd: list[tuple[int, int, int, int]], workers: int, progress) -> None:
+def _compile_on_threads(
+    runner, fwd: list[tuple[int, int, int, int]], workers: int, progress
+) -> None:
     """Compiles each forward bucket tuple ahead of time on ``workers`` threads (nothing runs)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
