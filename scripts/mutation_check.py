@@ -564,7 +564,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "n_record_drops_logprobs",
         "jaxinfer/outputs.py",
-        '            "stop_reason": self.stop_reason,\n        }\n        if self.logprobs is not None:',
+        '            "stop_reason": self.stop_reason,\n        }\n        if self.logprobs is not None:',  # noqa: E501
         '            "stop_reason": self.stop_reason,\n        }\n        if False:',
         (PS,),
         "parent_output",

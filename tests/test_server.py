@@ -386,7 +386,7 @@ def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypa
         real_abort(ids)
 
     applied = []  # (engine steps, free pages) when the engine thread applied the abort
-    real_apply = server.state.engine._abort_locked
+    real_apply = server.state.engine._apply_aborts
 
     def apply(ids):
         real_apply(ids)
@@ -394,7 +394,7 @@ def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypa
             applied.append((eng.num_steps, eng.allocator.num_free))
 
     monkeypatch.setattr(server.state.engine, "abort", abort)
-    monkeypatch.setattr(server.state.engine, "_abort_locked", apply)
+    monkeypatch.setattr(server.state.engine, "_apply_aborts", apply)
     body = {
         "model": MODEL,
         "prompt": "Once upon a time",
