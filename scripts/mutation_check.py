@@ -74,6 +74,7 @@ LME, LME_MODEL = "tests/test_lm_eval.py", "jaxinfer/eval/lm_eval_model.py"
 PCP = "tests/test_prefix_cache_paths.py"
 PS = "tests/test_parallel_sampling.py"
 PC = "tests/test_prefix_cache.py"
+LOOP = "tests/test_engine_loop.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M(
@@ -514,9 +515,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "abandoned_stream_not_aborted",
         "jaxinfer/engine/loop.py",
-        "                            for eng in self.engines:\n"
-        "                                eng.abort_request(eid)",
-        "                            for eng in self.engines:\n                                pass",  # noqa: E501
+        "            running.engine.abort_request(eid)",
+        "            pass",
         ("tests/test_step_recovery.py",),
         "abandoned",
     ),
@@ -580,8 +580,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "n_close_aborts_one_child",
         "jaxinfer/engine/loop.py",
-        "                        for eid in eids:\n",
-        "                        for eid in eids[:1]:\n",
+        "        for eid in running.engine_ids:\n",
+        "        for eid in running.engine_ids[:1]:\n",
         (PS,),
         "closing",
     ),
@@ -741,8 +741,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "dp_seed_follows_route",
         "jaxinfer/engine/loop.py",
-        "                            crs = ResumeState(home.draw_seed(csp))",
-        "                            pass",
+        "                crs = ResumeState(home.draw_seed(csp))",
+        "                pass",
         (PCP,),
         "parallel",
     ),
@@ -957,6 +957,64 @@ MUTATIONS: list[Mutation] = [
         "pass",
         ("tests/test_bucket_reuse.py",),
         "background",
+    ),
+    # ---- the front door (EngineLoop: add, abort, step) and the server over it
+    M(
+        "loop_validates_twice",
+        "jaxinfer/engine/loop.py",
+        "                eng.add_request(eid, req.prompt_ids, csp, prompt=req.prompt_text, resume=crs)",  # noqa: E501
+        "                eng.validate(req.prompt_ids, csp, crs)\n"
+        "                eng.add_request(eid, req.prompt_ids, csp, prompt=req.prompt_text, resume=crs)",  # noqa: E501
+        (LOOP,),
+        "fans_out or trusts",
+    ),
+    M(
+        "loop_n_validates_first_completion_only",
+        "jaxinfer/engine/inputs.py",
+        "    for csp, crs in children:\n        engine.validate",
+        "    for csp, crs in children[:1]:\n        engine.validate",
+        (LOOP,),
+        "fans_out",
+    ),
+    M(
+        "loop_duplicate_id_unchecked",
+        "jaxinfer/engine/loop.py",
+        "        if taken:\n            raise RequestError",
+        "        if False:\n            raise RequestError",
+        (LOOP,),
+        "refused",
+    ),
+    M(
+        "loop_abort_keeps_route",
+        "jaxinfer/engine/loop.py",
+        "            self._routes.pop(eid, None)\n            running.engine.abort_request(eid)",
+        "            running.engine.abort_request(eid)",
+        (LOOP,),
+        "abort",
+    ),
+    M(
+        "loop_finished_request_kept",
+        "jaxinfer/engine/loop.py",
+        "                    if out.finished:\n                        del self._requests[",
+        "                    if False:\n                        del self._requests[",
+        (LOOP,),
+        "route",
+    ),
+    M(
+        "serve_completions_share_a_key",
+        "jaxinfer/server/engine_thread.py",
+        "return out.request_id, (out.outputs[0].index if len(out.outputs) == 1 else None)",
+        "return out.request_id, (0 if len(out.outputs) == 1 else None)",
+        ("tests/test_server.py",),
+        "n_as_llm_generate",
+    ),
+    M(
+        "serve_echo_offset_counts_as_tokens",
+        "jaxinfer/server/serving.py",
+        "text_offset=len(echo),",
+        "tok_sent=len(echo),",
+        ("tests/test_server.py",),
+        "echo_logprobs",
     ),
 ]
 
