@@ -909,6 +909,15 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_bucket_reuse.py",),
         "background",
     ),
+    # ---- generate's progress line: tokens of this run
+    M(
+        "progress_counts_resumed_tokens",
+        "jaxinfer/compile/progress.py",
+        "now = out.metrics.completion_tokens - out.metrics.resumed_tokens",
+        "now = out.metrics.completion_tokens",
+        ("tests/test_compile_progress.py",),
+        "token_count",
+    ),
 ]
 
 
