@@ -1015,6 +1015,23 @@ MUTATIONS: list[Mutation] = [
         "tok_sent=len(echo),",
         ("tests/test_server.py",),
         "echo_logprobs",
+    # ---- generate's progress line: tokens of this run
+    M(
+        "progress_counts_resumed_tokens",
+        "jaxinfer/compile/progress.py",
+        "now = out.metrics.completion_tokens - out.metrics.resumed_tokens",
+        "now = out.metrics.completion_tokens",
+        ("tests/test_compile_progress.py",),
+        "token_count",
+    ),
+    # ---- orbax warnings on jaxinfer quantize's output
+    M(
+        "quant_restore_without_sharding",
+        "jaxinfer/quant/checkpoint.py",
+        'args=ocp.args.PyTreeRestore(restore_args=_restore_args(meta["arrays"])),',
+        "",
+        ("tests/test_quant.py",),
+        "warn_of_nothing",
     ),
 ]
 
