@@ -1015,6 +1015,7 @@ MUTATIONS: list[Mutation] = [
         "tok_sent=len(echo),",
         ("tests/test_server.py",),
         "echo_logprobs",
+    ),
     # ---- generate's progress line: tokens of this run
     M(
         "progress_counts_resumed_tokens",
