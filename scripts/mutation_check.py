@@ -141,14 +141,14 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "free_drops_every_reference",
-        "jaxinfer/models/kv_cache.py",
+        "jaxinfer/engine/page_pool.py",
         "self.refcounts[p] -= 1",
         "self.refcounts[p] = 0",
         ("tests/test_scheduler.py",),
     ),
     M(
         "allocate_off_by_one",
-        "jaxinfer/models/kv_cache.py",
+        "jaxinfer/engine/page_pool.py",
         "if n > len(self._free):",
         "if n >= len(self._free):",
         ("tests/test_scheduler.py",),
@@ -612,7 +612,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "pc_last_token_not_computed",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "max_tokens = min(seq.num_tokens - 1, seq.num_known)",
         "max_tokens = seq.num_known",
         (PC,),
@@ -620,7 +620,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "pc_pending_tokens_cached",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z",
         "limit = min(num_computed, len(seq.pages) * z) // z",
         (PC,),
@@ -630,7 +630,7 @@ MUTATIONS: list[Mutation] = [
         "pc_not_cached_at_admission",
         "jaxinfer/engine/scheduler.py",
         "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_computed + n)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_computed + n)",
         "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))",
         (PC,),
         "n_samples or shared",
@@ -639,7 +639,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "pc_recover_keeps_cache",
         "jaxinfer/engine/core.py",
-        "self.allocator.clear_cache()  # pages",
+        "self.kv_manager.clear_cache()  # pages",
         "pass  # pages",
         (PCP,),
         "failed_step",
@@ -656,17 +656,17 @@ MUTATIONS: list[Mutation] = [
         "pc_cached_before_written",
         "jaxinfer/engine/scheduler.py",
         "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_computed + n)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_computed + n)",
         "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_tokens)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_tokens)",
         (PCP,),
         "abort",
     ),
     M(
         "pc_last_token_page_cached",
-        "jaxinfer/engine/scheduler.py",
-        "        self.cache_full_pages(seq, seq.num_computed)\n",
-        "        self.cache_full_pages(seq, seq.num_computed + 1)\n",
+        "jaxinfer/engine/kv_manager.py",
+        "        self.commit_full_pages(seq, seq.num_computed)\n",
+        "        self.commit_full_pages(seq, seq.num_computed + 1)\n",
         (PCP,),
         "page_major",
     ),
@@ -676,7 +676,7 @@ MUTATIONS: list[Mutation] = [
         "        return results\n\n    def _reset_device_state",
         "        for i, (seq, _, r) in enumerate(verify):  # old num_computed + 1 + r\n"
         "            if seq.finish_reason is None:\n"
-        "                self.scheduler.cache_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"  # noqa: E501
+        "                self.kv_manager.commit_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"  # noqa: E501
         "        return results\n\n    def _reset_device_state",
         (PCP,),
         "speculative",
@@ -716,7 +716,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "plp_reads_prefix_cache",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "max_tokens = min(max_tokens, seq.params.prompt_logprobs_from - 1)",
         "max_tokens = max_tokens",
         ("tests/test_prompt_logprobs.py",),
