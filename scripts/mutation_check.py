@@ -74,6 +74,7 @@ LME, LME_MODEL = "tests/test_lm_eval.py", "jaxinfer/eval/lm_eval_model.py"
 PCP = "tests/test_prefix_cache_paths.py"
 PS = "tests/test_parallel_sampling.py"
 PC = "tests/test_prefix_cache.py"
+KV = "tests/test_kv_manager.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M(
@@ -669,6 +670,48 @@ MUTATIONS: list[Mutation] = [
         "        self.commit_full_pages(seq, seq.num_computed + 1)\n",
         (PCP,),
         "page_major",
+    ),
+    # The KV manager's interface alone (tests/test_kv_manager.py).
+    M(
+        "kv_reserve_ignored",
+        "jaxinfer/engine/kv_manager.py",
+        "if need + num_reserved > self.num_free_pages - taken:",
+        "if need > self.num_free_pages - taken:",
+        (KV,),
+        "formula",
+    ),
+    M(
+        "kv_hit_pages_counted_free",
+        "jaxinfer/engine/kv_manager.py",
+        "taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0)",
+        "taken = 0",
+        (KV,),
+        "nobody_holds",
+    ),
+    M(
+        "kv_hit_not_a_use",
+        "jaxinfer/engine/kv_manager.py",
+        "        self.pool.touch(pages)\n",
+        "",
+        (KV,),
+        "refused",
+    ),
+    M(
+        "kv_routing_lookup_is_a_use",
+        "jaxinfer/engine/kv_manager.py",
+        "pages, _ = self.pool.match_prefix(prompt_ids, max_pages, extra_keys=extra_keys)\n",
+        "pages, _ = self.pool.match_prefix(prompt_ids, max_pages, extra_keys=extra_keys)\n"
+        "        self.pool.touch(pages)\n",
+        (KV,),
+        "refused",
+    ),
+    M(
+        "kv_request_keys_not_hashed",
+        "jaxinfer/engine/kv_manager.py",
+        "tokens, num_pages - have, parent, extra_keys=seq.extra_keys",
+        "tokens, num_pages - have, parent",
+        (KV,),
+        "request_keys",
     ),
     M(
         "pc_spec_rejected_slot_cached",
