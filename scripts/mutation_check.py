@@ -75,6 +75,7 @@ PCP = "tests/test_prefix_cache_paths.py"
 PS = "tests/test_parallel_sampling.py"
 PC = "tests/test_prefix_cache.py"
 LOOP = "tests/test_engine_loop.py"
+KV = "tests/test_kv_manager.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M(
@@ -142,14 +143,14 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "free_drops_every_reference",
-        "jaxinfer/models/kv_cache.py",
+        "jaxinfer/engine/page_pool.py",
         "self.refcounts[p] -= 1",
         "self.refcounts[p] = 0",
         ("tests/test_scheduler.py",),
     ),
     M(
         "allocate_off_by_one",
-        "jaxinfer/models/kv_cache.py",
+        "jaxinfer/engine/page_pool.py",
         "if n > len(self._free):",
         "if n >= len(self._free):",
         ("tests/test_scheduler.py",),
@@ -661,7 +662,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "pc_last_token_not_computed",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "max_tokens = min(seq.num_tokens - 1, seq.num_known)",
         "max_tokens = seq.num_known",
         (PC,),
@@ -669,7 +670,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "pc_pending_tokens_cached",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z",
         "limit = min(num_computed, len(seq.pages) * z) // z",
         (PC,),
@@ -679,7 +680,7 @@ MUTATIONS: list[Mutation] = [
         "pc_not_cached_at_admission",
         "jaxinfer/engine/scheduler.py",
         "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_computed + n)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_computed + n)",
         "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))",
         (PC,),
         "n_samples or shared",
@@ -688,7 +689,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "pc_recover_keeps_cache",
         "jaxinfer/engine/core.py",
-        "self.allocator.clear_cache()  # pages",
+        "self.kv_manager.clear_cache()  # pages",
         "pass  # pages",
         (PCP,),
         "failed_step",
@@ -705,19 +706,61 @@ MUTATIONS: list[Mutation] = [
         "pc_cached_before_written",
         "jaxinfer/engine/scheduler.py",
         "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_computed + n)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_computed + n)",
         "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_tokens)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_tokens)",
         (PCP,),
         "abort",
     ),
     M(
         "pc_last_token_page_cached",
-        "jaxinfer/engine/scheduler.py",
-        "        self.cache_full_pages(seq, seq.num_computed)\n",
-        "        self.cache_full_pages(seq, seq.num_computed + 1)\n",
+        "jaxinfer/engine/kv_manager.py",
+        "        self.commit_full_pages(seq, seq.num_computed)\n",
+        "        self.commit_full_pages(seq, seq.num_computed + 1)\n",
         (PCP,),
         "page_major",
+    ),
+    # The KV manager's interface alone (tests/test_kv_manager.py).
+    M(
+        "kv_reserve_ignored",
+        "jaxinfer/engine/kv_manager.py",
+        "if need + num_reserved > self.num_free_pages - taken:",
+        "if need > self.num_free_pages - taken:",
+        (KV,),
+        "formula",
+    ),
+    M(
+        "kv_hit_pages_counted_free",
+        "jaxinfer/engine/kv_manager.py",
+        "taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0)",
+        "taken = 0",
+        (KV,),
+        "nobody_holds",
+    ),
+    M(
+        "kv_hit_not_a_use",
+        "jaxinfer/engine/kv_manager.py",
+        "        self.pool.touch(pages)\n",
+        "",
+        (KV,),
+        "refused",
+    ),
+    M(
+        "kv_routing_lookup_is_a_use",
+        "jaxinfer/engine/kv_manager.py",
+        "pages, _ = self.pool.match_prefix(prompt_ids, max_pages, extra_keys=extra_keys)\n",
+        "pages, _ = self.pool.match_prefix(prompt_ids, max_pages, extra_keys=extra_keys)\n"
+        "        self.pool.touch(pages)\n",
+        (KV,),
+        "refused",
+    ),
+    M(
+        "kv_request_keys_not_hashed",
+        "jaxinfer/engine/kv_manager.py",
+        "tokens, num_pages - have, parent, extra_keys=seq.extra_keys",
+        "tokens, num_pages - have, parent",
+        (KV,),
+        "request_keys",
     ),
     M(
         "pc_spec_rejected_slot_cached",
@@ -725,7 +768,7 @@ MUTATIONS: list[Mutation] = [
         "        return results\n\n    def _reset_device_state",
         "        for i, (seq, _, r) in enumerate(verify):  # old num_computed + 1 + r\n"
         "            if seq.finish_reason is None:\n"
-        "                self.scheduler.cache_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"  # noqa: E501
+        "                self.kv_manager.commit_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"  # noqa: E501
         "        return results\n\n    def _reset_device_state",
         (PCP,),
         "speculative",
@@ -765,7 +808,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "plp_reads_prefix_cache",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "max_tokens = min(max_tokens, seq.params.prompt_logprobs_from - 1)",
         "max_tokens = max_tokens",
         ("tests/test_prompt_logprobs.py",),

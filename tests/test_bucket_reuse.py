@@ -99,8 +99,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
     runs, forward, sample = {}, eng._forward, eng._sample
     # (reuse, async): the third run, synchronous, meets the second's shapes (compiles nothing)
     for reuse, asynchronous in ((False, None), (True, None), (True, False)):
-        if hasattr(eng.allocator, "clear_cache"):
-            eng.allocator.clear_cache()  # the same steps both times: no prefix cache hits
+        eng.kv_manager.clear_cache()  # the same steps both times: no prefix cache hits
         monkeypatch.setattr(
             eng,
             "ecfg",
@@ -174,8 +173,7 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     waited, wait_for = [], compiler.wait_for
     monkeypatch.setattr(compiler, "wait_for", lambda key: (waited.append(key), wait_for(key)))
     monkeypatch.setattr(eng, "_compiler", compiler)
-    if hasattr(eng.allocator, "clear_cache"):
-        eng.allocator.clear_cache()
+    eng.kv_manager.clear_cache()
     seen, forward = [], eng._forward
 
     def spy(params, kv, batch, prev, **kw):

@@ -425,7 +425,7 @@ def test_64_concurrent_streams_equal_requests_alone_and_bad_ones_get_their_error
 def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypatch):
     eng = server.llm.engine
     _wait_idle(server)
-    free = eng.allocator.num_free
+    free = eng.kv_manager.num_free_pages
     aborted_at = []  # engine steps when the server aborted the request
     real_abort = server.state.engine.abort
 
@@ -439,7 +439,7 @@ def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypa
     def apply(ids):
         real_apply(ids)
         if ids:
-            applied.append((eng.num_steps, eng.allocator.num_free))
+            applied.append((eng.num_steps, eng.kv_manager.num_free_pages))
 
     monkeypatch.setattr(server.state.engine, "abort", abort)
     monkeypatch.setattr(server.state.engine, "_apply_aborts", apply)
@@ -455,11 +455,11 @@ def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypa
         with client.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]  # a few tokens: the request runs
-            assert eng.allocator.num_free < free
+            assert eng.kv_manager.num_free_pages < free
             steps = eng.num_steps
     # the response and its connection are closed: the request is aborted at the next step
     deadline = time.monotonic() + 10
-    while eng.allocator.num_free != free or eng.has_unfinished():
+    while eng.kv_manager.num_free_pages != free or eng.has_unfinished():
         assert time.monotonic() < deadline, "pages not freed"
         time.sleep(0.005)
     assert len(aborted_at) == 1 and len(applied) == 1 and got
@@ -714,10 +714,9 @@ def test_metrics_parse_and_count_the_work_done(server):
     assert after["jaxinfer:num_requests_running"] == 0
     assert after["jaxinfer:num_requests_waiting"] == 0
     eng = server.llm.engine
-    assert after["jaxinfer:num_kv_pages_total"] == eng.allocator.num_pages - 1
-    assert (
-        after["jaxinfer:num_kv_pages_used"] == eng.allocator.num_pages - 1 - eng.allocator.num_free
-    )
+    kv = eng.kv_manager
+    assert after["jaxinfer:num_kv_pages_total"] == kv.num_pages - 1
+    assert after["jaxinfer:num_kv_pages_used"] == kv.num_pages - 1 - kv.num_free_pages
     assert 0 <= after["jaxinfer:prefix_cache_hit_rate"] <= 1
     assert after["jaxinfer:num_compilations"] == len(eng.compile_keys) >= 2
 

@@ -33,9 +33,8 @@ import numpy as np
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.core import Engine
-from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.engine.kv_manager import make_kv_manager
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.models.kv_cache import PageAllocator
 from jaxinfer.sampling.sampler import SamplingParams
 
 Key = tuple
@@ -96,13 +95,9 @@ class _PlanEngine(Engine):
         self.tokenizer = types.SimpleNamespace(
             has_text=False, eos_ids=(), bos_id=None, path="<job plan>"
         )
-        if ecfg.enable_prefix_caching:
-            self.allocator = PrefixCachingAllocator(ecfg.num_pages, ecfg.page_size, ("plan",))
-        else:
-            self.allocator = PageAllocator(ecfg.num_pages)
+        self.kv_manager = make_kv_manager(ecfg, ("plan",))
         self.scheduler = Scheduler(
-            self.allocator,
-            ecfg.page_size,
+            self.kv_manager,
             ecfg.max_num_seqs,
             ecfg.max_num_batched_tokens,
             ecfg.max_prefill_seqs,

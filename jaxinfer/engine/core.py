@@ -32,7 +32,7 @@ from jaxinfer.engine.config import (  # noqa: F401 - re-exported: jaxinfer.engin
     scan_from_tokens,
 )
 from jaxinfer.engine.host_memory import keep_freed_host_memory
-from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.engine.kv_manager import make_kv_manager
 from jaxinfer.engine.request_output import RequestState, advance, build_output
 from jaxinfer.engine.resume import ResumeState, check_resume
 from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
@@ -40,7 +40,7 @@ from jaxinfer.engine.step import LogitsControls, jitted_forward_step, jitted_sam
 from jaxinfer.engine.step_controls import has_penalties, logits_controls, needs_controls
 from jaxinfer.errors import RequestError
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.kv_cache import PageAllocator, init_kv_cache
+from jaxinfer.models.kv_cache import init_kv_cache
 from jaxinfer.models.paged_attention import XLA_IMPLS, check_attn_impl, engine_attn_impl
 from jaxinfer.models.params import Params, out_in_projections, unstack_layers
 from jaxinfer.models.sharding import to_host
@@ -159,15 +159,11 @@ class Engine:
             from jaxinfer.models.sharding import step_out_shardings
 
             self._forward = jitted_forward_step(out_shardings=step_out_shardings(mesh))
-        if ecfg.enable_prefix_caching:
-            # What else decides a page's contents besides its tokens (one engine: one model).
-            extra = (cfg.model_type, str(np.dtype(kv_dtype)), ecfg.page_size)
-            self.allocator = PrefixCachingAllocator(ecfg.num_pages, ecfg.page_size, extra)
-        else:
-            self.allocator = PageAllocator(ecfg.num_pages)
+        # What else decides a page's contents besides its tokens (one engine: one model).
+        extra = (cfg.model_type, str(np.dtype(kv_dtype)), ecfg.page_size)
+        self.kv_manager = make_kv_manager(ecfg, extra)
         self.scheduler = Scheduler(
-            self.allocator,
-            ecfg.page_size,
+            self.kv_manager,
             ecfg.max_num_seqs,
             ecfg.max_num_batched_tokens,
             ecfg.max_prefill_seqs,
@@ -215,25 +211,14 @@ class Engine:
         )
 
     def prefix_cache_stats(self) -> dict:
-        """Prefix-cache counters (``PrefixCachingAllocator.stats``: queried_tokens, hit_tokens,
+        """Prefix-cache counters (``KVCacheManager.stats``: queried_tokens, hit_tokens,
         hit_rate, evictions, cached_pages); all zero with prefix caching off."""
-        if isinstance(self.allocator, PrefixCachingAllocator):
-            return self.allocator.stats()
-        return {
-            "queried_tokens": 0,
-            "hit_tokens": 0,
-            "hit_rate": 0.0,
-            "evictions": 0,
-            "cached_pages": 0,
-        }
+        return self.kv_manager.stats()
 
     def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
         """Tokens of ``prompt_ids`` this engine's prefix cache holds now (0 with caching off);
         takes no references (data-parallel routing asks every replica)."""
-        if not isinstance(self.allocator, PrefixCachingAllocator):
-            return 0
-        max_pages = (len(prompt_ids) - 1) // self.ecfg.page_size
-        return len(self.allocator.match_prefix(prompt_ids, max_pages)[0]) * self.ecfg.page_size
+        return self.kv_manager.cached_prefix_tokens(prompt_ids)
 
     @property
     def num_compilations(self) -> int:
@@ -495,8 +480,7 @@ class Engine:
         for seq in self.scheduler.waiting:  # the step in flight is dropped: its tokens with it
             seq.pending.clear()
             seq.pending_final = False
-        if isinstance(self.allocator, PrefixCachingAllocator):
-            self.allocator.clear_cache()  # pages the failed step was to write are not trusted
+        self.kv_manager.clear_cache()  # pages the failed step was to write are not trusted
         msg = f"step failed: {type(exc).__name__}: {exc}"
         results = []
         for seq in culprits:

@@ -20,7 +20,7 @@ from jaxinfer.engine.batch import MIN_DECODE_ROWS, MIN_PAGES_PER_SEQ, MIN_PREFIL
 from jaxinfer.engine.core import Engine, EngineConfig
 from jaxinfer.engine.scheduler import ScheduledRow, Sequence
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.kv_cache import NULL_PAGE, OutOfPagesError, init_kv_cache
+from jaxinfer.models.kv_cache import NULL_PAGE, init_kv_cache
 from jaxinfer.models.paged_attention import AttentionMetadata
 from jaxinfer.models.params import Params
 from jaxinfer.outputs import RequestOutput, TokenLogprob
@@ -191,17 +191,6 @@ class SpecEngine(Engine):
             return self._pending.get(seq.request_id, [])[:r]
         return []
 
-    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Pages for ``num_tokens`` tokens of ``seq``; False (nothing allocated) when short."""
-        need = -(-num_tokens // self.ecfg.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        try:
-            seq.pages.extend(self.allocator.allocate(need))
-        except OutOfPagesError:
-            return False
-        return True
-
     # ---------------------------------------------------------------- the round
 
     def _run_step(self) -> list[RequestOutput]:
@@ -217,7 +206,7 @@ class SpecEngine(Engine):
             if r and self.spec.method != "draft-model":
                 drafts = self._host_drafts(seq, r)
                 r = len(drafts)
-            if r and not self._reserve(seq, seq.num_computed + 1 + r):
+            if r and not self.kv_manager.allocate(seq, 1 + r):  # False: nothing allocated
                 r, drafts = 0, []
             verify.append((seq, drafts, r))
         batch = build_spec_batch(
