@@ -31,7 +31,7 @@ def _run(loop, max_steps: int = 1000) -> None:
 def _assert_idle(llm) -> None:
     eng = llm.engine
     assert not eng.has_unfinished() and llm.engine_loop.num_requests == 0
-    assert eng.allocator.num_free == eng.ecfg.num_pages - 1  # page 0 is the null page
+    assert eng.kv_manager.num_free_pages == eng.ecfg.num_pages - 1  # page 0 is the null page
 
 
 def test_add_and_step_route_each_output_to_its_sink(stories_llm):
@@ -54,16 +54,16 @@ def test_add_and_step_route_each_output_to_its_sink(stories_llm):
 def test_abort_frees_the_pages_and_the_id(stories_llm):
     llm, loop = stories_llm, stories_llm.engine_loop
     eng = llm.engine
-    free = eng.allocator.num_free
+    free = eng.kv_manager.num_free_pages
     sink = []
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     loop.add(Request("abort-me", "Once upon a time", long), sink.append)
     for _ in range(4):
         loop.step()
-    assert sink and eng.allocator.num_free < free
+    assert sink and eng.kv_manager.num_free_pages < free
     seen = len(sink)
     loop.abort(["abort-me", "never-added"])  # unknown ids are ignored
-    assert loop.num_requests == 0 and eng.allocator.num_free == free  # every page at once
+    assert loop.num_requests == 0 and eng.kv_manager.num_free_pages == free  # every page at once
     loop.step()  # collects the step already dispatched (async scheduling), if any
     assert not eng.has_unfinished()
     assert len(sink) == seen and not any(o.finished for o in sink)  # nothing more comes
