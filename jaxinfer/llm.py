@@ -17,6 +17,11 @@ import jax
 
 from jaxinfer.engine.core import EngineConfig, EngineCore, default_num_pages, default_page_size
 from jaxinfer.engine.core import kv_cache_dtype as resolve_kv_dtype
+from jaxinfer.engine.inputs import (  # noqa: F401 - encode_prompt re-exported: LLM's module
+    PromptLike,
+    Request,
+    encode_prompt,
+)
 from jaxinfer.engine.loop import EngineLoop
 from jaxinfer.engine.resume import ResumeState
 from jaxinfer.engine.runner import ModelRunner
@@ -25,8 +30,6 @@ from jaxinfer.llm_args import check_kv_pool, check_llm_args
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.tokenizers.ids_only import IdsOnlyTokenizer, NoTokenizerWarning, no_tokenizer_message
-
-PromptLike = str | Sequence[int] | dict
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
@@ -262,11 +265,17 @@ class LLM:
 
     # ---------------------------------------------------------------- prompts
 
+    @property
+    def engine_loop(self) -> EngineLoop:
+        """The front door of this LLM's engines (``jaxinfer.engine.loop``): ``add``, ``abort``,
+        ``step``; the server's engine thread and every ``generate`` call share it."""
+        return self._loop
+
     def encode_prompt(self, prompt: PromptLike) -> tuple[list[int], str | None]:
         """Token ids (and text) of a prompt: a string, a list of token ids, or a dict with
         ``"prompt"``, ``"prompt_token_ids"`` or ``"messages"`` (chat). Raises RequestError (also
         for a text prompt when the model runs without a tokenizer)."""
-        return encode_prompt(self._engine_tokenizer, prompt)  # without a tokenizer: RequestError
+        return self._loop.encode(prompt)
 
     # ---------------------------------------------------------------- generation
 
@@ -315,9 +324,12 @@ class LLM:
             request_ids = [f"{n}-{i}" for i in range(len(prompts))]
         if len(request_ids) != len(prompts):
             raise ValueError(f"{len(request_ids)} request_ids for {len(prompts)} prompts")
-        if resume is not None and len(resume) != len(prompts):
+        if resume is None:
+            resume = [None] * len(prompts)
+        if len(resume) != len(prompts):
             raise ValueError(f"{len(resume)} resume states for {len(prompts)} prompts")
-        return self._loop.stream(request_ids, prompts, sampling_params, self.encode_prompt, resume)
+        rows = zip(request_ids, prompts, sampling_params, resume, strict=True)
+        return self._loop.stream([Request(*row) for row in rows])
 
     def draw_seeds(self, sampling_params: Sequence[SamplingParams]) -> list[int]:
         """The seeds ``generate_stream`` would give these requests (in this order) if called now:
@@ -418,32 +430,6 @@ class LLM:
             )
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)
-
-
-def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
-    """``LLM.encode_prompt`` with tokenizer ``tok`` (an ``IdsOnlyTokenizer`` raises RequestError
-    for text). Raises RequestError."""
-    if isinstance(prompt, str):
-        return tok.encode(prompt), prompt
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
-                raise RequestError("prompt_token_ids must be a list of integers")
-            return list(ids), None
-        if "messages" in prompt:
-            text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False), text
-        if "prompt" in prompt:
-            if not isinstance(prompt["prompt"], str):
-                raise RequestError("prompt must be a string")
-            return tok.encode(prompt["prompt"]), prompt["prompt"]
-        raise RequestError("a request needs one of 'prompt', 'prompt_token_ids', 'messages'")
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-        return list(prompt), None
-    raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
 
 
 def engine_config(

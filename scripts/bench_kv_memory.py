@@ -11,7 +11,7 @@ concurrency. After every ``Engine.step``:
 
 - running = sequences in the scheduler's running set;
 - live = sum over running sequences of ``num_computed`` (tokens whose K/V are in the cache);
-- allocated = (num_pages - 1 - allocator.num_free) x page_size (slots of handed-out pages).
+- allocated = (num_pages - 1 - kv_manager.num_free_pages) x page_size (slots of handed-out pages).
 
 Paged: max and mean running sequences, live / allocated (over all steps: sum live / sum allocated;
 and the mean of the per-step fraction), preemptions. Contiguous (a cache reserving
@@ -87,14 +87,14 @@ def main() -> None:
     )
     for i, (ids, o) in enumerate(reqs):
         eng.add_request(f"kv-{i}", ids, greedy(o))
-    alloc, sched = eng.allocator, eng.scheduler
+    kv, sched = eng.kv_manager, eng.scheduler
     running, live, allocated = [], [], []
     t = time.perf_counter()
     while eng.has_unfinished():
         eng.step()
         running.append(len(sched.running))
         live.append(sum(s.num_computed for s in sched.running))
-        allocated.append((alloc.num_pages - 1 - alloc.num_free) * z)
+        allocated.append((kv.num_pages - 1 - kv.num_free_pages) * z)
     wall = time.perf_counter() - t
     running, live, allocated = map(np.asarray, (running, live, allocated))
     busy = allocated > 0

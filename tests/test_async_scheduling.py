@@ -47,7 +47,7 @@ def run_engine(llm, prompts, params):
             if out.finish_reason is not None:
                 finals[out.request_id] = out
         overlapped += eng._inflight is not None
-    assert eng.allocator.num_free == eng.allocator.num_pages - 1  # every page came back
+    assert eng.kv_manager.num_free_pages == eng.kv_manager.num_pages - 1  # every page came back
     for rid, seq in seqs.items():
         if seq.finish_reason == "length":  # its last token is known to be last: never computed
             assert seq.num_computed == seq.num_tokens - 1, rid

@@ -99,8 +99,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
     runs, run, sample = {}, eng.runner.run, eng.runner._sample
     # (reuse, async): the third run, synchronous, meets the second's shapes (compiles nothing)
     for reuse, asynchronous in ((False, None), (True, None), (True, False)):
-        if hasattr(eng.allocator, "clear_cache"):
-            eng.allocator.clear_cache()  # the same steps both times: no prefix cache hits
+        eng.kv_manager.clear_cache()  # the same steps both times: no prefix cache hits
         ecfg = dataclasses.replace(
             eng.ecfg, reuse_compiled_buckets=reuse, async_scheduling=asynchronous
         )
@@ -170,8 +169,7 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     monkeypatch.setattr(compiler, "wait_for", lambda key: (waited.append(key), wait_for(key)))
     reuse = BucketReuse(eng.runner, True, compiler)
     monkeypatch.setattr(eng, "buckets", reuse)
-    if hasattr(eng.allocator, "clear_cache"):
-        eng.allocator.clear_cache()
+    eng.kv_manager.clear_cache()
     seen, run = [], eng.runner.run
 
     def spy(inputs, prev=None):

@@ -103,7 +103,7 @@ def test_preemption_gives_the_same_outputs(stories_dir, stories_llm):
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
     assert sum(o.metrics.num_preemptions for o in tight) == small.engine.scheduler.num_preemptions
-    assert small.engine.allocator.num_free == 13  # every page came back
+    assert small.engine.kv_manager.num_free_pages == 13  # every page came back
 
 
 def test_chunked_prefill_equals_one_shot(stories_llm):

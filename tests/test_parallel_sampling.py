@@ -263,7 +263,7 @@ def test_closing_a_stream_aborts_every_completion(llm):
     assert len(llm.engine._requests) == 3
     stream.close()
     assert not llm.engine._requests  # all three aborted, not just the one that streamed
-    assert not llm._loop._routes and not llm._loop._parents
+    assert not llm._loop._routes and llm.engine_loop.num_requests == 0
 
 
 def test_a_failed_completion_fails_the_request_and_the_batch_goes_on(llm, monkeypatch):

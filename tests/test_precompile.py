@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from jaxinfer.compile.warmup import all_keys, precompile, serving_keys, with_sample_keys
 from jaxinfer.engine.batch import Buckets, build_step_batch, next_pow2
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.engine.kv_manager import KVCacheManager, PrefixCachingKVCacheManager
 from jaxinfer.engine.scheduler import Scheduler, Sequence
-from jaxinfer.models.kv_cache import NULL_PAGE, PageAllocator
+from jaxinfer.models.kv_cache import NULL_PAGE
 from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 
 
@@ -54,14 +54,12 @@ def serving_runs(draw):
 def scheduled_keys(ecfg: EngineConfig, num_pages: int, reqs) -> list[tuple[tuple, int]]:
     """(bucket key, prefill rows) of every step the real scheduler makes for ``reqs`` (each
     sampled token appended at once, as the engine without async scheduling does)."""
-    alloc = (
-        PrefixCachingAllocator(num_pages, ecfg.page_size, ("t",))
+    kv = (
+        PrefixCachingKVCacheManager(num_pages, ecfg.page_size, ("t",))
         if ecfg.enable_prefix_caching
-        else PageAllocator(num_pages)
+        else KVCacheManager(num_pages, ecfg.page_size)
     )
-    sched = Scheduler(
-        alloc, ecfg.page_size, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs
-    )
+    sched = Scheduler(kv, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
     out, step = [], 0
     while step <= 40 or sched.has_work():
         for i, (prompt, max_tokens, at) in enumerate(reqs):

@@ -67,7 +67,6 @@ def run_waves(eng: EngineCore, waves) -> list:
     in order. A wave may be a function of the outputs so far. Checks the pool's invariants after
     every step and that every page ends free or cached."""
     outs = []
-    cached = hasattr(eng.allocator, "check_invariants")
     for w, wave in enumerate(waves):
         if callable(wave):
             wave = wave(outs)
@@ -79,11 +78,10 @@ def run_waves(eng: EngineCore, waves) -> list:
             for o in eng.step():
                 if o.finished:
                     done[o.request_id] = o
-            if cached:
-                eng.allocator.check_invariants()
+            eng.kv_manager.check_invariants()
         outs += [done[f"w{w}-{i}"] for i in range(len(wave))]
-    assert eng.allocator.num_free == eng.ecfg.num_pages - 1  # free + cached = the pool
-    assert int(eng.allocator.refcounts[1:].sum()) == 0  # nobody holds a page
+    assert eng.kv_manager.num_free_pages == eng.ecfg.num_pages - 1  # free + cached = the pool
+    assert int(eng.kv_manager.pool.refcounts[1:].sum()) == 0  # nobody holds a page
     return outs
 
 

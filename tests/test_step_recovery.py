@@ -62,7 +62,7 @@ def _assert_references(llm, outs, refs):
 
 def _assert_idle(engine):
     assert not engine.has_unfinished()
-    assert engine.allocator.num_free == engine.ecfg.num_pages - 1  # page 0 is the null page
+    assert engine.kv_manager.num_free_pages == engine.ecfg.num_pages - 1  # page 0 is the null page
     assert not engine._requests
 
 

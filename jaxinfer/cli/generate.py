@@ -95,11 +95,12 @@ def _generate(
     resume = ckpt.plan(llm, [(j.id, ids, p) for (j, ids), p in zip(run, params, strict=True)])
     start_job(llm, [ids for _, ids in run], params, resume, bar, background=True)  # k/n
     stats["resumed"] = ckpt.resumed
-    t0 = time.perf_counter()
     for res in llm.generate_stream(
         prompts, params, request_ids=[j.id for j, _ in run], resume=resume
     ):
         check_terminated()
+        if bar is not None:
+            bar.add_output(res)  # tokens so far and tok/s on the line, not only finished prompts
         if not res.finished:
             ckpt.update(res)
             continue
@@ -114,8 +115,6 @@ def _generate(
             stats["completion_tokens"] += res.metrics.completion_tokens
         if bar is not None:
             bar.update(1)
-            rate = stats["completion_tokens"] / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix_str(f"{rate:.1f} tok/s")
 
 
 def run_jobs(

@@ -38,16 +38,16 @@ from jaxinfer.engine.config import (  # noqa: F401 - re-exported: jaxinfer.engin
     scan_from_tokens,
 )
 from jaxinfer.engine.intake import check_request, check_stop_strings, new_request_state, replay
-from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.engine.kv_manager import make_kv_manager
 from jaxinfer.engine.recovery import StepRecovery
 from jaxinfer.engine.request_output import RequestState, advance, build_output
 from jaxinfer.engine.resume import ResumeState, check_resume
 from jaxinfer.engine.runner import Capabilities, ModelRunner, StepInputs, StepOutput
-from jaxinfer.engine.scheduler import ScheduleOutput, Scheduler, SeqStatus, Sequence
+from jaxinfer.engine.scheduler import ScheduleOutput, Scheduler
+from jaxinfer.engine.sequence import SeqStatus, Sequence
 from jaxinfer.engine.step import LogitsControls
 from jaxinfer.engine.step_controls import has_penalties, logits_controls, needs_controls
 from jaxinfer.errors import RequestError
-from jaxinfer.models.kv_cache import PageAllocator
 from jaxinfer.models.sharding import to_host
 from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams, draw_seed, sample_flags
@@ -114,15 +114,11 @@ class EngineCore:
         caps = self.capabilities
         if ecfg.batch_invariant and not caps.batch_invariant:
             raise ValueError("batch_invariant=True is not supported with speculative decoding")
-        if ecfg.enable_prefix_caching:
-            # What else decides a page's contents besides its tokens (one engine: one model).
-            extra = (cfg.model_type, str(np.dtype(runner.kv_dtype)), ecfg.page_size)
-            self.allocator = PrefixCachingAllocator(ecfg.num_pages, ecfg.page_size, extra)
-        else:
-            self.allocator = PageAllocator(ecfg.num_pages)
+        # What else decides a page's contents besides its tokens (one engine: one model).
+        extra = (cfg.model_type, str(np.dtype(runner.kv_dtype)), ecfg.page_size)
+        self.kv_manager = make_kv_manager(ecfg, extra)
         self.scheduler = Scheduler(
-            self.allocator,
-            ecfg.page_size,
+            self.kv_manager,
             ecfg.max_num_seqs,
             ecfg.max_num_batched_tokens,
             ecfg.max_prefill_seqs,
@@ -165,19 +161,14 @@ class EngineCore:
         return self.recovery.num_step_failures
 
     def prefix_cache_stats(self) -> dict:
-        """Prefix-cache counters (``PrefixCachingAllocator.stats``: queried_tokens, hit_tokens,
+        """Prefix-cache counters (``KVCacheManager.stats``: queried_tokens, hit_tokens,
         hit_rate, evictions, cached_pages); all zero with prefix caching off."""
-        if isinstance(self.allocator, PrefixCachingAllocator):
-            return self.allocator.stats()
-        return dict(queried_tokens=0, hit_tokens=0, hit_rate=0.0, evictions=0, cached_pages=0)
+        return self.kv_manager.stats()
 
     def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
         """Tokens of ``prompt_ids`` this engine's prefix cache holds now (0 with caching off);
         takes no references (data-parallel routing asks every replica)."""
-        if not isinstance(self.allocator, PrefixCachingAllocator):
-            return 0
-        max_pages = (len(prompt_ids) - 1) // self.ecfg.page_size
-        return len(self.allocator.match_prefix(prompt_ids, max_pages)[0]) * self.ecfg.page_size
+        return self.kv_manager.cached_prefix_tokens(prompt_ids)
 
     @property
     def num_compilations(self) -> int:
@@ -428,7 +419,7 @@ class EngineCore:
         """One speculative round (``SpeculativeStrategy.run_round``) over the scheduled rows;
         each row's emitted tokens are appended one by one with the usual stop checks (a request
         may appear once per emitted token, each with its ``delta_text``)."""
-        rows = self.speculative.run_round(self._schedule(), self.allocator, self._controls)
+        rows = self.speculative.run_round(self._schedule(), self.kv_manager, self._controls)
         now = time.perf_counter()
         self.num_steps += 1
         results = []
@@ -456,8 +447,7 @@ class EngineCore:
         for seq in self.scheduler.waiting:  # the step in flight is dropped: its tokens with it
             seq.pending.clear()
             seq.pending_final = False
-        if isinstance(self.allocator, PrefixCachingAllocator):
-            self.allocator.clear_cache()  # pages the failed step was to write are not trusted
+        self.kv_manager.clear_cache()  # pages the failed step was to write are not trusted
         msg = f"step failed: {type(exc).__name__}: {exc}"
         results = [self.fail_request(seq.request_id, msg) for seq in self.recovery.blame()]
         self.recovery.cleared(set())  # the failed ones leave the isolated

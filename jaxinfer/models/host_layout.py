@@ -2,13 +2,12 @@
 
 ``ModelRunner.__init__`` (``jaxinfer.engine.runner``) puts loaded weights into its run layout with
 eager jax ops (``params.unstack_layers``, ``params.out_in_projections``): each distinct slice,
-transpose, reshape and concatenate shape is an XLA compilation of its own (21 for a ~110M Llama, 27
-for stories260K; 0.4 s on a quiet 2-core CPU, 1-3.5 s at load 8). On the CPU backend a loaded array
-is readable as numpy without a copy, so ``engine_layout_on_host`` builds the same layout with numpy
-and places each result with ``jax.device_put``; the engine then finds its weights already in that
-layout and leaves them as they are (``unstack_layers`` only sets ``scan_from_tokens``,
-``out_in_projections`` keeps ``OutInWeight``). Values are the same bits
-(copies, no arithmetic).
+transpose, reshape and concatenate shape is an XLA compilation of its own (a few dozen per model,
+each adding to the start-up; docs/performance.md). On the CPU backend a loaded array is readable
+as numpy without a copy, so ``engine_layout_on_host`` builds the same layout with numpy and places
+each result with ``jax.device_put``; the engine then finds its weights already in that layout and
+leaves them as they are (``unstack_layers`` only sets ``scan_from_tokens``, ``out_in_projections``
+keeps ``OutInWeight``). Values are the same bits (copies, no arithmetic).
 """
 
 from __future__ import annotations

@@ -483,9 +483,8 @@ def _prefill_attention(
 # Decode rows wider than this many pages are cut into work items of this many pages (split-KV,
 # flash-decoding style): each item's gathered K/V stays small, and only items holding live tokens
 # are computed, so a step's cost follows its live pages rather than rows x the widest row.
-# 16 items a group (was 32): 2-22 % less CPU for the 12 layers' decode attention at the 110M
-# shapes in 12 of 12 pairs (scripts/bench_decode_attention.py, docs/performance_cold_start.md): a
-# group's gathered K and V (3 MB at 16) stay in cache for its dots.
+# 16 items a group: a group's gathered K and V (a few MB at the 110M shapes) stay in cache for
+# its dots; 32 cost more CPU (scripts/bench_decode_attention.py, docs/performance.md).
 DECODE_PAGES_PER_CHUNK = 4
 DECODE_ITEMS_PER_GROUP = 16
 

@@ -20,10 +20,12 @@ import numpy as np
 
 from jaxinfer.engine.batch import MIN_DECODE_ROWS, MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
 from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.kv_manager import KVCacheManager
 from jaxinfer.engine.runner import Capabilities, ModelRunner
-from jaxinfer.engine.scheduler import ScheduledRow, ScheduleOutput, Sequence
+from jaxinfer.engine.scheduler import ScheduledRow, ScheduleOutput
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.kv_cache import NULL_PAGE, OutOfPagesError, PageAllocator, init_kv_cache
+from jaxinfer.models.kv_cache import NULL_PAGE, init_kv_cache
 from jaxinfer.models.paged_attention import AttentionMetadata
 from jaxinfer.models.params import Params
 from jaxinfer.outputs import RequestOutput, TokenLogprob
@@ -148,7 +150,7 @@ class SpeculativeStrategy:
         runner: the target model's ``ModelRunner`` (its params and pool run the verify pass).
         spec: the drafter and R.
         draft_cfg, draft_params: the draft model (method "draft-model"); its vocabulary must be
-            the target's. Its paged KV cache uses the target's page ids (one allocator, two pools).
+            the target's. Its paged KV cache uses the target's page ids (one KV manager, two pools).
         heads: the Medusa heads (method "heads").
 
     Raises:
@@ -222,23 +224,12 @@ class SpeculativeStrategy:
             return self._pending.get(seq.request_id, [])[:r]
         return []
 
-    def _reserve(self, allocator: PageAllocator, seq: Sequence, num_tokens: int) -> bool:
-        """Pages for ``num_tokens`` tokens of ``seq``; False (nothing allocated) when short."""
-        need = -(-num_tokens // self.runner.ecfg.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        try:
-            seq.pages.extend(allocator.allocate(need))
-        except OutOfPagesError:
-            return False
-        return True
-
     # ---------------------------------------------------------------- the round
 
     def run_round(
         self,
         sched: ScheduleOutput,
-        allocator: PageAllocator,
+        kv_manager: KVCacheManager,
         controls: Callable[[list, int], object],
     ) -> list[RoundRow]:
         """Drafts, verifies and accepts for ``sched``'s decode rows (and runs its prefill rows),
@@ -246,7 +237,7 @@ class SpeculativeStrategy:
 
         Args:
             sched: the scheduled rows (pages of their scheduled tokens allocated).
-            allocator: the engine's page allocator (pages for the drafts' slots).
+            kv_manager: the engine's KV-cache manager (pages for the drafts' slots).
             controls: ``EngineCore``'s logits controls of (row, index) pairs padded to B rows.
 
         Returns:
@@ -262,7 +253,7 @@ class SpeculativeStrategy:
             if r and self.spec.method != "draft-model":
                 drafts = self._host_drafts(seq, r)
                 r = len(drafts)
-            if r and not self._reserve(allocator, seq, seq.num_computed + 1 + r):
+            if r and not kv_manager.allocate(seq, 1 + r):  # False: nothing allocated
                 r, drafts = 0, []
             verify.append((seq, drafts, r))
         batch = build_spec_batch(
