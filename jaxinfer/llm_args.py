@@ -146,7 +146,7 @@ def check_kv_pool(
 ) -> None:
     """Checks the engine's sized buffers fit before they are allocated: the KV pool
     (``num_pages`` pages of ``page_size`` tokens), its page allocator, and the per-row sampling
-    buffers of ``max_num_seqs`` rows (``Engine``'s ``num_slots``, mirrored here).
+    buffers of ``max_num_seqs`` rows (``ModelRunner``'s ``num_slots``, mirrored here).
 
     Args:
         cfg: the config the engine runs (with any KV heads replicated for tensor parallelism).

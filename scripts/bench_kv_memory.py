@@ -7,7 +7,7 @@
 The KV pool holds ``--budget-tokens`` token slots (``budget / page_size`` pages plus the reserved
 null page). A mixed-length workload (``benchlib.make_workload``, seeded) all arrives at t=0 and runs
 greedy with ``ignore_eos``; ``--max-num-seqs`` is set high so that memory, not the row limit, bounds
-concurrency. After every ``Engine.step``:
+concurrency. After every ``EngineCore.step``:
 
 - running = sequences in the scheduler's running set;
 - live = sum over running sequences of ``num_computed`` (tokens whose K/V are in the cache);

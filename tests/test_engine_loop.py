@@ -14,7 +14,7 @@ import pytest
 from conftest import stories_reference
 from test_engine import reference_requests
 
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.inputs import Request
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling.params import SamplingParams
@@ -106,7 +106,7 @@ def test_n_fans_out_once_into_completions_each_the_reference(stories_llm, monkey
     llm, loop = stories_llm, stories_llm.engine_loop
     ids, sp, expected = reference_requests(llm.tokenizer)[2]
     calls = {"validate": 0, "add_request": 0}
-    validate, add_request = Engine.validate, Engine.add_request
+    validate, add_request = EngineCore.validate, EngineCore.add_request
 
     def counting_validate(self, *a, **kw):
         calls["validate"] += 1
@@ -116,8 +116,8 @@ def test_n_fans_out_once_into_completions_each_the_reference(stories_llm, monkey
         calls["add_request"] += 1
         return add_request(self, *a, **kw)
 
-    monkeypatch.setattr(Engine, "validate", counting_validate)
-    monkeypatch.setattr(Engine, "add_request", counting_add)
+    monkeypatch.setattr(EngineCore, "validate", counting_validate)
+    monkeypatch.setattr(EngineCore, "add_request", counting_add)
     sink = []
     loop.add(Request("three", {"prompt_token_ids": ids}, dataclasses.replace(sp, n=3)), sink.append)
     assert calls == {"validate": 3, "add_request": 3}  # one check and one request a completion
@@ -145,11 +145,11 @@ def test_process_checks_a_request_once_and_add_trusts_it(stories_llm, monkeypatc
     case_prompt = stories_reference()[1]["prompt"]
     proc = loop.process(Request("text", case_prompt, sp))
     assert proc.prompt_ids == ids and proc.prompt_text == case_prompt and proc.n == 1
-    validate = Engine.validate
-    monkeypatch.setattr(Engine, "validate", lambda *a, **kw: pytest.fail("validated twice"))
+    validate = EngineCore.validate
+    monkeypatch.setattr(EngineCore, "validate", lambda *a, **kw: pytest.fail("validated twice"))
     sink = []
     loop.add(proc, sink.append)
-    monkeypatch.setattr(Engine, "validate", validate)
+    monkeypatch.setattr(EngineCore, "validate", validate)
     _run(loop)
     assert llm.tokenizer.decode(ids + sink[-1].token_ids) == expected
     _assert_idle(llm)

@@ -22,7 +22,8 @@ import hf_fixtures as H
 import numpy as np
 import pytest
 
-from jaxinfer.engine.scheduler import ScheduledRow, Sequence
+from jaxinfer.engine.scheduler import ScheduledRow
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.sampling.sampler import SamplingParams
 
 LOGPROB_ATOL = 1e-4  # f32 engine vs transformers f32 (logits agree to ~1e-4 relative)

@@ -19,7 +19,8 @@ from jaxinfer.compile.warmup import all_keys, precompile, serving_keys, with_sam
 from jaxinfer.engine.batch import Buckets, build_step_batch, next_pow2
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.kv_manager import KVCacheManager, PrefixCachingKVCacheManager
-from jaxinfer.engine.scheduler import Scheduler, Sequence
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.models.kv_cache import NULL_PAGE
 from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 

@@ -286,11 +286,11 @@ def test_streamed_echo_logprobs_and_usage_count_tokens_not_characters(server):
 def test_a_request_is_encoded_and_validated_once(server, monkeypatch):
     """Two prompts with n = 2: each prompt encoded once, each of the 4 completions validated
     once (``EngineLoop.process``), nothing checked again on the way to the engine."""
-    from jaxinfer.engine.core import Engine
+    from jaxinfer.engine.core import EngineCore
 
     calls = {"encode": 0, "validate": 0}
     tok = server.llm.tokenizer
-    encode, validate = tok.encode, Engine.validate
+    encode, validate = tok.encode, EngineCore.validate
 
     def counting_encode(*a, **kw):
         calls["encode"] += 1
@@ -301,7 +301,7 @@ def test_a_request_is_encoded_and_validated_once(server, monkeypatch):
         return validate(self, *a, **kw)
 
     monkeypatch.setattr(tok, "encode", counting_encode)
-    monkeypatch.setattr(Engine, "validate", counting_validate)
+    monkeypatch.setattr(EngineCore, "validate", counting_validate)
     r = server.client.completions.create(
         model=MODEL, prompt=["The sun was", "Sam"], n=2, max_tokens=3, temperature=0
     )

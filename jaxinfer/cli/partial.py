@@ -4,7 +4,7 @@
 finished, its id, a fingerprint of its record (prompt token ids + sampling params), the seed it
 samples with and its output so far (token ids, and logprobs when the record asks for them). A
 rerun of the same command skips the ids already in ``--out`` as before and continues each
-in-flight request from its partial output (``Engine.add_request(resume=...)``); since sampling
+in-flight request from its partial output (``EngineCore.add_request(resume=...)``); since sampling
 keys depend only on (seed, output index), the records equal an uninterrupted run's (timing
 metrics aside: ``RequestMetrics.resumed_tokens``).
 
@@ -23,7 +23,7 @@ state
 - Trust, not faith: a file that cannot be read, is from another format version or was written
   with other model settings (`run_settings`) is ignored with a warning; an entry whose
   fingerprint does not match its record (the prompts file changed) or that the engine refuses
-  (``Engine.validate``) starts that request afresh, with a warning. Resuming is then only
+  (``EngineCore.validate``) starts that request afresh, with a warning. Resuming is then only
   slower, never different from a from-scratch rerun.
 """
 

@@ -496,6 +496,3 @@ class EngineCore:
         if out.finish_reason is not None:
             del self._requests[req.seq.request_id]
         return out
-
-
-Engine = EngineCore  # the old name, until every branch of the renovation has merged

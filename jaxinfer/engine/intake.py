@@ -8,7 +8,7 @@ from collections.abc import Callable
 from jaxinfer.engine.prompt_logprobs import check_request as check_prompt_logprobs
 from jaxinfer.engine.request_output import RequestState
 from jaxinfer.engine.resume import ResumeState
-from jaxinfer.engine.scheduler import Sequence
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams

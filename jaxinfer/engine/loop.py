@@ -19,7 +19,7 @@ outside the lock.
 
 Data-parallel routing: a request whose home is replica h (request i of a ``stream`` call: i % n;
 ``add``: its ``replica`` argument, else the next in turn) goes to the replica whose prefix cache
-holds the longest prefix of its prompt now (``Engine.cached_prefix_tokens``; ties to the first
+holds the longest prefix of its prompt now (``EngineCore.cached_prefix_tokens``; ties to the first
 from h on), or to h when none holds any (or caching is off). Seeds do not follow the routing: a
 completion without one samples with the seed replica h's host RNG draws for it (``draw_seeds``),
 wherever it runs. Requests of one call that share a prefix not yet cached are not grouped (the
@@ -35,7 +35,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.inputs import (
     ProcessedRequest,
     PromptLike,
@@ -60,7 +60,7 @@ class _Running:
 
     request: ProcessedRequest
     sink: Sink
-    engine: Engine
+    engine: EngineCore
     parent: ParentRequest | None  # n > 1
     engine_ids: list[str]  # its engine requests: [request_id], or one per completion
 
@@ -73,7 +73,7 @@ class EngineLoop:
             one's ``tokenizer`` and validated with its ``validate``.
     """
 
-    def __init__(self, engines: Sequence[Engine]):
+    def __init__(self, engines: Sequence[EngineCore]):
         self.engines = list(engines)
         self._lock = threading.Lock()
         self._requests: dict[str, _Running] = {}  # caller's request id -> its state
@@ -253,7 +253,7 @@ class EngineLoop:
             self._routes.pop(eid, None)
             running.engine.abort_request(eid)
 
-    def _route(self, ids: list[int], home: Engine) -> Engine:
+    def _route(self, ids: list[int], home: EngineCore) -> EngineCore:
         """The replica a prompt runs on: the one whose prefix cache holds the most of ``ids``
         (ties to the first from ``home`` on), ``home`` when none holds any."""
         if len(self.engines) == 1:

@@ -12,7 +12,7 @@ one step at a time (``only``), until it samples a token (innocent: ``cleared``) 
 
 from __future__ import annotations
 
-from jaxinfer.engine.scheduler import SeqStatus, Sequence
+from jaxinfer.engine.sequence import SeqStatus, Sequence
 
 MAX_STEP_FAILURES = 2
 """A request in this many failed steps fails."""

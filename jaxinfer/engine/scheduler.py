@@ -26,7 +26,7 @@ import dataclasses
 from jaxinfer.engine.kv_manager import KVCacheManager
 from jaxinfer.engine.sequence import SeqStatus, Sequence
 
-__all__ = ["ScheduleOutput", "ScheduledRow", "Scheduler", "SeqStatus", "Sequence"]
+__all__ = ["ScheduleOutput", "ScheduledRow", "Scheduler"]
 
 
 @dataclasses.dataclass

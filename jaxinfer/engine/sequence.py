@@ -22,7 +22,7 @@ class Sequence:
     them have their K/V in the cache (or are being written by a step in flight).
 
     ``pending``: placeholders of tokens sampled by a dispatched step whose result the host has not
-    read yet (async scheduling, ``Engine``): ``-(r + 1)`` stands for row ``r`` of that step's
+    read yet (async scheduling, ``EngineCore``): ``-(r + 1)`` stands for row ``r`` of that step's
     sampled tokens, which the next step reads on device. ``pending_final``: the pending token is
     this sequence's last (it reaches ``max_tokens`` or ``max_model_len``), so it is not scheduled
     again."""

@@ -132,7 +132,7 @@ class _EngineCollector:
         yield self._gauge(
             "jaxinfer:num_compilations",
             "Device functions compiled so far (step "
-            "shapes met, Engine.num_compilations; flat once warm).",
+            "shapes met, EngineCore.num_compilations; flat once warm).",
             sum(e.num_compilations for e in engines),
         )
         stats = prefix_cache_stats(self.llm)
