@@ -39,7 +39,7 @@ import os
 import textwrap
 
 from jaxinfer.engine.config import KV_CACHE_DTYPES, resolve  # noqa: F401 - resolve: see above
-from jaxinfer.models.paged_attention import ATTN_IMPLS
+from jaxinfer.models.attn_dispatch import ATTN_IMPLS
 from jaxinfer.options import (
     ChatTemplate,
     Choice,

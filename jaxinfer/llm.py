@@ -16,16 +16,20 @@ from pathlib import Path
 import jax
 
 from jaxinfer.args import EngineArgs, check_keywords, describe, llm_signature
-from jaxinfer.engine.config import check_kv_pool, kv_cache_dtype, resolve
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.config import resolve
+from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.inputs import (  # noqa: F401 - encode_prompt re-exported: LLM's module
+    PromptLike,
+    Request,
+    encode_prompt,
+)
 from jaxinfer.engine.loop import EngineLoop
 from jaxinfer.engine.resume import ResumeState
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.errors import RequestError, TokenizerError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling.sampler import SamplingParams
 from jaxinfer.tokenizers.ids_only import IdsOnlyTokenizer, NoTokenizerWarning, no_tokenizer_message
-
-PromptLike = str | Sequence[int] | dict
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
@@ -110,9 +114,8 @@ class LLM:
             self.tokenizer.chat_template = chat_template
         self.mesh, self.sharding_plan = placer.mesh, placer.plan
         run_cfg = placer.plan.cfg  # the config with replicated KV heads / padded MLP width
+        # Every default applied and every check done, the KV pool's memory included.
         ecfg = resolve(args, run_cfg, self.params.embed.dtype, mesh=self.mesh, tp=placer.plan.tp)
-        devices = None if self.mesh is None else list(self.mesh.devices.flat)
-        check_kv_pool(run_cfg, ecfg, kv_cache_dtype(ecfg), placer.plan.tp, devices, args)
         if args.quantization not in (None, "none"):
             from jaxinfer.quant.tensor import apply_quantization
 
@@ -126,14 +129,15 @@ class LLM:
 
             # The engine's weight layout built with numpy on CPU: no XLA compiles (host_layout).
             self.params = engine_layout_on_host(self.params, ecfg)
-            self.engines = [Engine(run_cfg, self.params, self._engine_tokenizer, ecfg)]
+            runners = [ModelRunner(run_cfg, self.params, ecfg)]
         else:
-            self.engines = [
-                Engine(run_cfg, replica_view(self.params, m), self._engine_tokenizer, ecfg, mesh=m)
+            runners = [
+                ModelRunner(run_cfg, replica_view(self.params, m), ecfg, mesh=m)
                 for m in replica_meshes(self.mesh)
             ]
+        self.engines = [EngineCore(r, self._engine_tokenizer) for r in runners]
         if args.speculative is not None:
-            from jaxinfer.speculative.engine import make_spec_engine
+            from jaxinfer.speculative.strategy import make_spec_engine
 
             self.engines = [
                 make_spec_engine(
@@ -171,11 +175,17 @@ class LLM:
 
     # ---------------------------------------------------------------- prompts
 
+    @property
+    def engine_loop(self) -> EngineLoop:
+        """The front door of this LLM's engines (``jaxinfer.engine.loop``): ``add``, ``abort``,
+        ``step``; the server's engine thread and every ``generate`` call share it."""
+        return self._loop
+
     def encode_prompt(self, prompt: PromptLike) -> tuple[list[int], str | None]:
         """Token ids (and text) of a prompt: a string, a list of token ids, or a dict with
         ``"prompt"``, ``"prompt_token_ids"`` or ``"messages"`` (chat). Raises RequestError (also
         for a text prompt when the model runs without a tokenizer)."""
-        return encode_prompt(self._engine_tokenizer, prompt)  # without a tokenizer: RequestError
+        return self._loop.encode(prompt)
 
     # ---------------------------------------------------------------- generation
 
@@ -196,7 +206,7 @@ class LLM:
         ``resume[i]``, when not None, continues prompt i from a partial output: its seed and
         output tokens so far (``jaxinfer.engine.resume.ResumeState``; for n > 1 a sequence of n,
         one per
-        completion; ``Engine.add_request`` says what is rebuilt); the result equals an
+        completion; ``EngineCore.add_request`` says what is rebuilt); the result equals an
         uninterrupted run's. A partial output that has already finished, or does not fit the
         request, makes that request's error output.
 
@@ -224,9 +234,12 @@ class LLM:
             request_ids = [f"{n}-{i}" for i in range(len(prompts))]
         if len(request_ids) != len(prompts):
             raise ValueError(f"{len(request_ids)} request_ids for {len(prompts)} prompts")
-        if resume is not None and len(resume) != len(prompts):
+        if resume is None:
+            resume = [None] * len(prompts)
+        if len(resume) != len(prompts):
             raise ValueError(f"{len(resume)} resume states for {len(prompts)} prompts")
-        return self._loop.stream(request_ids, prompts, sampling_params, self.encode_prompt, resume)
+        rows = zip(request_ids, prompts, sampling_params, resume, strict=True)
+        return self._loop.stream([Request(*row) for row in rows])
 
     def draw_seeds(self, sampling_params: Sequence[SamplingParams]) -> list[int]:
         """The seeds ``generate_stream`` would give these requests (in this order) if called now:
@@ -333,32 +346,6 @@ class LLM:
 
 LLM.__doc__ = LLM.__doc__.replace("{options}", describe(indent=8))
 LLM.__init__.__signature__ = llm_signature()
-
-
-def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
-    """``LLM.encode_prompt`` with tokenizer ``tok`` (an ``IdsOnlyTokenizer`` raises RequestError
-    for text). Raises RequestError."""
-    if isinstance(prompt, str):
-        return tok.encode(prompt), prompt
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
-                raise RequestError("prompt_token_ids must be a list of integers")
-            return list(ids), None
-        if "messages" in prompt:
-            text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False), text
-        if "prompt" in prompt:
-            if not isinstance(prompt["prompt"], str):
-                raise RequestError("prompt must be a string")
-            return tok.encode(prompt["prompt"]), prompt["prompt"]
-        raise RequestError("a request needs one of 'prompt', 'prompt_token_ids', 'messages'")
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-        return list(prompt), None
-    raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
 
 
 def _warn_no_tokenizer(model, eos_ids: tuple[int, ...], asked: bool) -> None:

@@ -181,7 +181,7 @@ def _prepare_pair(llm, pair) -> tuple[list[int], list[int]]:
 def _run(llm, seqs: list[tuple[list[int], list[int]]]) -> list[tuple[list[float], bool] | str]:
     """Scores (context, continuation) id pairs through the engine: per pair (the continuation's
     token logprobs, greedy) or the request's error."""
-    n = llm._loop.next_id()
+    n = llm.engine_loop.next_id()
     ids = [f"score-{n}-{i}" for i in range(len(seqs))]
     done = {}
     # Logprobs from the continuation's first token: the context's full pages may then be read
@@ -245,7 +245,7 @@ def perplexity(llm, texts, stride: int | None = None) -> list[PerplexityResult]:
                 toks = llm.tokenizer.encode(text, add_special_tokens=False)
                 pre = prefix_token(llm.tokenizer)
             elif (toks := _as_ids(text, "text")) is not None:
-                pre = prefix_token(llm._engine_tokenizer)
+                pre = prefix_token(llm.engine_loop.tokenizer)
             else:
                 raise RequestError("a text must be a string or a list of token ids")
             if not toks:

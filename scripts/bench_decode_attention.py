@@ -184,8 +184,8 @@ def forward_mode(args) -> dict:
     llm = jaxinfer.LLM(str(path), max_model_len=512)
     eng = llm.engine
     cfg, params = eng.cfg, eng.params
-    eng.kv = None
-    box = [eng._new_kv_cache()]
+    eng.runner.kv = None
+    box = [eng.runner.new_kv_cache()]
     out = {}
     for kind, (batch, prev, *_) in sorted(captured.items()):
         fns = {}

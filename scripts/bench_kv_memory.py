@@ -7,11 +7,11 @@
 The KV pool holds ``--budget-tokens`` token slots (``budget / page_size`` pages plus the reserved
 null page). A mixed-length workload (``benchlib.make_workload``, seeded) all arrives at t=0 and runs
 greedy with ``ignore_eos``; ``--max-num-seqs`` is set high so that memory, not the row limit, bounds
-concurrency. After every ``Engine.step``:
+concurrency. After every ``EngineCore.step``:
 
 - running = sequences in the scheduler's running set;
 - live = sum over running sequences of ``num_computed`` (tokens whose K/V are in the cache);
-- allocated = (num_pages - 1 - allocator.num_free) x page_size (slots of handed-out pages).
+- allocated = (num_pages - 1 - kv_manager.num_free_pages) x page_size (slots of handed-out pages).
 
 Paged: max and mean running sequences, live / allocated (over all steps: sum live / sum allocated;
 and the mean of the per-step fraction), preemptions. Contiguous (a cache reserving
@@ -65,7 +65,7 @@ def main() -> None:
 
     path, vocab, _ = resolve_model(args.model)
     if args.page_size is None:
-        from jaxinfer.engine.core import default_page_size
+        from jaxinfer.engine.config import default_page_size
 
         args.page_size = default_page_size()
     num_pages = args.budget_tokens // args.page_size + 1
@@ -87,14 +87,14 @@ def main() -> None:
     )
     for i, (ids, o) in enumerate(reqs):
         eng.add_request(f"kv-{i}", ids, greedy(o))
-    alloc, sched = eng.allocator, eng.scheduler
+    kv, sched = eng.kv_manager, eng.scheduler
     running, live, allocated = [], [], []
     t = time.perf_counter()
     while eng.has_unfinished():
         eng.step()
         running.append(len(sched.running))
         live.append(sum(s.num_computed for s in sched.running))
-        allocated.append((alloc.num_pages - 1 - alloc.num_free) * z)
+        allocated.append((kv.num_pages - 1 - kv.num_free_pages) * z)
     wall = time.perf_counter() - t
     running, live, allocated = map(np.asarray, (running, live, allocated))
     busy = allocated > 0

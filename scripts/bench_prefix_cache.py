@@ -19,7 +19,7 @@ arriving at t=0 in one ``LLM.generate`` call):
 Before measuring, every workload runs once per setting (compilation: the measured passes compile
 nothing, ``compilations_in_measured_passes`` shows it). Then ``--repeats`` rounds; each runs every
 workload in both settings, the order on/off alternating between rounds (the machine's load drifts).
-The prefix cache is emptied (``PrefixCachingAllocator.clear_cache``) before every pass, so a pass
+The prefix cache is emptied (``KVCacheManager.clear_cache``) before every pass, so a pass
 starts cold: the shared prefix is computed once inside the measured pass. Figures per workload
 and setting are the median over the repeats of: TTFT p50/p99 (seconds from arrival; a chat's
 are over all its waves), output tokens/s and wall (a chat's: the sum of its waves), hit rate
@@ -147,29 +147,26 @@ def cache_stats(llm) -> dict:
 
 
 def clear_prefix_cache(llm) -> None:
-    from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
-
     for e in llm.engines:
-        if isinstance(e.allocator, PrefixCachingAllocator):
-            e.allocator.clear_cache()
+        e.kv_manager.clear_cache()  # nothing to clear with caching off
 
 
 class CacheClock:
-    """Host seconds spent in the prefix cache's bookkeeping: wraps, on each engine's
-    ``PrefixCachingAllocator`` instance, the methods only caching calls (``hash_pages``,
-    ``match_prefix``, ``acquire``, ``cache_page``, ``record_lookup``). An upper bound on what
-    caching adds to a step's host work (async scheduling may hide it behind the device's)."""
+    """Host seconds spent in the prefix cache's bookkeeping: wraps, on each engine's KV
+    manager's page pool, the methods only caching calls (``hash_pages``, ``match_prefix``,
+    ``touch``, ``acquire``, ``cache_page``, ``record_lookup``; the plain pool of caching off has
+    ``acquire`` alone, never called). An upper bound on what caching adds to a step's
+    host work (async scheduling may hide it behind the device's)."""
 
-    METHODS = ("hash_pages", "match_prefix", "acquire", "cache_page", "record_lookup")
+    METHODS = ("hash_pages", "match_prefix", "touch", "acquire", "cache_page", "record_lookup")
 
     def __init__(self, llm):
-        from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
-
         self.seconds = 0.0
         for e in llm.engines:
-            if isinstance(e.allocator, PrefixCachingAllocator):
-                for m in self.METHODS:
-                    setattr(e.allocator, m, self._timed(getattr(e.allocator, m)))
+            pool = e.kv_manager.pool
+            for m in self.METHODS:
+                if hasattr(pool, m):
+                    setattr(pool, m, self._timed(getattr(pool, m)))
 
     def _timed(self, f):
         def timed(*args, **kwargs):

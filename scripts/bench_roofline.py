@@ -10,7 +10,7 @@ over ``--bandwidth-repeats`` runs gives bytes / second.
 Decode: B requests (prompts of ``--prompt-len`` random tokens, greedy, ``ignore_eos``) are added to
 the engine (``llm.engine``) and stepped until every one has finished its prefill; then
 ``--warmup-steps`` decode-only steps are run untimed and ``--steps`` decode-only steps are timed one
-by one (``Engine.step`` returns after the sampled tokens reach the host). Steps during which the
+by one (``EngineCore.step`` returns after the sampled tokens reach the host). Steps during which the
 engine compiled (its ``compile_keys`` grew) are dropped. Decode tok/s = B / median step time.
 
 Roofline: a decode step must read every weight once and the K/V of every live token once, so

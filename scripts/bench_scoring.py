@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     llm = LLM(path, max_model_len=512, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=1024)
     llm.score(pairs)
     for e in llm.engines:
-        e.allocator.clear_cache()
+        e.kv_manager.clear_cache()
     before = llm.prefix_cache_stats()["hit_tokens"]
     t = time.perf_counter()
     res_on = llm.score(pairs)

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxinfer.llm import LLM
 from jaxinfer.sampling.sampler import SamplingParams
-from jaxinfer.speculative.engine import make_spec_engine
+from jaxinfer.speculative.strategy import make_spec_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [

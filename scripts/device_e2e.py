@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     import jax
 
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.models.paged_attention import resolve_attn_impl
+    from jaxinfer.models.attn_dispatch import resolve_attn_impl
 
     shared = Path(os.environ.get("JAXINFER_SHARED", ROOT.parent / "shared"))
     stories = shared / "models" / "stories260K"

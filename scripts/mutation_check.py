@@ -76,6 +76,8 @@ PS = "tests/test_parallel_sampling.py"
 PC = "tests/test_prefix_cache.py"
 EA = "tests/test_engine_args.py"
 CTO = "tests/test_chat_template_option.py"
+LOOP = "tests/test_engine_loop.py"
+KV = "tests/test_kv_manager.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M(
@@ -143,14 +145,14 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "free_drops_every_reference",
-        "jaxinfer/models/kv_cache.py",
+        "jaxinfer/engine/page_pool.py",
         "self.refcounts[p] -= 1",
         "self.refcounts[p] = 0",
         ("tests/test_scheduler.py",),
     ),
     M(
         "allocate_off_by_one",
-        "jaxinfer/models/kv_cache.py",
+        "jaxinfer/engine/page_pool.py",
         "if n > len(self._free):",
         "if n >= len(self._free):",
         ("tests/test_scheduler.py",),
@@ -163,6 +165,54 @@ MUTATIONS: list[Mutation] = [
         "q_pos - kv_pos <= window)",
         ("tests/test_paged_attention.py",),
         "paged_equals_dense",
+    ),
+    M(
+        "dense_flash_scale_dropped",
+        "jaxinfer/models/dense.py",
+        "sm_scale=cfg.attn_scale,",
+        "sm_scale=cfg.head_dim**-0.5,",
+        ("tests/test_dense_flash.py",),
+        "gemma2_f32",
+    ),
+    M(
+        "dense_flash_not_causal",
+        "jaxinfer/models/dense.py",
+        "causal=True,",
+        "causal=False,",
+        ("tests/test_dense_flash.py",),
+        "gemma2_f32",
+    ),
+    M(
+        "dense_flash_window_dropped",
+        "jaxinfer/models/dense.py",
+        "sliding_window=window or None,",
+        "sliding_window=None,",
+        ("tests/test_dense_flash.py",),
+        "packed",
+    ),
+    M(
+        "dense_flash_windows_swapped",
+        "jaxinfer/models/dense.py",
+        "[functools.partial(kernel, w) for w in windows]",
+        "[functools.partial(kernel, w) for w in windows[::-1]]",
+        ("tests/test_dense_flash.py",),
+        "gemma2_f32",
+    ),
+    M(
+        "dense_flash_segments_dropped",
+        "jaxinfer/models/dense.py",
+        "segment_ids=ids,",
+        "segment_ids=None,",
+        ("tests/test_dense_flash.py",),
+        "packed",
+    ),
+    M(
+        "dense_packed_runs_merged",
+        "jaxinfer/models/dense.py",
+        "runs = jnp.cumsum(start.reshape(-1), dtype=jnp.int32).reshape(b, s)",
+        "runs = jnp.zeros((b, s), jnp.int32)",
+        ("tests/test_dense_flash.py",),
+        "packed",
     ),
     M(
         "decode_chunk_offset_in_pages",
@@ -247,7 +297,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "seed_step_ignores_pending",
-        "jaxinfer/engine/core.py",
+        "jaxinfer/engine/batch.py",
         "steps[r] = len(row.seq.output_ids) + len(row.seq.pending)",
         "steps[r] = len(row.seq.output_ids)",
         ("tests/test_async_scheduling.py",),
@@ -312,7 +362,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "spec_min_tokens_ends_early",
-        "jaxinfer/speculative/engine.py",
+        "jaxinfer/speculative/strategy.py",
         "            last_pos[i] = start\n"
         "            min_left[i] = seq.params.min_tokens - len(seq.output_ids)",
         "            last_pos[i] = start\n"
@@ -370,7 +420,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "greedy_variant_never_run",
-        "jaxinfer/engine/core.py",
+        "jaxinfer/engine/runner.py",
         "greedy=flags == GREEDY_FLAGS,",
         "greedy=False,",
         ("tests/test_bucket_reuse.py",),
@@ -453,7 +503,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "recover_keeps_consumed_pool",
         "jaxinfer/engine/core.py",
-        "        self._reset_device_state()\n",
+        "        self.runner.reset_after_failure()\n",
         "",
         ("tests/test_step_recovery.py",),
         "consumed_the_pool",
@@ -468,9 +518,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "abandoned_stream_not_aborted",
         "jaxinfer/engine/loop.py",
-        "                            for eng in self.engines:\n"
-        "                                eng.abort_request(eid)",
-        "                            for eng in self.engines:\n                                pass",  # noqa: E501
+        "            running.engine.abort_request(eid)",
+        "            pass",
         ("tests/test_step_recovery.py",),
         "abandoned",
     ),
@@ -534,8 +583,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "n_close_aborts_one_child",
         "jaxinfer/engine/loop.py",
-        "                        for eid in eids:\n",
-        "                        for eid in eids[:1]:\n",
+        "        for eid in running.engine_ids:\n",
+        "        for eid in running.engine_ids[:1]:\n",
         (PS,),
         "closing",
     ),
@@ -566,7 +615,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "n_record_drops_logprobs",
         "jaxinfer/outputs.py",
-        '            "stop_reason": self.stop_reason,\n        }\n        if self.logprobs is not None:',
+        '            "stop_reason": self.stop_reason,\n        }\n'
+        "        if self.logprobs is not None:",
         '            "stop_reason": self.stop_reason,\n        }\n        if False:',
         (PS,),
         "parent_output",
@@ -574,8 +624,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "n_resume_children_share_a_seed",
         "jaxinfer/cli/partial.py",
-        "states = [ResumeState(next(flat)) for _ in cps]",
-        "states = [ResumeState(next(flat))] * len(cps)",
+        "states = [ResumeState(next(flat)) for _ in req.children]",
+        "states = [ResumeState(next(flat))] * req.n",
         (PS,),
         "cli_records",
     ),
@@ -614,7 +664,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "pc_last_token_not_computed",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "max_tokens = min(seq.num_tokens - 1, seq.num_known)",
         "max_tokens = seq.num_known",
         (PC,),
@@ -622,7 +672,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "pc_pending_tokens_cached",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "limit = min(num_computed, seq.num_known, len(seq.pages) * z) // z",
         "limit = min(num_computed, len(seq.pages) * z) // z",
         (PC,),
@@ -632,7 +682,7 @@ MUTATIONS: list[Mutation] = [
         "pc_not_cached_at_admission",
         "jaxinfer/engine/scheduler.py",
         "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_computed + n)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_computed + n)",
         "            (prefill if n > 1 else decode).append(ScheduledRow(seq, n))",
         (PC,),
         "n_samples or shared",
@@ -641,7 +691,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "pc_recover_keeps_cache",
         "jaxinfer/engine/core.py",
-        "self.allocator.clear_cache()  # pages",
+        "self.kv_manager.clear_cache()  # pages",
         "pass  # pages",
         (PCP,),
         "failed_step",
@@ -658,28 +708,72 @@ MUTATIONS: list[Mutation] = [
         "pc_cached_before_written",
         "jaxinfer/engine/scheduler.py",
         "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_computed + n)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_computed + n)",
         "            (prefill if is_prefill else decode).append(ScheduledRow(seq, n))\n"
-        "            self.cache_full_pages(seq, seq.num_tokens)",
+        "            self.kv_manager.commit_full_pages(seq, seq.num_tokens)",
         (PCP,),
         "abort",
     ),
     M(
         "pc_last_token_page_cached",
-        "jaxinfer/engine/scheduler.py",
-        "        self.cache_full_pages(seq, seq.num_computed)\n",
-        "        self.cache_full_pages(seq, seq.num_computed + 1)\n",
+        "jaxinfer/engine/kv_manager.py",
+        "        self.commit_full_pages(seq, seq.num_computed)\n",
+        "        self.commit_full_pages(seq, seq.num_computed + 1)\n",
         (PCP,),
         "page_major",
     ),
+    # The KV manager's interface alone (tests/test_kv_manager.py).
+    M(
+        "kv_reserve_ignored",
+        "jaxinfer/engine/kv_manager.py",
+        "if need + num_reserved > self.num_free_pages - taken:",
+        "if need > self.num_free_pages - taken:",
+        (KV,),
+        "formula",
+    ),
+    M(
+        "kv_hit_pages_counted_free",
+        "jaxinfer/engine/kv_manager.py",
+        "taken = sum(1 for p in hit.pages if self.pool.refcounts[p] == 0)",
+        "taken = 0",
+        (KV,),
+        "nobody_holds",
+    ),
+    M(
+        "kv_hit_not_a_use",
+        "jaxinfer/engine/kv_manager.py",
+        "        self.pool.touch(pages)\n",
+        "",
+        (KV,),
+        "refused",
+    ),
+    M(
+        "kv_routing_lookup_is_a_use",
+        "jaxinfer/engine/kv_manager.py",
+        "pages, _ = self.pool.match_prefix(prompt_ids, max_pages, extra_keys=extra_keys)\n",
+        "pages, _ = self.pool.match_prefix(prompt_ids, max_pages, extra_keys=extra_keys)\n"
+        "        self.pool.touch(pages)\n",
+        (KV,),
+        "refused",
+    ),
+    M(
+        "kv_request_keys_not_hashed",
+        "jaxinfer/engine/kv_manager.py",
+        "tokens, num_pages - have, parent, extra_keys=seq.extra_keys",
+        "tokens, num_pages - have, parent",
+        (KV,),
+        "request_keys",
+    ),
     M(
         "pc_spec_rejected_slot_cached",
-        "jaxinfer/speculative/engine.py",
-        "        return results\n\n    def _reset_device_state",
-        "        for i, (seq, _, r) in enumerate(verify):  # old num_computed + 1 + r\n"
-        "            if seq.finish_reason is None:\n"
-        "                self.scheduler.cache_full_pages(seq, seq.num_computed - int(n_acc[i]) + r)\n"  # noqa: E501
-        "        return results\n\n    def _reset_device_state",
+        "jaxinfer/engine/core.py",
+        "                    break\n        return results\n\n    def _recover",
+        "                    break\n"
+        "        for row in rows:  # old num_computed + 1 + drafted\n"
+        "            if row.drafted and row.seq.finish_reason is None:\n"
+        "                n = row.seq.num_computed - len(row.tokens) + 1 + row.drafted\n"
+        "                self.kv_manager.commit_full_pages(row.seq, n)\n"
+        "        return results\n\n    def _recover",
         (PCP,),
         "speculative",
     ),
@@ -694,8 +788,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "dp_seed_follows_route",
         "jaxinfer/engine/loop.py",
-        "                            crs = ResumeState(home.draw_seed(csp))",
-        "                            pass",
+        "                crs = ResumeState(home.draw_seed(csp))",
+        "                pass",
         (PCP,),
         "parallel",
     ),
@@ -718,7 +812,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "plp_reads_prefix_cache",
-        "jaxinfer/engine/scheduler.py",
+        "jaxinfer/engine/kv_manager.py",
         "max_tokens = min(max_tokens, seq.params.prompt_logprobs_from - 1)",
         "max_tokens = max_tokens",
         ("tests/test_prompt_logprobs.py",),
@@ -849,16 +943,16 @@ MUTATIONS: list[Mutation] = [
     M(
         "new_shape_dispatched_before_collect",
         "jaxinfer/engine/core.py",
-        'return ("forward", self._buckets(sched).key) not in self.compile_keys',
-        "return False",
+        "if nxt.forward_key not in self.compile_keys:",
+        "if False:",
         ("tests/test_async_scheduling.py",),
         "first_token",
     ),
     M(
         "always_collect_before_dispatch",
         "jaxinfer/engine/core.py",
-        'return ("forward", self._buckets(sched).key) not in self.compile_keys',
-        "return True",
+        "if nxt.forward_key not in self.compile_keys:",
+        "if True:",
         ("tests/test_async_scheduling.py",),
         "first_token",
     ),
@@ -881,8 +975,8 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "reuse_never",
-        "jaxinfer/engine/core.py",
-        "chosen = bucket_reuse.choose_buckets(need, usable, flags)",
+        "jaxinfer/compile/buckets.py",
+        "chosen = choose_buckets(need, usable, flags)",
         "chosen = need",
         ("tests/test_bucket_reuse.py",),
         "tail",
@@ -903,10 +997,27 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_bucket_reuse.py",),
         "background",
     ),
+    # The renovation (issue 29): the runner's compile API and the engine's capabilities.
+    M(
+        "runner_lowers_sampling_on_other_logits",
+        "jaxinfer/engine/runner.py",
+        "(b, self.cfg.vocab_size), jnp.float32, sharding=self._replicated",
+        "(b, self.cfg.vocab_size), jnp.bfloat16, sharding=self._replicated",
+        ("tests/test_precompile.py",),
+        "runner_compile",
+    ),
+    M(
+        "spec_claims_prompt_logprobs",
+        "jaxinfer/speculative/strategy.py",
+        "        prompt_logprobs=False,  # the round",
+        "        prompt_logprobs=True,  # the round",
+        ("tests/test_speculative.py",),
+        "refuses",
+    ),
     M(
         "background_compile_never_started",
-        "jaxinfer/engine/core.py",
-        "self.compile_keys.update(self._compiler.submit(need, flags, self.compile_keys))",
+        "jaxinfer/compile/buckets.py",
+        "keys.update(self.compiler.submit(need, flags, keys))",
         "pass",
         ("tests/test_bucket_reuse.py",),
         "background",
@@ -947,7 +1058,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "output_setting_dropped",
         "jaxinfer/args.py",
-        '"{attn_impl} or tensor/data parallelism",\n        Switch(),\n        changes_outputs=True,',
+        '"{attn_impl} or tensor/data parallelism",\n        Switch(),\n'
+        "        changes_outputs=True,",
         '"{attn_impl} or tensor/data parallelism",\n        Switch(),',
         (EA,),
         "partial_settings",
@@ -994,7 +1106,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "keep_host_memory_always",
-        "jaxinfer/engine/core.py",
+        "jaxinfer/engine/runner.py",
         "        if ecfg.keep_host_memory:\n            keep_freed_host_memory()",
         "        keep_freed_host_memory()",
         (EA,),
@@ -1007,6 +1119,100 @@ MUTATIONS: list[Mutation] = [
         "",
         (EA,),
         "environment",
+    ),
+    # ---- the front door (EngineLoop: add, abort, step) and the server over it
+    M(
+        "loop_validates_twice",
+        "jaxinfer/engine/loop.py",
+        "                eng.add_request(eid, req.prompt_ids, csp, prompt=req.prompt_text, resume=crs)",  # noqa: E501
+        "                eng.validate(req.prompt_ids, csp, crs)\n"
+        "                eng.add_request(eid, req.prompt_ids, csp, prompt=req.prompt_text, resume=crs)",  # noqa: E501
+        (LOOP,),
+        "fans_out or trusts",
+    ),
+    M(
+        "with_resume_revalidates_request",
+        "jaxinfer/engine/inputs.py",
+        "engine.validate_resume(request.prompt_ids, csp, st)",
+        "engine.validate(request.prompt_ids, csp, st)",
+        ("tests/test_resume_partial.py",),
+        "each_record_once",
+    ),
+    M(
+        "cli_validates_record_twice",
+        "jaxinfer/cli/generate.py",
+        "        return llm.engine_loop.process(Request(job.id, job.prompt, params))",
+        "        request = llm.engine_loop.process(Request(job.id, job.prompt, params))\n"
+        "        llm.engine.validate(request.prompt_ids, params)\n"
+        "        return request",
+        ("tests/test_resume_partial.py",),
+        "each_record_once",
+    ),
+    M(
+        "loop_n_validates_first_completion_only",
+        "jaxinfer/engine/inputs.py",
+        "    for csp, crs in children:\n        engine.validate",
+        "    for csp, crs in children[:1]:\n        engine.validate",
+        (LOOP,),
+        "fans_out",
+    ),
+    M(
+        "loop_duplicate_id_unchecked",
+        "jaxinfer/engine/loop.py",
+        "        if taken:\n            raise RequestError",
+        "        if False:\n            raise RequestError",
+        (LOOP,),
+        "refused",
+    ),
+    M(
+        "loop_abort_keeps_route",
+        "jaxinfer/engine/loop.py",
+        "            self._routes.pop(eid, None)\n            running.engine.abort_request(eid)",
+        "            running.engine.abort_request(eid)",
+        (LOOP,),
+        "abort",
+    ),
+    M(
+        "loop_finished_request_kept",
+        "jaxinfer/engine/loop.py",
+        "                    if out.finished:\n                        del self._requests[",
+        "                    if False:\n                        del self._requests[",
+        (LOOP,),
+        "route",
+    ),
+    M(
+        "serve_completions_share_a_key",
+        "jaxinfer/server/engine_thread.py",
+        "return out.request_id, (out.outputs[0].index if len(out.outputs) == 1 else None)",
+        "return out.request_id, (0 if len(out.outputs) == 1 else None)",
+        ("tests/test_server.py",),
+        "n_as_llm_generate",
+    ),
+    M(
+        "serve_echo_offset_counts_as_tokens",
+        "jaxinfer/server/serving.py",
+        "text_offset=len(echo),",
+        "tok_sent=len(echo),",
+        ("tests/test_server.py",),
+        "echo_logprobs",
+    ),
+    # ---- generate's progress line: tokens of this run
+    M(
+        "progress_counts_resumed_tokens",
+        "jaxinfer/compile/progress.py",
+        "now = out.metrics.completion_tokens - out.metrics.resumed_tokens",
+        "now = out.metrics.completion_tokens",
+        ("tests/test_compile_progress.py",),
+        "token_count",
+    ),
+    # ---- orbax warnings on jaxinfer quantize's output
+    M(
+        "quant_restore_without_sharding",
+        "jaxinfer/quant/checkpoint.py",
+        'args=ocp.args.PyTreeRestore(restore_args=_restore_args(meta["arrays"])),',
+        "",
+        ("tests/test_quant.py",),
+        "warn_of_nothing",
     ),
 ]
 

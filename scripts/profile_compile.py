@@ -14,11 +14,12 @@ Llama on ``benchlib.make_workload`` prompts (token ids, ``ignore_eos``).
 
 Compile times come from ``jax.monitoring``'s duration events, which carry the jitted function's
 name: ``jaxpr_trace_duration`` (tracing), ``jaxpr_to_mlir_module_duration`` (lowering) and
-``backend_compile_duration`` (XLA). Each is attributed to the engine key (``Engine.compile_keys``)
-that the step being dispatched added: ``("forward", (Td, Tp, Bp, M))`` buckets and
-``("sample", rows, controls, logprobs)`` variants; anything else is ``other:<function>``. After the
-job, each recorded forward/sample call is lowered again (not timed in the job) for its StableHLO
-size (characters and op lines of ``as_text()``).
+``backend_compile_duration`` (XLA). Each is attributed to the compile key
+(``ModelRunner.compile_keys``) that the step being dispatched (``ModelRunner.run``) added:
+``("forward", (Td, Tp, Bp, M))`` buckets and ``("sample", rows, controls, logprobs)`` variants;
+anything else is ``other:<function>``. After the job, each such key is lowered again through the
+runner's public compile API (``ModelRunner.lower``, not timed in the job) for its StableHLO size
+(characters and op lines of ``as_text()``).
 
 Reported: total wall from process start, time to the first token from process start (the first
 step whose tokens are read back), compilations and their seconds, and the table (stderr) sorted
@@ -116,7 +117,6 @@ def main() -> None:
     else:
         os.environ["JAXINFER_CACHE_DIR"] = args.persistent_cache
 
-    import jax
     from jax import monitoring
 
     from jaxinfer.cli import main as cli
@@ -126,11 +126,13 @@ def main() -> None:
         bucket_reuse.REUSE_STEPS = args.reuse_steps
     if args.no_bucket_reuse:
         bucket_reuse.choose_buckets = lambda need, compiled, flags: need
-    from jaxinfer.engine import core as engine_mod
+    from jaxinfer.engine.core import EngineCore
+    from jaxinfer.engine.runner import ModelRunner
 
     t_imports = time.time() - T0
-    state = {"engine": None, "snap": set(), "on": True, "first_token": None}
+    state = {"runner": None, "snap": set(), "on": True, "first_token": None}
     rows: dict[str, dict] = {}
+    keys: dict[str, tuple] = {}  # label -> the compile key it names
     kinds = {
         "/jax/core/compile/jaxpr_trace_duration": "trace_s",
         "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
@@ -145,10 +147,11 @@ def main() -> None:
     def label_of(fun_name: str) -> str:
         if fun_name.startswith("jit(") and fun_name.endswith(")"):  # lower/compile events' name
             fun_name = fun_name[4:-1]
-        eng, kind = state["engine"], fun_kind.get(fun_name)
-        if eng is not None and kind is not None:
-            new = [k for k in eng.compile_keys - state["snap"] if k[0] == kind]
+        runner, kind = state["runner"], fun_kind.get(fun_name)
+        if runner is not None and kind is not None:
+            new = [k for k in runner.compile_keys - state["snap"] if k[0] == kind]
             if new:
+                keys[repr(new[0])] = new[0]
                 return repr(new[0])
             return f"{kind} (key already seen)"
         return f"other:{fun_name}"
@@ -173,51 +176,26 @@ def main() -> None:
 
     monitoring.register_event_duration_secs_listener(on_duration)
 
-    # Engine hooks: the key snapshot before each dispatch; the first read-back of tokens; the
-    # argument shapes of each new forward/sample call (for the HLO sizes).
-    calls: dict[str, tuple] = {}
-    orig_dispatch, orig_collect = engine_mod.Engine._dispatch, engine_mod.Engine._collect
+    # Hooks on public methods: the key snapshot before each dispatch (``ModelRunner.run``); the
+    # first step that returns outputs (its tokens were read back: the first token).
+    orig_run, orig_step = ModelRunner.run, EngineCore.step
     unroll = None if args.unroll_layers == "auto" else args.unroll_layers == "1"
 
-    def shapes(tree):
-        return jax.tree.map(
-            lambda x: (
-                jax.ShapeDtypeStruct(x.shape, x.dtype)
-                if hasattr(x, "shape") and hasattr(x, "dtype")
-                else x
-            ),
-            tree,
-        )
-
-    def recording(eng, name, fn):
-        def call(*a, **kw):
-            lab = label_of(getattr(fn, "__name__", name))
-            if lab.startswith("(") and lab not in calls:
-                calls[lab] = (fn, shapes(a), kw)
-            return fn(*a, **kw)
-
-        call.__name__ = getattr(fn, "__name__", name)
-        if hasattr(fn, "lower"):  # the background compiler (bucket_reuse) lowers through it
-            call.lower = fn.lower
-        return call
-
-    def dispatch(self, *a, **kw):
-        if state["engine"] is not self:
-            state["engine"] = self
-            self._forward = recording(self, "forward_step", self._forward)
-            self._sample = recording(self, "sample_step_padded", self._sample)
+    def run(self, *a, **kw):
+        state["runner"] = self
         state["snap"] = set(self.compile_keys)
-        return orig_dispatch(self, *a, **kw)
+        return orig_run(self, *a, **kw)
 
-    def collect(self, done):
-        out = orig_collect(self, done)
-        if state["first_token"] is None:
+    def step(self):
+        out = orig_step(self)
+        real = isinstance(self.runner, ModelRunner)  # not the job plan's core (a stub runner)
+        if out and real and state["first_token"] is None:
             state["first_token"] = time.time() - T0
         return out
 
-    engine_mod.Engine._dispatch, engine_mod.Engine._collect = dispatch, collect
+    ModelRunner.run, EngineCore.step = run, step
     if unroll is not None or args.scan_from_tokens is not None:
-        orig_init = engine_mod.Engine.__init__
+        orig_init = ModelRunner.__init__
         layer_kw = {
             k: v
             for k, v in (
@@ -227,12 +205,12 @@ def main() -> None:
             if v is not None
         }
 
-        def init(self, cfg, params, tokenizer, ecfg, *a, **kw):
+        def init(self, cfg, params, ecfg, *a, **kw):
             import dataclasses
 
-            orig_init(self, cfg, params, tokenizer, dataclasses.replace(ecfg, **layer_kw), *a, **kw)
+            orig_init(self, cfg, params, dataclasses.replace(ecfg, **layer_kw), *a, **kw)
 
-        engine_mod.Engine.__init__ = init
+        ModelRunner.__init__ = init
 
     tmp = Path(tempfile.mkdtemp(prefix="profile_compile_"))
     if args.job == "demo":
@@ -294,10 +272,11 @@ def main() -> None:
     state["on"] = False
     cli_summary = json.loads(buf.getvalue().strip().splitlines()[-1]) if buf.getvalue() else {}
 
-    if not args.no_hlo:
-        for lab, (fn, a, kw) in calls.items():
+    runner = state["runner"]
+    if not args.no_hlo and runner is not None:
+        for lab, key in keys.items():
             try:
-                text = fn.lower(*a, **kw).as_text()
+                text = runner.lower(key).as_text()
                 rows[lab]["hlo_chars"] = len(text)
                 rows[lab]["hlo_op_lines"] = sum(" = " in ln for ln in text.splitlines())
             except Exception as e:  # noqa: BLE001  a size we could not get is reported as such

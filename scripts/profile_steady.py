@@ -8,19 +8,19 @@ device phases, host phases and gaps, measured. Results: docs/performance_cold_st
 
 The job is ``profile_compile``'s ``llama110m`` job (``benchlib``'s random ~110M Llama, f32, greedy,
 ``ignore_eos``, ``benchlib.make_workload`` prompts; default 64 prompts, mean output 96) run
-through ``jaxinfer.cli.main.main`` in this process, once per entry of ``--runs``. Engine internals
-are
-wrapped from here (``Engine._dispatch``, ``_collect``, ``step``, ``_forward``, ``_sample``,
-``Scheduler.schedule``, ``build_step_batch``, ``to_host``, ``IncrementalDetokenizer.add``);
+through ``jaxinfer.cli.main.main`` in this process, once per entry of ``--runs``. Public names
+are wrapped from here (``EngineCore.step``, ``ModelRunner.__init__``, the jitted functions
+``jitted_forward_step`` / ``jitted_sample_step`` give the runner, ``Scheduler.schedule``,
+``build_step_batch`` and ``to_host`` as the core calls them, ``IncrementalDetokenizer.add``);
 jaxinfer itself is not changed.
 
-- ``async``: the engine as shipped (async scheduling). Timed: wall, and per ``Engine.step`` the
-  time the read-back (``to_host``) waited for the device against the host's own time.
+- ``async``: the engine as shipped (async scheduling). Timed: wall, and per ``EngineCore.step``
+  the time the read-back (``to_host``) waited for the device against the host's own time.
 - ``sync``: ``--no-async-scheduling``, and each forward and sampling call is waited for
   (``block_until_ready``), so every phase is timed alone: forward steps by kind (decode-only by
-  Td, prefill-only, mixed) and by bucket key, sampling, scheduling, ``build_step_batch``, the rest
-  of ``_dispatch``, ``_collect`` (read-back, detokenization, appending), and everything outside
-  ``Engine.step`` (load, engine set-up, the LLM loop, the output file).
+  Td, prefill-only, mixed) and by bucket key, sampling, scheduling, ``build_step_batch``,
+  read-back, detokenization, the rest of the host's step, and everything outside
+  ``EngineCore.step`` (load, engine set-up, the LLM loop, the output file).
 - ``MODE@N``: that run with ``bucket_reuse.REUSE_STEPS = N`` (0: every step runs its exact
   bucket).
 Every run also counts the live rows (kv_len > 0) of each decode-only step per Td bucket.
@@ -107,23 +107,24 @@ def step_kind(key) -> str:
 
 
 def install_hooks(state: dict) -> None:
-    """Wraps engine internals (class attributes; engine.py itself is not edited)."""
+    """Wraps public names as the engine uses them (jaxinfer's files are not edited)."""
     import jax
     import numpy as np
 
     from jaxinfer.engine import core as em
+    from jaxinfer.engine import runner as rm
     from jaxinfer.engine import scheduler as sm
     from jaxinfer.tokenizers import detokenizer as dm
 
     orig = {
-        "dispatch": em.Engine._dispatch,
-        "collect": em.Engine._collect,
-        "step": em.Engine.step,
+        "step": em.EngineCore.step,
         "schedule": sm.Scheduler.schedule,
         "bsb": em.build_step_batch,
         "to_host": em.to_host,
         "detok": dm.IncrementalDetokenizer.add,
-        "init": em.Engine.__init__,
+        "init": rm.ModelRunner.__init__,
+        "jit_forward": rm.jitted_forward_step,
+        "jit_sample": rm.jitted_sample_step,
     }
 
     def timed(label, fn):
@@ -140,8 +141,10 @@ def install_hooks(state: dict) -> None:
         t = time.perf_counter()
         orig["init"](self, *a, **kw)
         state["t"].add("engine_init", time.perf_counter() - t)
-        state["engine"] = self
-        fwd, smp = self._forward, self._sample
+        state["runner"] = self
+
+    def jit_forward(*a, **kw):
+        fwd = orig["jit_forward"](*a, **kw)
 
         def forward(*fa, **fkw):
             t = time.perf_counter()
@@ -162,6 +165,12 @@ def install_hooks(state: dict) -> None:
                 state["captured"][step_kind(key)] = (fa[2], fa[3], key)
             return out
 
+        forward.lower = fwd.lower  # the runner's ahead-of-time compiles (bucket reuse)
+        return forward
+
+    def jit_sample(*a, **kw):
+        smp = orig["jit_sample"](*a, **kw)
+
         def sample(*sa, **skw):
             t = time.perf_counter()
             out = smp(*sa, **skw)
@@ -170,8 +179,8 @@ def install_hooks(state: dict) -> None:
             state["t"].add("sample", time.perf_counter() - t)
             return out
 
-        forward.lower, sample.lower = fwd.lower, smp.lower  # the engine's background compiles
-        self._forward, self._sample = forward, sample
+        sample.lower = smp.lower
+        return sample
 
     def bsb(sched, *a, **kw):
         t = time.perf_counter()
@@ -180,10 +189,14 @@ def install_hooks(state: dict) -> None:
         state["key"] = bk.key
         return batch, bk
 
-    em.Engine.__init__ = init
-    em.Engine._dispatch = timed("dispatch", orig["dispatch"])
-    em.Engine._collect = timed("collect", orig["collect"])
-    em.Engine.step = timed("engine_step", orig["step"])
+    rm.ModelRunner.__init__ = init
+    rm.jitted_forward_step, rm.jitted_sample_step = jit_forward, jit_sample
+    timed_step = timed("engine_step", orig["step"])
+
+    def step(self):  # the job plan's core (a stub runner, on a thread) is not timed
+        return (timed_step if isinstance(self.runner, rm.ModelRunner) else orig["step"])(self)
+
+    em.EngineCore.step = step
     sm.Scheduler.schedule = timed("schedule", orig["schedule"])
     em.build_step_batch = bsb
     em.to_host = timed("to_host", orig["to_host"])
@@ -254,13 +267,10 @@ def run_job(args, path, prompts: Path, out: Path, mode: str, state: dict) -> dic
         phases["sample"] = round(s("sample"), 2)
         phases["schedule"] = round(s("schedule"), 2)
         phases["build_step_batch"] = round(s("build_step_batch"), 2)
-        phases["dispatch_other_host"] = round(
-            s("dispatch") - s("forward") - s("sample") - s("build_step_batch"), 2
-        )
         phases["collect_detokenize"] = round(s("detokenize"), 2)
         phases["collect_to_host"] = round(s("to_host"), 2)
-        phases["collect_other"] = round(s("collect") - s("detokenize") - s("to_host"), 2)
-        phases["step_other_host"] = round(step - s("dispatch") - s("collect") - s("schedule"), 2)
+        known = ("forward", "sample", "schedule", "build_step_batch", "detokenize", "to_host")
+        phases["step_other_host"] = round(step - sum(s(k) for k in known), 2)
         phases["outside_step"] = round(wall - step, 2)
         r["phases"] = phases
         r["device_busy_s"] = round(dev, 2)
@@ -353,8 +363,8 @@ def micro(engine, captured: dict, repeats: int, full_pieces: bool = True) -> dic
         return [getattr(lp, name) for lp in layers]
 
     out = {"bandwidth_gb_s": bw["gb_s"], "by_td": {}}
-    engine.kv = None  # the engine's own pool is not used here: free it first
-    box = [engine._new_kv_cache()]  # one pool, donated and threaded through every timed call
+    engine.runner.kv = None  # the engine's own pool is not used here: free it first
+    box = [engine.runner.new_kv_cache()]  # one pool, donated and threaded through every call
     log(f"[micro] KV pool {nbytes(box[0]) / 2**20:.0f} MiB")
     kv_token_bytes = nbytes(box[0]) / (engine.ecfg.num_pages * engine.ecfg.page_size)
 
@@ -571,7 +581,7 @@ def main() -> None:
     from jax import monitoring
 
     state = {
-        "engine": None,
+        "runner": None,
         "key": None,
         "capture": args.micro,
         "captured": {},

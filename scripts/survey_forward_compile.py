@@ -8,11 +8,12 @@ and layer-loop forms, each configuration in a fresh subprocess.
 For each (layer loop, compiler options) configuration a child process loads ``--model``
 (default ``benchlib``'s random llama110m, float32) into an ``LLM`` engine with the persistent
 compilation cache off, and for each forward key ``(Td, Tp, Bp, M)`` lowers the engine's jitted
-forward on a step batch of live rows (``live_step_batch``) and compiles it with
+forward (``ModelRunner.lower``: the program depends on the shapes only) and compiles it with
 ``Lowered.compile(compiler_options=...)`` (per-jit XLA debug options, no ``XLA_FLAGS``). It
 records the compile's CPU seconds (``time.process_time``: the machine is shared, wall is noisy)
 and wall seconds, then calls the compiled step ``--repeats`` times (after one warm call) and
-records the median wall and CPU milliseconds a call. One JSON line per configuration on stdout
+records the median wall and CPU milliseconds a call, on a step batch of live rows
+(``live_step_batch``). One JSON line per configuration on stdout
 and in ``results/survey_forward_compile.jsonl``; a table on stderr.
 
 Layer loops: ``unrolled`` (``unroll_layers=True``, ``scan_layers_from_tokens=0``), ``scan``
@@ -51,12 +52,12 @@ DEFAULT_KEYS = ((0, 512, 8, 32), (16, 512, 8, 32), (64, 0, 0, 32), (8, 0, 0, 64)
 
 def live_step_batch(key: tuple[int, int, int, int], page_size: int):
     """A numpy StepBatch of bucket ``key`` = (Td, Tp, Bp, M) with live rows (unlike
-    ``precompile.dummy_step_batch``'s all-padding one, so the attention reads real pages): Td
+    ``batch.dummy_step_batch``'s all-padding one, so the attention reads real pages): Td
     decode rows each 3/4 of its M-page table long, then Bp prefill rows sharing the Tp tokens
     as fresh prompts; every row owns its own pages (1, 2, ...)."""
     import numpy as np
 
-    from jaxinfer.compile.warmup import sample_rows
+    from jaxinfer.engine.batch import sample_rows
     from jaxinfer.engine.step import StepBatch
     from jaxinfer.models.paged_attention import AttentionMetadata
 
@@ -98,64 +99,37 @@ def child(spec: dict) -> dict:
     kw = dict(
         max_model_len=spec["max_model_len"], compilation_cache=False, skip_tokenizer_init=True
     )
-    from jaxinfer.engine import core as engine_mod
+    from jaxinfer.engine.runner import ModelRunner
 
-    if spec["loop"] == "switch":  # unrolled storage, every step a scan (lax.switch per layer)
-        orig_init = engine_mod.Engine.__init__
+    scan_from = {"switch": 1, "unrolled": 0}.get(spec["loop"])  # unrolled: every step unrolled
+    kw["unroll_layers"] = spec["loop"] != "scan"  # switch: unrolled storage, every step a scan
+    if scan_from is not None:
+        orig_init = ModelRunner.__init__
 
-        def init(self, cfg, params, tokenizer, ecfg, *a, **k):
+        def init(self, cfg, params, ecfg, *a, **k):
             import dataclasses
 
-            orig_init(
-                self,
-                cfg,
-                params,
-                tokenizer,
-                dataclasses.replace(ecfg, scan_layers_from_tokens=1),
-                *a,
-                **k,
-            )
+            ecfg = dataclasses.replace(ecfg, scan_layers_from_tokens=scan_from)
+            orig_init(self, cfg, params, ecfg, *a, **k)
 
-        engine_mod.Engine.__init__ = init
-        kw["unroll_layers"] = True
-    else:
-        kw["unroll_layers"] = spec["loop"] == "unrolled"
-        if spec["loop"] == "unrolled":  # every step unrolled
-            orig_init = engine_mod.Engine.__init__
-
-            def init(self, cfg, params, tokenizer, ecfg, *a, **k):
-                import dataclasses
-
-                orig_init(
-                    self,
-                    cfg,
-                    params,
-                    tokenizer,
-                    dataclasses.replace(ecfg, scan_layers_from_tokens=0),
-                    *a,
-                    **k,
-                )
-
-            engine_mod.Engine.__init__ = init
+        ModelRunner.__init__ = init
     llm = LLM(spec["model"], **kw)
-    eng = llm.engine
+    runner = llm.engine.runner
     load_s = time.perf_counter() - t0
-    static = dict(
-        cfg=eng.cfg, attn_impl=eng.ecfg.attn_impl, batch_invariant=eng.ecfg.batch_invariant
-    )
+    no_prev = jax.numpy.zeros(runner.num_slots, jax.numpy.int32)
     rows = []
     for key in spec["keys"]:
         key = tuple(key)
-        batch = live_step_batch(key, eng.ecfg.page_size)
+        batch = live_step_batch(key, runner.ecfg.page_size)
         c0 = time.process_time()
-        lowered = eng._forward.lower(eng.params, eng.kv, batch, eng._no_prev, **static)
+        lowered = runner.lower(("forward", key))
         c1, w1 = time.process_time(), time.perf_counter()
         compiled = lowered.compile(compiler_options=spec["options"] or None)
         c2, w2 = time.process_time(), time.perf_counter()
         walls, cpus = [], []
         for i in range(spec["repeats"] + 1):
             a, b = time.process_time(), time.perf_counter()
-            eng.kv, logits = compiled(eng.params, eng.kv, batch, eng._no_prev)
+            runner.kv, logits = compiled(runner.params, runner.kv, batch, no_prev)
             jax.block_until_ready(logits)
             if i:  # the first call is a warm-up
                 walls.append(time.perf_counter() - b)

@@ -72,7 +72,7 @@ def run(caching: bool) -> dict:
     wave2 = llm.generate(prompts, params)
     replicas = [placed[k] for k in sorted(placed)]
     for e in llm.engines:
-        e.allocator.check_invariants() if caching else None
+        e.kv_manager.check_invariants()
     return {
         "tokens": [o.token_ids for o in wave1 + wave2],
         "logprobs": [[lp.logprob for lp in o.logprobs] for o in wave1 + wave2 if o.logprobs],
@@ -81,7 +81,7 @@ def run(caching: bool) -> dict:
         "resume_seeds": [s for _, s in replicas],
         "predicted_seeds": seeds,
         "stats": [e.prefix_cache_stats() for e in llm.engines],
-        "pool_free": [e.allocator.num_free == e.ecfg.num_pages - 1 for e in llm.engines],
+        "pool_free": [e.kv_manager.num_free_pages == e.ecfg.num_pages - 1 for e in llm.engines],
         "devices_per_replica": [len(e.mesh.devices.flat) for e in llm.engines],
     }
 

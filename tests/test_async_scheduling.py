@@ -47,7 +47,7 @@ def run_engine(llm, prompts, params):
             if out.finish_reason is not None:
                 finals[out.request_id] = out
         overlapped += eng._inflight is not None
-    assert eng.allocator.num_free == eng.allocator.num_pages - 1  # every page came back
+    assert eng.kv_manager.num_free_pages == eng.kv_manager.num_pages - 1  # every page came back
     for rid, seq in seqs.items():
         if seq.finish_reason == "length":  # its last token is known to be last: never computed
             assert seq.num_computed == seq.num_tokens - 1, rid
@@ -111,19 +111,22 @@ def test_async_with_speculative_is_refused(stories_dir):
 
 
 def _spy_order(eng, monkeypatch):
-    """Records the engine's dispatches (with their decode / prefill row counts) and collects."""
+    """Records the engine's dispatches (with their live decode / prefill row counts, read from
+    the batch the runner gets) and collects."""
     events = []
-    dispatch, collect = eng._dispatch, eng._collect
+    run, collect = eng.runner.run, eng._collect
 
-    def spy_dispatch(sched, prev):
-        events.append(("dispatch", len(sched.decode), len(sched.prefill)))
-        return dispatch(sched, prev)
+    def spy_run(inputs, prev=None):
+        md = inputs.batch.md
+        td, live = int(md.num_decode), np.asarray(md.kv_lens) > 0
+        events.append(("dispatch", int(live[:td].sum()), int(live[td:].sum())))
+        return run(inputs, prev)
 
     def spy_collect(done):
         events.append(("collect",))
         return collect(done)
 
-    monkeypatch.setattr(eng, "_dispatch", spy_dispatch)
+    monkeypatch.setattr(eng.runner, "run", spy_run)
     monkeypatch.setattr(eng, "_collect", spy_collect)
     return events
 
@@ -135,7 +138,7 @@ def test_first_token_is_read_before_a_new_shape_is_dispatched(stories_llm, monke
     eng = stories_llm.engine
     ids = stories_llm.tokenizer.encode("Once upon a time")
     sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    monkeypatch.setattr(eng, "compile_keys", set())  # as a fresh engine: nothing compiled
+    monkeypatch.setattr(eng.runner, "compile_keys", set())  # as a fresh engine: nothing compiled
     events = _spy_order(eng, monkeypatch)
     eng.add_request("cold", ids, sp)
     first = eng.step()
@@ -155,7 +158,7 @@ def test_collect_first_drops_rows_that_finished_meanwhile(stories_llm, monkeypat
     (llama2.c's greedy continuation of the prompt is ", there was ...", the shared reference)."""
     eng = stories_llm.engine
     ids = stories_llm.tokenizer.encode("Once upon a time")
-    monkeypatch.setattr(eng, "compile_keys", set())
+    monkeypatch.setattr(eng.runner, "compile_keys", set())
     events = _spy_order(eng, monkeypatch)
     eng.add_request("a", ids, SamplingParams(temperature=0.0, max_tokens=10, stop=[","]))
     eng.add_request("b", ids, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))

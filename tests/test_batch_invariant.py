@@ -15,6 +15,7 @@ from conftest import engine_config, stories_reference
 
 from jaxinfer.args import EngineArgs
 from jaxinfer.engine.config import resolve
+from jaxinfer.errors import RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.models.batch_invariant import invariant_forward_logits
 from jaxinfer.models.config import ModelConfig
@@ -35,10 +36,11 @@ FILLERS = [
 
 
 def record_logits(engine) -> dict:
-    """Hooks ``engine._sample`` (replacing any earlier hook): returns a dict that fills with
-    (seed, output index) -> the raw logits row f32[V] of every sampled row (a later row of the
-    same key replaces it: the last prefill chunk comes after the others)."""
-    sample = engine.__dict__.setdefault("_unhooked_sample", engine._sample)
+    """Hooks the runner's jitted sampling call (replacing any earlier hook): returns a dict that
+    fills with (seed, output index) -> the raw logits row f32[V] of every sampled row (a later
+    row of the same key replaces it: the last prefill chunk comes after the others)."""
+    runner = engine.runner
+    sample = runner.__dict__.setdefault("_unhooked_sample", runner._sample)
     seen = {}
 
     def hook(logits, st, controls, **kw):
@@ -48,7 +50,7 @@ def record_logits(engine) -> dict:
                 seen[int(seeds[r]), int(steps[r])] = lg[r].copy()
         return sample(logits, st, controls, **kw)
 
-    engine._sample = hook
+    runner._sample = hook
     return seen
 
 
@@ -133,6 +135,14 @@ SIZES = dict(
 @pytest.fixture(scope="module")
 def inv_llm(stories_dir):
     return LLM(stories_dir, **SIZES)
+
+
+def test_prompt_logprobs_refused_by_a_batch_invariant_engine(inv_llm):
+    """Its forward makes the last tokens' logits only: a request for prompt logprobs fails
+    validation, naming why."""
+    assert not inv_llm.engine.capabilities.prompt_logprobs
+    with pytest.raises(RequestError, match="not supported with batch_invariant=True"):
+        inv_llm.engine.validate([1, 2, 3], SamplingParams(prompt_logprobs=1))
 
 
 @pytest.fixture(scope="module")
@@ -257,10 +267,6 @@ def test_window_softcap_random_model_chunked_among_others():
     assert chunked.tobytes() == one.tobytes()
     want = np.asarray(dense_logits(params, cfg, jnp.asarray([seq], jnp.int32)))[0]
     np.testing.assert_allclose(one, want, rtol=0, atol=1e-5 * np.abs(want).max())
-
-
-class _NoText:
-    eos_ids, bos_id, has_text, path = (), None, False, "<none>"
 
 
 def test_refused_where_not_supported(stories_dir):

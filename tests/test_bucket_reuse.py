@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from test_engine import reference_requests
 
-from jaxinfer.compile.buckets import choose_buckets
+from jaxinfer.compile.buckets import BucketReuse, choose_buckets
 from jaxinfer.compile.plan import plan_job
 from jaxinfer.engine.batch import Buckets
 from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
@@ -70,18 +70,18 @@ def test_sampling_flags_select_the_variant():
     assert choose_buckets(need, compiled, (True, 20)).key == (4, 0, 0, 16)  # none: cheapest
 
 
-def _dispatched_shapes(eng, forward, monkeypatch):
-    """(Td, Tp, Bp, M) of every forward step, read from the arrays the device function gets."""
+def _dispatched_shapes(eng, run, monkeypatch):
+    """(Td, Tp, Bp, M) of every step dispatched, read from the arrays the runner gets."""
     shapes = []
 
-    def spy(params, kv, batch, prev, **kw):
-        md = batch.md
+    def spy(inputs, prev=None):
+        md = inputs.batch.md
         td = int(md.num_decode)
-        t, (b, m) = len(batch.tokens), md.block_tables.shape
+        t, (b, m) = len(inputs.batch.tokens), md.block_tables.shape
         shapes.append((td, t - td, b - td, m))
-        return forward(params, kv, batch, prev, **kw)
+        return run(inputs, prev)
 
-    monkeypatch.setattr(eng, "_forward", spy)
+    monkeypatch.setattr(eng.runner, "run", spy)
     return shapes
 
 
@@ -96,22 +96,17 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
     params = [sp for _, sp, _ in refs] + [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30, 66)
     ]
-    runs, forward, sample = {}, eng._forward, eng._sample
+    runs, run, sample = {}, eng.runner.run, eng.runner._sample
     # (reuse, async): the third run, synchronous, meets the second's shapes (compiles nothing)
     for reuse, asynchronous in ((False, True), (True, True), (True, False)):
-        if hasattr(eng.allocator, "clear_cache"):
-            eng.allocator.clear_cache()  # the same steps both times: no prefix cache hits
-        monkeypatch.setattr(
-            eng,
-            "ecfg",
-            dataclasses.replace(
-                eng.ecfg, reuse_compiled_buckets=reuse, async_scheduling=asynchronous
-            ),
+        eng.kv_manager.clear_cache()  # the same steps both times: no prefix cache hits
+        ecfg = dataclasses.replace(
+            eng.ecfg, reuse_compiled_buckets=reuse, async_scheduling=asynchronous
         )
-        monkeypatch.setattr(eng, "_async", asynchronous)
-        monkeypatch.setattr(eng, "compile_keys", set())  # as a fresh engine
-        monkeypatch.setattr(eng, "_wanted", {})
-        shapes = _dispatched_shapes(eng, forward, monkeypatch)
+        monkeypatch.setattr(eng, "buckets", BucketReuse(eng.runner, reuse, eng.buckets.compiler))
+        monkeypatch.setattr(eng, "async_scheduling", asynchronous)
+        monkeypatch.setattr(eng.runner, "compile_keys", set())  # as a fresh engine
+        shapes = _dispatched_shapes(eng, run, monkeypatch)
         greedy_calls = []
 
         def sample_spy(*a, calls=greedy_calls, **kw):
@@ -119,7 +114,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
             return sample(*a, **kw)
 
         sample_spy.lower = sample.lower
-        monkeypatch.setattr(eng, "_sample", sample_spy)
+        monkeypatch.setattr(eng.runner, "_sample", sample_spy)  # the jitted sampling call
         outs = stories_llm.generate(prompts, params)
         for (ids, _, expected), out in zip(refs, outs, strict=False):
             assert tok.decode(ids + out.token_ids) == expected
@@ -130,7 +125,7 @@ def test_tail_of_a_batch_compiles_fewer_shapes_same_outputs(stories_llm, monkeyp
         # predicts exactly the keys the engine counted.
         assert all(o.finish_reason == "length" for o in outs), [o.finish_reason for o in outs]
         plan = plan_job(
-            eng.ecfg,
+            ecfg,
             [len(p) for p in prompts],
             [p.max_tokens for p in params],
             vocab_size=eng.cfg.vocab_size,
@@ -160,9 +155,8 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
         if r[2].startswith("Once upon a time") and r[1].max_tokens < 100
     ]
     monkeypatch.setattr(bucket_reuse, "REUSE_STEPS", 3)
-    monkeypatch.setattr(eng, "compile_keys", set())
-    monkeypatch.setattr(eng, "_wanted", {})
-    compiler = bucket_reuse.BackgroundCompiler(eng)
+    monkeypatch.setattr(eng.runner, "compile_keys", set())
+    compiler = bucket_reuse.BackgroundCompiler(eng.runner)
     submit = compiler.submit
 
     def submit_and_wait(need, flags, compiled):  # deterministic: done by the next step
@@ -173,29 +167,27 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     monkeypatch.setattr(compiler, "submit", submit_and_wait)
     waited, wait_for = [], compiler.wait_for
     monkeypatch.setattr(compiler, "wait_for", lambda key: (waited.append(key), wait_for(key)))
-    monkeypatch.setattr(eng, "_compiler", compiler)
-    if hasattr(eng.allocator, "clear_cache"):
-        eng.allocator.clear_cache()
-    seen, forward = [], eng._forward
+    reuse = BucketReuse(eng.runner, True, compiler)
+    monkeypatch.setattr(eng, "buckets", reuse)
+    eng.kv_manager.clear_cache()
+    seen, run = [], eng.runner.run
 
-    def spy(params, kv, batch, prev, **kw):
-        md = batch.md
-        td = int(md.num_decode)
-        key = (td, len(batch.tokens) - td, md.block_tables.shape[0] - td, md.block_tables.shape[1])
+    def spy(inputs, prev=None):
+        key = inputs.buckets.key
         seen.append((key, key in compiler.compiled))
-        return forward(params, kv, batch, prev, **kw)
+        return run(inputs, prev)
 
-    spy.lower = forward.lower  # the background compiler lowers the engine's jitted function
-    monkeypatch.setattr(eng, "_forward", spy)
+    monkeypatch.setattr(eng.runner, "run", spy)
     short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = stories_llm.generate([ids] + [tok.encode("Tom had a red ball")] * 3, [sp] + [short] * 3)
     assert tok.decode(ids + outs[0].token_ids) == expected
-    # The lone row (M = 4 pages while under 64 tokens): padded to 4 rows for REUSE_STEPS steps,
-    # then (the compile started by the next step's choice is done at once here) exact.
+    # The lone row (M = 4 pages while under 64 tokens): padded to 4 rows for REUSE_STEPS steps;
+    # the next step's choice (its buckets are chosen once) starts the compile and still runs
+    # padded; the compile is done at once here, so the step after runs exact.
     lone = [(key, ready) for key, ready in seen if key in ((1, 0, 0, 4), (4, 0, 0, 4))]
     first_exact = next(i for i, (key, _) in enumerate(lone) if key == (1, 0, 0, 4))
-    assert eng._wanted[(1, 0, 0, 4)] == 3
-    assert [key for key, _ in lone[first_exact - 3 : first_exact]] == [(4, 0, 0, 4)] * 3
+    assert reuse.wanted[(1, 0, 0, 4)] == 3 + 1
+    assert [key for key, _ in lone[first_exact - 4 : first_exact]] == [(4, 0, 0, 4)] * 4
     assert all(ready for key, ready in lone[first_exact:]), lone
     assert compiler.compiled == [(1, 0, 0, 4)] and not compiler.pending
     # Each dispatch first waits for a background compile of the key it runs (none pending here).
@@ -219,81 +211,68 @@ def test_a_persistent_padded_shape_compiles_in_the_background(stories_llm, monke
     assert not compiler.failed
 
 
-class _FakeJit:
-    """A jitted function's ``lower(...).compile()`` that counts compiles, each held until
-    ``gate`` is set."""
+class _FakeRunner:
+    """``ModelRunner.compile`` that records each key, each held until ``gate`` is set."""
 
-    def __init__(self, gate):
+    def __init__(self):
         import threading
 
-        self.gate, self.compiles, self._lock = gate, [], threading.Lock()
+        self.gate, self.compiles, self._lock = threading.Event(), [], threading.Lock()
 
-    def lower(self, *args, **kw):
-        import jax
-        import numpy as np
-
-        jit = self
-
-        class Lowered:
-            out_info = (None, jax.ShapeDtypeStruct((4, 8), np.float32))
-
-            def compile(self):
-                jit.gate.wait(10)
-                with jit._lock:
-                    jit.compiles.append(
-                        "greedy" if kw.get("greedy") else kw.get("num_logprobs", "forward")
-                    )
-
-        return Lowered()
+    def compile(self, key):
+        self.gate.wait(10)
+        with self._lock:
+            self.compiles.append(key)
 
 
-def _fake_engine():
-    import threading
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    gate = threading.Event()
-    eng = SimpleNamespace(
-        kv=np.zeros(3),
-        params=None,
-        _no_prev=None,
-        _num_slots=8,
-        ecfg=SimpleNamespace(page_size=8, attn_impl="xla", batch_invariant=False),
-        cfg=SimpleNamespace(vocab_size=8),
-        _forward=_FakeJit(gate),
-        _sample=_FakeJit(gate),
-    )
-    return eng, gate
-
-
-def test_a_key_compiled_ahead_is_waited_for_and_never_compiled_twice():
-    """submit_ahead queues keys without counting them; a step that needs one waits for it
-    (wait_for) instead of compiling it again, and bucket reuse's own submit of the same key
-    shares the compile; a key nobody submitted is not waited for."""
+def test_a_key_compiling_in_the_background_is_waited_for_and_never_compiled_twice():
+    """submit counts a key's forward and sampling keys at once (pending until done) and
+    compiles them once on the thread; a step that needs the key waits for that compile
+    (wait_for) instead of compiling it again; a key nobody submitted is not waited for."""
     import threading
 
     from jaxinfer.compile.buckets import BackgroundCompiler
 
-    eng, gate = _fake_engine()
-    c = BackgroundCompiler(eng)
-    c.submit_ahead([(4, 0, 0, 8), (1, 0, 0, 8)], {4: [(False, 0), (False, 20), GREEDY_FLAGS]})
-    c.submit_ahead([(4, 0, 0, 8)], {})  # again: ignored
-    assert not c.pending  # not counted: the engine counts a key when a step dispatches it
+    runner = _FakeRunner()
+    c = BackgroundCompiler(runner)
+    keys = c.submit(Buckets(4, 0, 0, 8), (False, 20), {("sample", 4, False, 20)})
+    assert keys == [("forward", (4, 0, 0, 8))] and c.pending == set(keys)  # sample one counted
+    assert c.submit(Buckets(4, 0, 0, 8), (False, 20), set()) == []  # again: ignored
     done = threading.Event()
     waiter = threading.Thread(target=lambda: (c.wait_for((4, 0, 0, 8)), done.set()))
     waiter.start()
     assert not done.wait(0.3)  # held: still compiling
     c.wait_for((8, 0, 0, 8))  # nothing submitted for it: returns at once
-    keys = c.submit(Buckets(4, 0, 0, 8), (False, 0), set())  # bucket reuse wants it too
-    assert keys == [("forward", (4, 0, 0, 8)), ("sample", 4, False, 0)] and c.pending == set(keys)
-    gate.set()
+    assert c.poll() == [] and c.pending == set(keys)  # not finished: still pending
+    runner.gate.set()
     assert done.wait(10)
     waiter.join()
     c.wait()
-    assert c.poll() == [] and not c.pending
-    # One forward compile per key; (4, 0, 0, 8)'s three sampling variants, (1, 0, 0, 8)'s plain
-    # one.
-    assert sorted(eng._forward.compiles) == ["forward", "forward"]
-    assert sorted(map(str, eng._sample.compiles)) == ["0", "0", "20", "greedy"]
+    assert c.poll() == [] and not c.pending and c.compiled == [(4, 0, 0, 8)]
+    assert runner.compiles == [("forward", (4, 0, 0, 8)), ("sample", 4, False, 20)]
     assert c.waited_s > 0.2
+
+
+def test_a_failed_background_compile_is_forgotten_and_compiled_inline():
+    """A compile that raises: poll returns its keys (the engine forgets them) and ``choose``
+    then runs the exact key (compiled inline, meeting the error itself) instead of padding."""
+    import types
+
+    from jaxinfer.compile.buckets import BackgroundCompiler
+
+    class Failing:
+        def compile(self, key):
+            raise RuntimeError("no memory")
+
+    c = BackgroundCompiler(Failing(), inline=True)
+    runner = types.SimpleNamespace(
+        compile_keys={("forward", (4, 0, 0, 8)), ("sample", 4, False, 0)}
+    )
+    reuse = BucketReuse(runner, True, c)
+    need = Buckets(1, 0, 0, 8)
+    reuse.wanted[need.key] = 10**6  # wanted long enough: submitted at this choice
+    assert reuse.choose(need, PLAIN) == Buckets(4, 0, 0, 8)
+    assert ("forward", need.key) in runner.compile_keys  # counted at once
+    assert reuse.choose(need, PLAIN) == need  # polled: failed, forgotten, compiled inline
+    assert ("forward", need.key) not in runner.compile_keys
+    assert "no memory" in c.failed[need.key]

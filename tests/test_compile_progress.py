@@ -91,18 +91,18 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
     # new compile keys; with XLA's executables already cached (in memory or on disk) the
     # "compile" can be shorter than the 0.1 s poll, so a dispatch that adds keys is held 0.4 s,
     # standing in for a cold compilation.
-    from jaxinfer.engine import core as engine_mod
+    from jaxinfer.engine.runner import ModelRunner
 
-    dispatch = engine_mod.Engine._dispatch
+    run = ModelRunner.run
 
     def slow_when_new(self, *a, **kw):
         before = len(self.compile_keys)
-        out = dispatch(self, *a, **kw)
+        out = run(self, *a, **kw)
         if len(self.compile_keys) > before:
             time.sleep(0.4)
         return out
 
-    monkeypatch.setattr(engine_mod.Engine, "_dispatch", slow_when_new)
+    monkeypatch.setattr(ModelRunner, "run", slow_when_new)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "Once upon a time"}) + "\n")
     rc = cli.main(
@@ -132,4 +132,56 @@ def test_new_engine_shape_shows_compiling_on_the_progress_line(tmp_path, capsys,
     assert re.search(r"compiling \((2|3)/3\)", cap.err), cap.err
     bar_lines = [ln for ln in cap.err.replace("\r", "\n").splitlines() if ln.startswith("prompts")]
     assert "compiling" not in bar_lines[-1], bar_lines  # the finished bar says nothing compiles
-    assert json.loads(cap.out.strip().splitlines()[-1])["completed"] == 1
+    summary = json.loads(cap.out.strip().splitlines()[-1])
+    assert summary["completed"] == 1
+    # the bar's token count is the tokens the record holds (4: --max-tokens)
+    n = summary["completion_tokens"]
+    assert n == 4 and re.search(rf"\b{n} tok, [0-9.]+ tok/s", bar_lines[-1]), bar_lines
+
+
+def test_token_count_adds_this_runs_tokens_of_every_completion(stories_llm):
+    """The bar's token count over real streamed outputs equals the tokens asked for, counted by
+    hand: EOS ignored, so every completion runs to its max_tokens; n > 1 streams per completion
+    then one final output of all n; a resumed request's carried-over tokens are not this run's."""
+    from jaxinfer.compile.progress import TokenCount
+    from jaxinfer.engine.resume import ResumeState
+    from jaxinfer.sampling.params import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+    ]
+    greedy = stories_llm.generate("Lily saw a", params[2])[0].token_ids
+    resume = [None, None, ResumeState(0, tuple(greedy[:4]))]  # 4 of its 9 tokens carried over
+    count, seen_mid_run = TokenCount(), []
+    for out in stories_llm.generate_stream(
+        ["Once upon a time", "Tom and his dog", "Lily saw a"], params, resume=resume
+    ):
+        count.add(out)
+        if not out.finished:
+            seen_mid_run.append(count.total)
+    assert count.total == 7 + 3 * 5 + (9 - 4)
+    assert seen_mid_run and seen_mid_run[0] >= 1  # counted before any request finished
+
+
+def test_bar_shows_tokens_before_any_prompt_finishes_and_the_total_at_the_end():
+    from jaxinfer.outputs import RequestMetrics, RequestOutput
+
+    bar = _Bar()
+    pbar = CompileProgressBar(bar, SimpleNamespace(engines=[]), interval=0.0)
+
+    def out(rid, n, finish=None):
+        return RequestOutput(
+            rid, None, [1], token_ids=[5] * n, finish_reason=finish,
+            metrics=RequestMetrics(completion_tokens=n),
+        )  # fmt: skip
+
+    pbar.add_output(out("a", 1))
+    pbar.add_output(out("b", 1))
+    pbar.add_output(out("a", 2))
+    assert bar.n == 0 and re.fullmatch(r"3 tok, [0-9.]+ tok/s", bar.postfixes[-1])
+    pbar.add_output(out("a", 3, "length"))
+    pbar.update(1)
+    pbar.close()
+    assert bar.n == 1 and re.fullmatch(r"4 tok, [0-9.]+ tok/s", bar.postfixes[-1]) and bar.closed

@@ -16,7 +16,7 @@ import pytest
 from conftest import assert_reproduces_stories_reference
 from test_paged_attention import TOL, dense_reference, make_batch
 
-from jaxinfer.models import cpu_decode_kernel, paged_attention
+from jaxinfer.models import attn_dispatch, cpu_decode_kernel
 from jaxinfer.models.paged_attention import ragged_paged_attention_xla
 
 
@@ -184,7 +184,7 @@ def test_auto_resolves_per_engine(kernel_on):
     from jaxinfer.engine.config import default_page_size
 
     kw = dict(page_major=True, kv_dtype=np.float32, mesh=None, backend="cpu")
-    resolve = paged_attention.engine_attn_impl
+    resolve = attn_dispatch.engine_attn_impl
     assert resolve("auto", **kw)[0] == "cpu_kernel"
     assert resolve("cpu_kernel", **kw)[0] == "cpu_kernel"
     for change, why in (
@@ -216,7 +216,7 @@ def no_compiler(monkeypatch, tmp_path):
 def test_auto_without_a_compiler_warns_and_runs_xla(no_compiler, stories_dir, caplog):
     from jaxinfer.llm import LLM
 
-    caplog.set_level(logging.INFO, logger="jaxinfer.models.paged_attention")
+    caplog.set_level(logging.INFO, logger="jaxinfer.models.attn_dispatch")
     llm = LLM(stories_dir, max_num_seqs=4, compilation_cache=False)
     assert llm.engine.attn_impl == llm.engine.ecfg.attn_impl == "xla"
     [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -226,7 +226,7 @@ def test_auto_without_a_compiler_warns_and_runs_xla(no_compiler, stories_dir, ca
     assert llm.engine.attn_impl_reason == msg
     # Remembered: a second engine neither rebuilds nor warns again (INFO), and runs XLA.
     caplog.clear()
-    impl, _ = paged_attention.engine_attn_impl("auto", page_major=True, kv_dtype=np.float32)
+    impl, _ = attn_dispatch.engine_attn_impl("auto", page_major=True, kv_dtype=np.float32)
     assert impl == "xla" and caplog.records
     assert all(r.levelno == logging.INFO for r in caplog.records)
 
@@ -308,4 +308,4 @@ def test_engines_the_kernel_cannot_serve_refuse_it(stories_dir):
             jnp.ones((t, 2, 8)), k_pages, v_pages, md, jnp.int32(0), scale=1.0, decode_kernel=True
         )
     with pytest.raises(ValueError, match="'cpu_kernel' is a native kernel for XLA's CPU backend"):
-        paged_attention.resolve_attn_impl("cpu_kernel", "tpu")
+        attn_dispatch.resolve_attn_impl("cpu_kernel", "tpu")

@@ -103,7 +103,7 @@ def test_preemption_gives_the_same_outputs(stories_dir, stories_llm):
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
     assert sum(o.metrics.num_preemptions for o in tight) == small.engine.scheduler.num_preemptions
-    assert small.engine.allocator.num_free == 13  # every page came back
+    assert small.engine.kv_manager.num_free_pages == 13  # every page came back
 
 
 def test_chunked_prefill_equals_one_shot(stories_llm):
@@ -330,7 +330,7 @@ def test_logprobs(stories_llm):
 
 
 def test_default_page_size(stories_llm):
-    from jaxinfer.engine.core import default_page_size
+    from jaxinfer.engine.config import default_page_size
 
     # 8 on CPU with the XLA attention (less last-page slack, same speed there), else 16
     assert default_page_size("auto", "cpu") == 8 and default_page_size("xla", "cpu") == 8

@@ -206,6 +206,7 @@ def test_resolve_applies_each_backend_default():
     """resolve leaves no None or "auto": the documented defaults (EngineArgs' help) on CPU and,
     for the switches that follow the backend, elsewhere; a mesh turns off what one device
     needs; explicit values win."""
+    import jax
     import numpy as np
 
     from jaxinfer.engine.config import EngineConfig, resolve
@@ -226,7 +227,8 @@ def test_resolve_applies_each_backend_default():
     tpu = resolved("tpu", attn_impl="xla")
     assert tpu.page_size == 16 and not (tpu.unroll_layers or tpu.out_in_weights)
     assert not (tpu.kv_page_major or tpu.keep_host_memory)
-    sharded = resolved(mesh=object(), attn_impl="xla")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))  # resolve reads its devices
+    sharded = resolved(mesh=mesh, attn_impl="xla")
     assert not (sharded.kv_page_major or sharded.out_in_weights) and sharded.unroll_layers
     assert not resolved(speculative="ngram").async_scheduling  # its rounds run synchronously
     assert resolved(batch_invariant=True).scan_layers_from_tokens == 0
@@ -273,7 +275,7 @@ def test_environment_switches_are_options_now(monkeypatch):
     import jax
     import numpy as np
 
-    import jaxinfer.engine.core as core
+    import jaxinfer.engine.runner as runner
     from jaxinfer.engine.config import EngineConfig
     from jaxinfer.models.config import ModelConfig
     from jaxinfer.models.params import init_random
@@ -282,16 +284,13 @@ def test_environment_switches_are_options_now(monkeypatch):
     monkeypatch.setenv("JAXINFER_KEEP_HOST_MEMORY", "0")
     monkeypatch.setenv("JAXINFER_MULTIHOST", "1")
     calls = []
-    monkeypatch.setattr(core, "keep_freed_host_memory", lambda: calls.append(1))
+    monkeypatch.setattr(runner, "keep_freed_host_memory", lambda: calls.append(1))
     cfg = ModelConfig("llama", 64, 32, 64, 1, 4, 2, 8, max_position_embeddings=32)
     params = init_random(cfg, jax.random.key(0))
 
-    class Tok:
-        eos_ids, bos_id = (), None
-
     for keep in (False, True):
         ecfg = EngineConfig(32, page_size=8, num_pages=5, max_num_seqs=1, keep_host_memory=keep)
-        core.Engine(cfg, params, Tok(), ecfg)
+        runner.ModelRunner(cfg, params, ecfg)
         assert len(calls) == keep
     assert np.dtype(ecfg.kv_cache_dtype) == np.float32
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)

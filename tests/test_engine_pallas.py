@@ -4,7 +4,7 @@ at engine construction."""
 
 import pytest
 
-from jaxinfer.models.paged_attention import ATTN_IMPLS, resolve_attn_impl
+from jaxinfer.models.attn_dispatch import ATTN_IMPLS, resolve_attn_impl
 from jaxinfer.sampling.sampler import SamplingParams
 
 PROMPTS = ["Once upon a time", "The cat sat"]

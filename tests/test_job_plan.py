@@ -157,14 +157,20 @@ def test_bad_input_is_named():
 def test_start_job_skips_what_it_cannot_plan():
     from types import SimpleNamespace
 
-    eng = SimpleNamespace(ecfg=ecfg(), cfg=SimpleNamespace(vocab_size=64), _compiler=None)
+    from jaxinfer.engine.runner import Capabilities
+
+    eng = SimpleNamespace(
+        ecfg=ecfg(), cfg=SimpleNamespace(vocab_size=64), capabilities=Capabilities()
+    )
     llm = SimpleNamespace(engines=[eng])
     greedy = SamplingParams(temperature=0.0, max_tokens=3)
     bar = SimpleNamespace(expect=lambda n: shown.append(n))
     shown = []
-    assert start_job(llm, [[1] * 10], [greedy], None, bar, compile_ahead=False).steps == 3
+    assert start_job(llm, [[1] * 10], [greedy], None, bar).steps == 3
     assert shown == [3]
     assert start_job(SimpleNamespace(engines=[eng, eng]), [[1]], [greedy], None, bar) is None
     assert start_job(llm, [[1]], [SamplingParams(n=2, max_tokens=3)], None, bar) is None
     assert start_job(llm, [[1] * 600], [greedy], None, bar) is None  # fails validation
+    spec = SimpleNamespace(ecfg=eng.ecfg, cfg=eng.cfg, capabilities=Capabilities(precompile=False))
+    assert start_job(SimpleNamespace(engines=[spec]), [[1]], [greedy], None, bar) is None
     assert shown == [3]

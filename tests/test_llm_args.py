@@ -151,7 +151,7 @@ def test_kv_pool_slots_beyond_int32(stories_dir, monkeypatch):
 
 
 def test_huge_max_num_seqs(stories_dir, monkeypatch):
-    """2**31 - 1 rows: 2**32 int32 sampling slots (Engine's num_slots) twice = 32 GiB; refused
+    """2**31 - 1 rows: 2**32 int32 sampling slots (ModelRunner's num_slots) twice = 32 GiB; refused
     against memory (8 GiB here), and against int32 row ids where memory would allow it."""
     from jaxinfer.engine.config import EngineConfig, check_kv_pool
     from jaxinfer.llm import LLM

@@ -12,18 +12,18 @@
   transformers' unconstrained greedy run: where the stop token would have been chosen, the
   banned run must take transformers' runner-up (plain and speculative engines; EOS and
   ``stop_token_ids``); stop strings are judged on stories260K's own greedy text.
-- The host-side logits controls (``Engine._controls``) against masks written out here.
+- The host-side logits controls (``step_controls.logits_controls``) against masks written out
+  here.
 """
 
 from __future__ import annotations
-
-import types
 
 import hf_fixtures as H
 import numpy as np
 import pytest
 
-from jaxinfer.engine.scheduler import ScheduledRow, Sequence
+from jaxinfer.engine.scheduler import ScheduledRow
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.sampling.sampler import SamplingParams
 
 LOGPROB_ATOL = 1e-4  # f32 engine vs transformers f32 (logits agree to ~1e-4 relative)
@@ -102,9 +102,10 @@ def engines(tiny):
     """The plain engine and an n-gram speculative one (R = 2) over the tiny model."""
     from conftest import engine_config
 
-    from jaxinfer.engine.core import Engine
+    from jaxinfer.engine.core import EngineCore
+    from jaxinfer.engine.runner import ModelRunner
     from jaxinfer.speculative.config import SpecConfig
-    from jaxinfer.speculative.engine import SpecEngine
+    from jaxinfer.speculative.strategy import SpeculativeStrategy
 
     cfg, params, _ = tiny
     ecfg = engine_config(
@@ -117,9 +118,11 @@ def engines(tiny):
         max_num_batched_tokens=64,
         attn_impl="xla",
     )
+    spec_runner = ModelRunner(cfg, params, ecfg)
+    ngram = SpeculativeStrategy(spec_runner, SpecConfig("ngram", 2))
     return {
-        None: Engine(cfg, params, _NoText(), ecfg),
-        "ngram": SpecEngine(cfg, params, _NoText(), ecfg, SpecConfig("ngram", 2)),
+        None: EngineCore(ModelRunner(cfg, params, ecfg), _NoText()),
+        "ngram": EngineCore(spec_runner, _NoText(), speculative=ngram),
     }
 
 
@@ -207,13 +210,13 @@ def test_min_tokens_boundary_vs_transformers_greedy(tiny, engines, spec):
 
 
 def test_logits_controls_ban_for_exactly_min_tokens_and_count_outputs_only():
-    """``Engine._controls`` on host: prompt mask = prompt tokens, counts = output tokens only
-    (pending tokens excluded: rows with penalties wait for them), stop ids and EOS banned while
-    ``len(output) + len(pending) < min_tokens``, EOS not banned with ``ignore_eos``."""
-    from jaxinfer.engine.core import Engine
+    """``step_controls.logits_controls`` (the engine's host-side controls): prompt mask = prompt
+    tokens, counts = output tokens only (pending tokens excluded: rows with penalties wait for
+    them), stop ids and EOS banned while ``len(output) + len(pending) < min_tokens``, EOS not
+    banned with ``ignore_eos``."""
+    from jaxinfer.engine.step_controls import logits_controls
 
     v = 16
-    stub = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=v), stop_ids={2})
 
     def seq(outputs, pending, **kw):
         s = Sequence("r", [5, 6, 5, 9], SamplingParams(temperature=0.0, **kw), seed=0)
@@ -228,7 +231,7 @@ def test_logits_controls_ban_for_exactly_min_tokens_and_count_outputs_only():
         (seq([7], [], min_tokens=3, stop_token_ids=[11], ignore_eos=True), 4),
         (seq([4, 4, 4], [], frequency_penalty=0.5), 5),
     ]
-    c = Engine._controls(stub, [(ScheduledRow(s, 1), r) for s, r in rows], 8)
+    c = logits_controls([(ScheduledRow(s, 1), r) for s, r in rows], 8, v, {2})
     banned = [set(np.flatnonzero(np.asarray(c.banned[r])).tolist()) for r in range(6)]
     assert banned == [{2, 11}, set(), {2, 11}, set(), {11}, set()]
     for s, r in rows:

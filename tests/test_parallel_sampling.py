@@ -22,7 +22,7 @@ from test_engine import reference_requests
 
 from jaxinfer.cli import main as cli
 from jaxinfer.cli import partial as partial_mod
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.parallel_sampling import child_params
 from jaxinfer.engine.resume import ResumeState
 from jaxinfer.errors import RequestError
@@ -263,11 +263,11 @@ def test_closing_a_stream_aborts_every_completion(llm):
     assert len(llm.engine._requests) == 3
     stream.close()
     assert not llm.engine._requests  # all three aborted, not just the one that streamed
-    assert not llm._loop._routes and not llm._loop._parents
+    assert not llm._loop._routes and llm.engine_loop.num_requests == 0
 
 
 def test_a_failed_completion_fails_the_request_and_the_batch_goes_on(llm, monkeypatch):
-    step = Engine.step
+    step = EngineCore.step
     fired = []
 
     def failing_step(eng):
@@ -280,7 +280,7 @@ def test_a_failed_completion_fails_the_request_and_the_batch_goes_on(llm, monkey
             ]
         return outs
 
-    monkeypatch.setattr(Engine, "step", failing_step)
+    monkeypatch.setattr(EngineCore, "step", failing_step)
     other = SamplingParams(temperature=0.8, seed=3, max_tokens=12)
     outs = {
         o.request_id: o
@@ -291,7 +291,7 @@ def test_a_failed_completion_fails_the_request_and_the_batch_goes_on(llm, monkey
         )
         if o.finished
     }
-    monkeypatch.setattr(Engine, "step", step)
+    monkeypatch.setattr(EngineCore, "step", step)
     bad = outs["bad"]
     assert bad.finish_reason == "error" and "completion 1 of 3" in bad.error
     assert "planted failure" in bad.error
@@ -421,7 +421,7 @@ def test_cli_records_and_resume_mid_completion(tmp_path, capsys, monkeypatch):
     # Interrupted after completion 1 finished (token 11) and before completion 0 did (25).
     out = tmp_path / "out.jsonl"
     part = partial_mod.partial_path(out)
-    step, steps = Engine.step, []
+    step, steps = EngineCore.step, []
 
     def hooked(eng):
         steps.append(1)
@@ -430,7 +430,7 @@ def test_cli_records_and_resume_mid_completion(tmp_path, capsys, monkeypatch):
         return step(eng)
 
     with monkeypatch.context() as m:
-        m.setattr(Engine, "step", hooked)
+        m.setattr(EngineCore, "step", hooked)
         rc, err = _run(tmp_path, capsys, out)
     assert rc == 143, err
     saved = {r["id"]: r for r in json.loads(part.read_text())["requests"]}
@@ -476,7 +476,7 @@ def test_cli_n_flag(tmp_path, capsys):
 
 
 def test_engine_refuses_an_unexpanded_n(stories_llm):
-    # Engine.add_request runs one sequence: n > 1 reaching it directly would silently give one.
+    # EngineCore.add_request runs one sequence: n > 1 reaching it directly would silently give one.
     eng = stories_llm.engine
     with pytest.raises(RequestError, match="n=3"):
         eng.add_request("direct-n3", [1, 2, 3], SamplingParams(n=3, max_tokens=2))

@@ -16,11 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.compile.warmup import all_keys, precompile, serving_keys, with_sample_keys
-from jaxinfer.engine.batch import build_step_batch, next_pow2
+from jaxinfer.engine.batch import Buckets, build_step_batch, next_pow2
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
-from jaxinfer.engine.scheduler import Scheduler, Sequence
-from jaxinfer.models.kv_cache import NULL_PAGE, PageAllocator
+from jaxinfer.engine.kv_manager import KVCacheManager, PrefixCachingKVCacheManager
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.models.kv_cache import NULL_PAGE
 from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams
 
 
@@ -54,14 +55,12 @@ def serving_runs(draw):
 def scheduled_keys(ecfg: EngineConfig, num_pages: int, reqs) -> list[tuple[tuple, int]]:
     """(bucket key, prefill rows) of every step the real scheduler makes for ``reqs`` (each
     sampled token appended at once, as the engine without async scheduling does)."""
-    alloc = (
-        PrefixCachingAllocator(num_pages, ecfg.page_size, ("t",))
+    kv = (
+        PrefixCachingKVCacheManager(num_pages, ecfg.page_size, ("t",))
         if ecfg.enable_prefix_caching
-        else PageAllocator(num_pages)
+        else KVCacheManager(num_pages, ecfg.page_size)
     )
-    sched = Scheduler(
-        alloc, ecfg.page_size, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs
-    )
+    sched = Scheduler(kv, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, ecfg.max_prefill_seqs)
     out, step = [], 0
     while step <= 40 or sched.has_work():
         for i, (prompt, max_tokens, at) in enumerate(reqs):
@@ -258,12 +257,12 @@ def test_precompiled_workload_compiles_nothing_and_keeps_the_pool(llm):
         report = precompile(engine, WORKLOAD_KEYS, progress=lambda k, n, key: seen.append((k, n)))
         assert seen == [(1, 3), (2, 3), (3, 3)]
         assert set(report.keys) == set(PRECOMPILED) and report.new_keys == 3
-        sizes = engine._forward._cache_size(), engine._sample._cache_size()
+        sizes = engine.runner._forward._cache_size(), engine.runner._sample._cache_size()
         events.clear()
         check_texts(run_staggered(engine, cases), cases)
     finally:
         monitoring.unregister_event_duration_listener(listener)
-    assert (engine._forward._cache_size(), engine._sample._cache_size()) == sizes
+    assert (engine.runner._forward._cache_size(), engine.runner._sample._cache_size()) == sizes
     assert [e for e in events if "compile" in e[0] or "jaxpr" in e[0]] == []
     assert engine.compile_keys == set(PRECOMPILED)  # the workload stayed inside them
 
@@ -285,7 +284,47 @@ def test_precompiled_workload_compiles_nothing_and_keeps_the_pool(llm):
 
     check_texts(run_staggered(engine, cases, precompile_mid_run), cases)
     assert checked == [10]
-    assert (engine._forward._cache_size(), engine._sample._cache_size()) == sizes
+    assert (engine.runner._forward._cache_size(), engine.runner._sample._cache_size()) == sizes
+
+
+def test_runner_compile_builds_what_a_step_dispatches(llm):
+    """``ModelRunner.compile`` (ahead of time, from abstract arguments) builds the executables a
+    real step of the same keys runs: a prompt-logprobs prefill (its own forward key) with a
+    penalty (the sampling variant with logits controls), then a decode step, compile nothing when
+    they run (``jax.monitoring``'s lowering and backend-compile events), and the keys the steps
+    count are the ones given. Its output is llama2.c's greedy continuation."""
+    from jax import monitoring
+
+    from jaxinfer.engine.runner import step_keys
+
+    engine, runner = llm.engine, llm.engine.runner
+    (ids, _, expected), _ = reference_cases(llm)
+    ids = ids[:9]  # one prefill of Tp = 32 (the floor), one row, M = 4: (0, 32, 1, 4)
+    k = min(20, llm.config.vocab_size)
+    prefill, decode = Buckets(0, 32, 1, 4), Buckets(1, 0, 0, 4)
+    keys = step_keys(prefill, (True, 0), k) + step_keys(decode, (True, 0))
+    assert keys[0] == ("forward_prompt_logprobs", (0, 32, 1, 4), k)
+    for key in keys:
+        runner.compile(key)
+    assert not set(keys[:2]) & runner.compile_keys  # compiling does not count a key
+    events = []
+    listener = lambda name, secs, **kw: events.append(name)  # noqa: E731
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=2, repetition_penalty=1.0 + 1e-6, prompt_logprobs=1
+        )
+        engine.add_request("aot", ids, sp)
+        while engine.has_unfinished():
+            outs = engine.step()
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert [e for e in events if "backend_compile" in e or "mlir_module" in e] == [], events
+    assert set(keys) <= runner.compile_keys
+    assert expected.startswith(llm.tokenizer.decode(ids + outs[-1].token_ids))
+    assert len(outs[-1].prompt_logprobs) == len(ids)
+    with pytest.raises(ValueError, match="cannot lower key .'spec_round'"):
+        runner.lower(("spec_round", (16, 4, 4), False, 0))
 
 
 def test_bad_keys_are_errors_naming_them(llm):
@@ -323,7 +362,13 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
     monkeypatch.setattr(jaxinfer.compile.warmup, "precompile", fake_precompile)
     ecfg = EngineConfig(max_model_len=128, page_size=32, max_num_seqs=4, max_num_batched_tokens=64)
     n = sum(k[0] == "forward" for k in serving_keys(ecfg))
-    llm = types.SimpleNamespace(engines=[types.SimpleNamespace(ecfg=ecfg, name=i) for i in (0, 1)])
+    from jaxinfer.engine.runner import Capabilities
+
+    llm = types.SimpleNamespace(
+        engines=[
+            types.SimpleNamespace(ecfg=ecfg, name=i, capabilities=Capabilities()) for i in (0, 1)
+        ]
+    )
     said = []
     precompile_engines(llm, "serving", said.append, interval=0.0)
     assert calls == [(0, n), (1, n)]
@@ -345,7 +390,7 @@ def test_serve_warmup_logs_progress_and_total(monkeypatch):
     assert rows and {
         k for k in got[0] if k[0] == "sample" and k[2:] not in ((False, 0), GREEDY_FLAGS)
     } == {("sample", b, c, n) for b in rows for c, n in ((True, 0), (False, 20), (True, 20))}
-    llm.engines[1].spec = object()  # a speculative engine
+    llm.engines[1].capabilities = Capabilities(precompile=False)  # a speculative engine
     with pytest.raises(UsageError, match="--warmup requests"):
         precompile_engines(llm, "serving", said.append)
 

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from test_engine import reference_requests
 
 from jaxinfer.engine import prefix_cache
-from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
-from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
+from jaxinfer.engine.kv_manager import PrefixCachingKVCacheManager
+from jaxinfer.engine.prefix_cache import PrefixCachePool
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import SeqStatus, Sequence
 from jaxinfer.sampling.sampler import SamplingParams
 
 Z = 8  # page size of every engine here (the CPU default)
@@ -27,7 +29,8 @@ Z = 8  # page size of every engine here (the CPU default)
 
 
 def _run_host_workload(prompts, max_tokens, num_pages, budget, max_seqs):
-    """Runs prompts through a Scheduler over a PrefixCachingAllocator with a fake device step.
+    """Runs prompts through a Scheduler over a PrefixCachingKVCacheManager with a fake device
+    step.
 
     The fake pool maps each slot to the exact token prefix whose K/V a real step would write
     there (K/V at position p depends on tokens[: p + 1]). Each step first writes every row's
@@ -35,8 +38,8 @@ def _run_host_workload(prompts, max_tokens, num_pages, budget, max_seqs):
     prefixes at every position it attends to: a shared page written by another sequence, or an
     evicted page reused, would show a foreign prefix. Generated tokens are a function of the
     sequence's tokens, so a preempted sequence recomputes the same output."""
-    alloc = PrefixCachingAllocator(num_pages, Z, ("test",))
-    sched = Scheduler(alloc, Z, max_seqs, budget, max_prefill_seqs=4)
+    kv = PrefixCachingKVCacheManager(num_pages, Z, ("test",))
+    sched = Scheduler(kv, max_seqs, budget, max_prefill_seqs=4)
     pool: dict[tuple[int, int], tuple[int, ...]] = {}
     seqs = [
         Sequence(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens), 0)
@@ -69,10 +72,10 @@ def _run_host_workload(prompts, max_tokens, num_pages, budget, max_seqs):
                 seq.output_ids.append(hash(tuple(seq.prompt_ids + seq.output_ids)) % 50)
                 if len(seq.output_ids) >= max_tokens:
                     sched.finish(seq, "length")
-        alloc.check_invariants()
+        kv.check_invariants()
     else:
         raise AssertionError("workload did not finish")
-    return seqs, alloc, sched
+    return seqs, kv, sched
 
 
 def _expected_output(prompt, max_tokens):
@@ -103,38 +106,40 @@ def test_host_pool_never_serves_a_foreign_or_evicted_page(
     prompts = [base[:c] + tail or [0] for c, tail in cuts]
     need = max(-(-(len(p) + max_tokens) // Z) for p in prompts) + 1
     num_pages = max(num_pages, need + 1)
-    seqs, alloc, sched = _run_host_workload(prompts, max_tokens, num_pages, budget, max_seqs=4)
+    seqs, kv, sched = _run_host_workload(prompts, max_tokens, num_pages, budget, max_seqs=4)
     for s, p in zip(seqs, prompts, strict=True):
         assert s.status is SeqStatus.FINISHED and s.output_ids == _expected_output(p, max_tokens)
     # Every page is free or cached once all are done: nothing leaked, no reference left.
-    assert (alloc.refcounts[1:] == 0).all()
-    assert alloc.num_free == num_pages - 1
+    assert (kv.pool.refcounts[1:] == 0).all()
+    assert kv.num_free_pages == num_pages - 1
 
 
 def test_host_pool_shares_and_evicts_lru():
     a, b = list(range(20)), list(range(16)) + [99] * 4
-    seqs, alloc, _ = _run_host_workload([a], 1, 6, 64, 4)
-    assert alloc.stats()["cached_pages"] == 2  # pages of tokens 0..15 (position 20 never written)
-    seqs, alloc, sched = _run_host_workload([a, b, a], 1, 6, 64, 1)
+    seqs, kv, _ = _run_host_workload([a], 1, 6, 64, 4)
+    assert kv.stats()["cached_pages"] == 2  # pages of tokens 0..15 (position 20 never written)
+    seqs, kv, sched = _run_host_workload([a, b, a], 1, 6, 64, 1)
     # b hits both full pages of a's prefix, the second a all that may be cached (19 tokens: 2 pages)
     assert [s.num_cached_tokens for s in seqs] == [0, 16, 16]
-    st_ = alloc.stats()
+    st_ = kv.stats()
     assert (st_["queried_tokens"], st_["hit_tokens"]) == (60, 32)
     # 4 usable pages, 3 per sequence: the second sequence evicts one of a's cached pages, the
     # tail one (vLLM's order: a sequence's last pages are evicted first), so a finds its first
     # page again; it then evicts the second sequence's tail page.
-    seqs, alloc, _ = _run_host_workload([a, [7] * 20, a], 1, 5, 64, 1)
-    assert seqs[2].num_cached_tokens == Z and alloc.stats()["evictions"] == 2
+    seqs, kv, _ = _run_host_workload([a, [7] * 20, a], 1, 5, 64, 1)
+    assert seqs[2].num_cached_tokens == Z and kv.stats()["evictions"] == 2
 
 
 def test_hash_collisions_cost_a_miss_not_a_wrong_page(monkeypatch):
     # Every page hashes alike: only the stored token ids (and parent) tell pages apart.
     monkeypatch.setattr(prefix_cache, "page_hash", lambda parent, tokens, extra=(): b"same")
-    alloc = PrefixCachingAllocator(10, Z)
-    p1 = alloc.allocate(1)
-    alloc.cache_page(p1[0], b"same", None, list(range(8)))
-    assert alloc.match_prefix(list(range(1, 9)) + [0], 1) == ([], [])
-    assert alloc.match_prefix(list(range(8)) + [0], 1) == (p1, [b"same"])
+    pool = PrefixCachePool(10, Z)
+    p1 = pool.allocate(1)
+    pool.cache_page(p1[0], b"same", None, list(range(8)))
+    assert pool.match_prefix(list(range(1, 9)) + [0], 1) == ([], [])
+    assert pool.match_prefix(list(range(8)) + [0], 1) == (p1, [b"same"])
+    # the same tokens under another request key (a LoRA adapter's, later): a miss too
+    assert pool.match_prefix(list(range(8)) + [0], 1, extra_keys=("adapter-1",)) == ([], [])
     prompts = [list(range(1, 30)), list(range(2, 31)), list(range(1, 20)) + [5] * 9]
     seqs, _, _ = _run_host_workload(prompts, 4, 20, 64, 4)
     for s, p in zip(seqs, prompts, strict=True):
@@ -226,7 +231,7 @@ def _shared_prefix_batch(tok):
 def test_shared_prefixes_token_identical_and_cached_as_the_formula_says(cached_llm, plain_llm):
     prompts, params = _shared_prefix_batch(cached_llm.tokenizer)
     want = plain_llm.generate(prompts, params)
-    cached_llm.engine.allocator.clear_cache()  # this test counts its own hits from a cold cache
+    cached_llm.engine.kv_manager.clear_cache()  # this test counts its own hits from a cold cache
     got = cached_llm.generate(prompts, params)
     for w, g in zip(want, got, strict=True):
         assert g.token_ids == w.token_ids and g.text == w.text
@@ -242,8 +247,8 @@ def test_shared_prefixes_token_identical_and_cached_as_the_formula_says(cached_l
     for w, g, p in zip(want, again, prompts, strict=True):
         assert g.token_ids == w.token_ids
         assert g.metrics.num_cached_tokens == (len(p) - 1) // Z * Z
-    cached_llm.engine.allocator.check_invariants()
-    assert (cached_llm.engine.allocator.refcounts[1:] == 0).all()
+    cached_llm.engine.kv_manager.check_invariants()
+    assert (cached_llm.engine.kv_manager.pool.refcounts[1:] == 0).all()
 
 
 @pytest.mark.parametrize("length", [3 * Z + 1, 3 * Z])
@@ -305,9 +310,9 @@ def test_tiny_pool_evicts_and_preempts_with_identical_outputs(stories_dir):
     stats = cached.engine.prefix_cache_stats()
     assert stats["evictions"] > 0 and stats["hit_tokens"] > 0, stats
     assert sum(g.metrics.num_preemptions for g in got) > 0
-    alloc = cached.engine.allocator
-    alloc.check_invariants()
-    assert (alloc.refcounts[1:] == 0).all() and alloc.num_free == alloc.num_pages - 1
+    kv = cached.engine.kv_manager
+    kv.check_invariants()
+    assert (kv.pool.refcounts[1:] == 0).all() and kv.num_free_pages == kv.num_pages - 1
 
 
 def test_compilations_stop_growing_with_cache_hits(cached_llm):
@@ -357,7 +362,7 @@ def test_n_samples_prefill_the_prompt_once(cached_llm):
         "He liked to run in the park with his friend."
     )
     ids = ids + [ids[-1]] * (4 * Z + 3 - len(ids)) if len(ids) < 4 * Z + 3 else ids[: 4 * Z + 3]
-    cached_llm.engine.allocator.clear_cache()  # earlier tests cached prompts with this start
+    cached_llm.engine.kv_manager.clear_cache()  # earlier tests cached prompts with this start
     before = cached_llm.prefix_cache_stats()
     out = cached_llm.generate([ids], SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=6))[0]
     after = cached_llm.prefix_cache_stats()

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 from conftest import engine_config
 
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.sampling.sampler import SamplingParams
 
 Z = 8
@@ -57,19 +58,18 @@ def base_ids(stories):
     return ids
 
 
-def make_engine(model, caching: bool, **kw) -> Engine:
+def make_engine(model, caching: bool, **kw) -> EngineCore:
     ecfg = engine_config(
         model.config, model.params.embed.dtype, **{**SIZES, **kw, "enable_prefix_caching": caching}
     )
-    return Engine(model.config, model.params, model.tokenizer, ecfg)
+    return EngineCore(ModelRunner(model.config, model.params, ecfg), model.tokenizer)
 
 
-def run_waves(eng: Engine, waves) -> list:
+def run_waves(eng: EngineCore, waves) -> list:
     """Runs each wave of (prompt ids, params) to completion, in order; returns the final outputs
     in order. A wave may be a function of the outputs so far. Checks the pool's invariants after
     every step and that every page ends free or cached."""
     outs = []
-    cached = hasattr(eng.allocator, "check_invariants")
     for w, wave in enumerate(waves):
         if callable(wave):
             wave = wave(outs)
@@ -81,11 +81,10 @@ def run_waves(eng: Engine, waves) -> list:
             for o in eng.step():
                 if o.finished:
                     done[o.request_id] = o
-            if cached:
-                eng.allocator.check_invariants()
+            eng.kv_manager.check_invariants()
         outs += [done[f"w{w}-{i}"] for i in range(len(wave))]
-    assert eng.allocator.num_free == eng.ecfg.num_pages - 1  # free + cached = the pool
-    assert int(eng.allocator.refcounts[1:].sum()) == 0  # nobody holds a page
+    assert eng.kv_manager.num_free_pages == eng.ecfg.num_pages - 1  # free + cached = the pool
+    assert int(eng.kv_manager.pool.refcounts[1:].sum()) == 0  # nobody holds a page
     return outs
 
 
@@ -252,16 +251,16 @@ def test_failed_step_leaves_no_stale_cached_page(stories, base_ids):
     marker = 497  # a token id whose step fails
     waves = waves_for(base_ids)
     on = make_engine(stories, True)
-    real = on._forward
+    real = on.runner.run
 
-    def faulty(params, kv, batch, *args, **kw):
-        if marker in np.asarray(batch.tokens):
-            for leaf in jax.tree_util.tree_leaves(kv):
+    def faulty(inputs, prev=None):
+        if marker in np.asarray(inputs.batch.tokens):
+            for leaf in jax.tree_util.tree_leaves(on.runner.kv):
                 leaf.delete()  # what a failed donated call leaves behind
             raise RuntimeError("INTERNAL: simulated device fault")
-        return real(params, kv, batch, *args, **kw)
+        return real(inputs, prev)
 
-    on._forward = faulty
+    on.runner.run = faulty
     bad = [(base_ids[:16] + [marker], SamplingParams(temperature=0.0, max_tokens=2))]
     outs_on = run_waves(on, [waves[0], bad, waves[1]])
     assert outs_on[2].finish_reason == "error" and "simulated device fault" in outs_on[2].error
@@ -317,13 +316,15 @@ def _pallas_check(cfg, params, tokenizer, attn_impl, waves):
         unroll_layers=False,
     )
     engines = {
-        c: Engine(
-            cfg,
-            params,
-            tokenizer,
-            engine_config(
-                cfg, params.embed.dtype, **kw, attn_impl=attn_impl, enable_prefix_caching=c
+        c: EngineCore(
+            ModelRunner(
+                cfg,
+                params,
+                engine_config(
+                    cfg, params.embed.dtype, **kw, attn_impl=attn_impl, enable_prefix_caching=c
+                ),
             ),
+            tokenizer,
         )
         for c in (True, False)
     }
@@ -369,7 +370,7 @@ def test_pallas_gpu_kernel_interpret():
 
 
 def _spec_engine(model, caching, method, draft):
-    from jaxinfer.speculative.engine import make_spec_engine
+    from jaxinfer.speculative.strategy import make_spec_engine
 
     eng = make_engine(model, caching, async_scheduling=False)
     return make_spec_engine(eng, method, 3, draft, None)

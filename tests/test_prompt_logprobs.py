@@ -120,11 +120,11 @@ def test_bad_prompt_logprobs_fail_alone(family):
         SamplingParams.from_dict({"prompt_logprobs": "3"})
     sp = SamplingParams(prompt_logprobs=15)
     with pytest.raises(RequestError, match="prompt_logprobs=15 > 20 or the vocabulary size 10"):
-        check_request(sp, 10, False, False)
-    with pytest.raises(RequestError, match="batch_invariant"):
-        check_request(sp, 256, True, False)
-    with pytest.raises(RequestError, match="speculative"):
-        check_request(sp, 256, False, True)
+        check_request(sp, 10, None)
+    with pytest.raises(RequestError, match="not supported with batch_invariant=True"):
+        check_request(sp, 256, "batch_invariant=True")
+    check_request(sp, 256, None)
+    assert llm.engine.capabilities.prompt_logprobs  # a plain engine computes them
     # A request the engine refuses fails alone; the others in the batch complete.
     p = H.random_ids(6, 5)
     outs = llm.generate(

@@ -258,6 +258,35 @@ def test_save_load_round_trip_bit_exact_and_errors(tmp_path, stories_dir):
         load_quantized(bad)
 
 
+def test_quantize_command_and_loading_its_output_warn_of_nothing(tmp_path, stories_dir, caplog):
+    """``jaxinfer quantize`` and loading its directory print no orbax warning (issue 29: orbax's
+    "Skipping merge of OCDBT checkpoints" on save, "Sharding info not provided ... unsafe" on
+    restore); other absl records still pass through the filter that drops the first."""
+    import logging
+    import warnings
+
+    from jaxinfer.cli import main as cli
+    from jaxinfer.loaders import load
+    from jaxinfer.quant.checkpoint import _NO_OCDBT_TO_MERGE, _without_absl_warning
+
+    caplog.set_level(logging.INFO)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert (
+            cli.main(["quantize", "--model", str(stories_dir), "--out", str(tmp_path / "q")]) == 0
+        )
+        loaded = load(tmp_path / "q")
+    assert isinstance(loaded.params.layers.wq, QTensor)
+    assert [str(w.message) for w in seen] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    caplog.clear()
+    with _without_absl_warning(_NO_OCDBT_TO_MERGE):
+        logging.getLogger("absl").warning("[process=0] %s found in /x", _NO_OCDBT_TO_MERGE)
+        logging.getLogger("absl").warning("a real problem")
+        logging.getLogger("absl").error("a real error")
+    assert [r.getMessage() for r in caplog.records] == ["a real problem", "a real error"]
+
+
 MODES = [("int8", "auto"), ("w8a8", "auto"), (None, "int8"), ("int8", "int8"), ("w8a8", "int8")]
 # Greedy-token agreement with the float model (3 reference prompts x 40 tokens), measured
 # 2026-12 on CPU: int8 weights 1.0; every mode with int8 activations or an int8 KV cache 0.908
@@ -324,7 +353,8 @@ class _NoTokenizer:
 def _engine_greedy(cfg, params, prompts, kv_cache_dtype="auto", max_tokens=8):
     from conftest import engine_config
 
-    from jaxinfer.engine.core import Engine
+    from jaxinfer.engine.core import EngineCore
+    from jaxinfer.engine.runner import ModelRunner
     from jaxinfer.sampling.sampler import SamplingParams
 
     ecfg = engine_config(
@@ -338,7 +368,7 @@ def _engine_greedy(cfg, params, prompts, kv_cache_dtype="auto", max_tokens=8):
         attn_impl="xla",
         kv_cache_dtype=kv_cache_dtype,
     )
-    eng = Engine(cfg, params, _NoTokenizer(), ecfg)
+    eng = EngineCore(ModelRunner(cfg, params, ecfg), _NoTokenizer())
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, sp)

@@ -490,7 +490,7 @@ def test_draft_model_from_a_checkpoint_path(reference):
         num_speculative_tokens=2,
         **STORY_ENGINE,
     )
-    dcfg = llm.engine.draft_cfg
+    dcfg = llm.engine.speculative.draft_cfg
     assert (dcfg.num_layers, dcfg.num_heads, dcfg.head_dim) == (4, 4, 16)
     outs = llm.generate(prompts, params)
     check([o.token_ids for o in outs], "draft model from a path")

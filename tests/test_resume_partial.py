@@ -1,4 +1,4 @@
-"""Resuming from partial outputs (issue 17 section 3): ``Engine.add_request(resume=...)`` and
+"""Resuming from partial outputs (issue 17 section 3): ``EngineCore.add_request(resume=...)`` and
 ``jaxinfer generate``'s partial-state file beside ``--out``.
 
 The judge is always an uninterrupted run of the same requests: a request resumed from its first
@@ -22,8 +22,9 @@ import pytest
 
 from jaxinfer.cli import main as cli
 from jaxinfer.cli import partial as partial_mod
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.resume import ResumeState
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.params import SamplingParams
 
@@ -283,26 +284,29 @@ def _assert_same_records(got: dict[str, dict], want: dict[str, dict]) -> None:
 
 
 class _Hook:
-    """Wraps ``Engine.step`` (calls counted) and ``Engine._collect`` (sampled rows counted);
-    ``at`` (step number -> action) runs an action before that step."""
+    """Wraps ``EngineCore.step`` (calls counted) and ``EngineCore._collect`` (sampled rows counted)
+    of the engines that run the model (the job plan runs a core of its own over a stub runner, on
+    a thread); ``at`` (step number -> action) runs an action before that step."""
 
     def __init__(self, monkeypatch, at: dict | None = None):
         self.steps = self.sampled = 0
         self.at = at or {}
-        step, collect = Engine.step, Engine._collect
+        step, collect = EngineCore.step, EngineCore._collect
 
         def hooked_step(eng):
-            self.steps += 1
-            if self.steps in self.at:
-                self.at[self.steps]()
+            if isinstance(eng.runner, ModelRunner):
+                self.steps += 1
+                if self.steps in self.at:
+                    self.at[self.steps]()
             return step(eng)
 
         def counted_collect(eng, done):
-            self.sampled += len(done.sampled)
+            if isinstance(eng.runner, ModelRunner):
+                self.sampled += len(done.sampled)
             return collect(eng, done)
 
-        monkeypatch.setattr(Engine, "step", hooked_step)
-        monkeypatch.setattr(Engine, "_collect", counted_collect)
+        monkeypatch.setattr(EngineCore, "step", hooked_step)
+        monkeypatch.setattr(EngineCore, "_collect", counted_collect)
 
 
 def _sigterm():
@@ -426,6 +430,58 @@ def test_a_kill_loses_at_most_the_last_interval_and_a_changed_record_starts_afre
         assert got[rid]["metrics"]["resumed_tokens"] == k, rid
     assert hook.sampled < sum(len(got[r]["token_ids"]) for r in carried) + 30
     assert not part.exists() and not part.with_name(part.name + ".tmp").exists()
+
+
+class _Counts:
+    """Counts the tokenizer's encodes and ``EngineCore.validate`` / ``validate_resume`` calls of
+    the engines that run the model."""
+
+    def __init__(self, monkeypatch):
+        from jaxinfer.tokenizers.sentencepiece_model import SentencePieceTokenizer  # stories260K
+
+        self.calls = {"encode": 0, "validate": 0, "validate_resume": 0}
+        for cls, name in (
+            (SentencePieceTokenizer, "encode"),
+            (EngineCore, "validate"),
+            (EngineCore, "validate_resume"),
+        ):
+            orig = getattr(cls, name)
+
+            def counted(obj, *a, _orig=orig, _name=name, **kw):
+                if not isinstance(obj, EngineCore) or isinstance(obj.runner, ModelRunner):
+                    self.calls[_name] += 1
+                return _orig(obj, *a, **kw)
+
+            monkeypatch.setattr(cls, name, counted)
+
+
+def test_generate_encodes_and_validates_each_record_once(tmp_path, capsys, monkeypatch):
+    """``jaxinfer generate`` runs each record through ``EngineLoop.process`` once (its text
+    encoded once, each of its completions validated once) and checks the resume states alone
+    (``EngineLoop.with_resume``), on a fresh run and on a resumed one; nothing is checked again
+    on the way to the engine."""
+    sampled = {"temperature": 0.8, "max_tokens": 12, "ignore_eos": True}
+    records = [
+        {"id": "a", "prompt": PROMPT, "seed": 1, **sampled},
+        {"id": "b", "prompt": "The sun", "n": 2, **sampled},
+        {"id": "c", "prompt_token_ids": [1, 400, 500], **sampled},
+    ]
+    prompts, out = _write(tmp_path / "p.jsonl", records), tmp_path / "out.jsonl"
+    with monkeypatch.context() as m:
+        _Hook(m, {4: _sigterm})
+        counts = _Counts(m)
+        rc, summary, err = _main(prompts, out, capsys)
+    assert rc == 143 and not out.read_text(), err  # stopped with every record in flight
+    # 2 text prompts; 4 completions, each validated once and its fresh state (a seed) checked
+    assert counts.calls == {"encode": 2, "validate": 4, "validate_resume": 4}
+    with monkeypatch.context() as m:
+        counts = _Counts(m)
+        rc, summary, err = _main(prompts, out, capsys)
+    assert rc == 0 and summary["resumed"] == 3, err
+    assert counts.calls == {"encode": 2, "validate": 4, "validate_resume": 4}
+    got = _by_id(out)
+    assert [len(c["token_ids"]) for c in got["b"]["outputs"]] == [12, 12]
+    assert len(got["a"]["token_ids"]) == len(got["c"]["token_ids"]) == 12
 
 
 def test_checkpoint_interval_must_be_seconds(tmp_path, capsys):

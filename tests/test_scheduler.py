@@ -1,4 +1,4 @@
-"""The host scheduler and page allocator alone, on a tiny pool (no model, no device).
+"""The host scheduler and page pool alone, on a tiny pool (no model, no device).
 
 The expectations are the README's and vLLM's rules written out by hand: the newest running
 sequence is preempted when pages run out (its pages freed, back to the front of the waiting
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
-from jaxinfer.models.kv_cache import OutOfPagesError, PageAllocator
+from jaxinfer.engine.kv_manager import KVCacheManager
+from jaxinfer.engine.page_pool import OutOfPagesError, PagePool
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import SeqStatus, Sequence
 from jaxinfer.sampling.sampler import SamplingParams
 
 Z = 4  # tokens per page
@@ -32,8 +34,8 @@ def _sampled(sched, tok: int = 7) -> None:
 
 
 def test_newest_running_sequence_is_preempted():
-    alloc = PageAllocator(1 + 6)  # six usable pages
-    s = Scheduler(alloc, Z, max_num_seqs=8, max_num_batched_tokens=64)
+    kv = KVCacheManager(1 + 6, Z)  # six usable pages
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     a, b, c = _seq("a", 4), _seq("b", 4), _seq("c", 4)
     for q in (a, b, c):
         s.add(q)
@@ -44,21 +46,21 @@ def test_newest_running_sequence_is_preempted():
         out = s.schedule()
         assert [r.seq for r in out.decode] == [a, b, c] and not out.preempted
         _sampled(out)
-    assert alloc.num_free == 0 and all(len(q.pages) == 2 for q in (a, b, c))
+    assert kv.num_free_pages == 0 and all(len(q.pages) == 2 for q in (a, b, c))
     out = s.schedule()  # token 9 needs a third page each: none is free
     assert out.preempted == [c]  # the newest, never the oldest
     assert [r.seq for r in out.decode] == [a, b]
     assert c.status is SeqStatus.WAITING and s.waiting[0] is c and s.running == [a, b]
     assert c.pages == [] and c.num_computed == 0 and c.num_preemptions == 1
     assert s.num_preemptions == 1
-    assert sorted(a.pages + b.pages) == list(range(1, 7)) and alloc.num_free == 0
+    assert sorted(a.pages + b.pages) == list(range(1, 7)) and kv.num_free_pages == 0
 
 
 def test_a_sequence_that_is_newest_preempts_itself():
     """Sequences already scheduled in this step are never victims: the newest one that needs a
     page, with no one newer to preempt, preempts itself."""
-    alloc = PageAllocator(1 + 5)
-    s = Scheduler(alloc, Z, max_num_seqs=8, max_num_batched_tokens=64)
+    kv = KVCacheManager(1 + 5, Z)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     a, b = _seq("a", 6), _seq("b", 4)
     s.add(a)
     s.add(b)
@@ -67,15 +69,15 @@ def test_a_sequence_that_is_newest_preempts_itself():
     _sampled(out)
     for _ in range(4):  # a reaches 10 tokens (3 pages), b 8 (2 pages): the pool is full
         _sampled(s.schedule())
-    assert alloc.num_free == 0
+    assert kv.num_free_pages == 0
     out = s.schedule()  # a's 11th token fits; b's 9th needs a page: b goes, a keeps running
     assert out.preempted == [b] and [r.seq for r in out.decode] == [a]
-    assert s.waiting[0] is b and alloc.num_free == 2
+    assert s.waiting[0] is b and kv.num_free_pages == 2
 
 
 def test_admission_keeps_a_page_per_running_sequence_and_prefill_is_chunked():
-    alloc = PageAllocator(1 + 6)
-    s = Scheduler(alloc, Z, max_num_seqs=8, max_num_batched_tokens=6)
+    kv = KVCacheManager(1 + 6, Z)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=6)
     seqs = [_seq(str(i), 4) for i in range(4)]
     for q in seqs:
         s.add(q)
@@ -88,28 +90,28 @@ def test_admission_keeps_a_page_per_running_sequence_and_prefill_is_chunked():
     assert sum(r.num_new for r in out.rows) == 6
     _sampled(out)
     # 3 running, 3 pages left: the fourth needs 1 page + 3 in reserve, so it is not admitted
-    assert alloc.num_free == 3 - 1 and all(len(q.pages) for q in seqs[:3])
+    assert kv.num_free_pages == 3 - 1 and all(len(q.pages) for q in seqs[:3])
     out = s.schedule()
     assert seqs[3] not in [r.seq for r in out.rows] and seqs[3].status is SeqStatus.WAITING
 
 
 def test_page_refcounts():
-    alloc = PageAllocator(4)
-    assert alloc.num_free == 3
-    pages = alloc.allocate(3)  # exactly all free pages
-    assert sorted(pages) == [1, 2, 3] and alloc.num_free == 0  # page 0 is never handed out
+    pool = PagePool(4)
+    assert pool.num_free == 3
+    pages = pool.allocate(3)  # exactly all free pages
+    assert sorted(pages) == [1, 2, 3] and pool.num_free == 0  # page 0 is never handed out
     with pytest.raises(OutOfPagesError):
-        alloc.allocate(1)
-    alloc.share([pages[0]])  # a second owner
-    alloc.free([pages[0]])
-    assert alloc.num_free == 0  # still held by the other owner
-    alloc.free([pages[0], pages[1]])
-    assert alloc.num_free == 2 and alloc.refcounts[pages[0]] == 0
+        pool.allocate(1)
+    pool.acquire([pages[0]])  # a second owner
+    pool.free([pages[0]])
+    assert pool.num_free == 0  # still held by the other owner
+    pool.free([pages[0], pages[1]])
+    assert pool.num_free == 2 and pool.refcounts[pages[0]] == 0
     with pytest.raises(ValueError, match="not allocated"):
-        alloc.free([pages[1]])
+        pool.free([pages[1]])
     with pytest.raises(ValueError, match="not allocated"):
-        alloc.free([0])
-    assert alloc.allocate(1) == [pages[1]]  # freed last, reused first
+        pool.free([0])
+    assert pool.allocate(1) == [pages[1]]  # freed last, reused first
     with pytest.raises(OutOfPagesError):
-        alloc.allocate(2)
-    assert alloc.num_free == 1  # a failed allocation takes nothing
+        pool.allocate(2)
+    assert pool.num_free == 1  # a failed allocation takes nothing

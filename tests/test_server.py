@@ -261,6 +261,54 @@ def test_logprobs_seed_stop_and_n_as_llm_generate(server):
     )  # each prompt once, not n times
 
 
+def test_streamed_echo_logprobs_and_usage_count_tokens_not_characters(server):
+    """A stream with ``echo``: the generated tokens' ``text_offset`` continue after the echoed
+    prompt (as the non-streamed answer's), and continuous usage counts generated tokens from
+    the first (the prompt's characters once stood in for both)."""
+    c = server.client
+    kw = dict(model=MODEL, prompt="Tom and his dog", max_tokens=6, temperature=0, logprobs=1)
+    whole = c.completions.create(echo=True, **kw).choices[0].logprobs
+    chunks = list(
+        c.completions.create(
+            echo=True,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            **kw,
+        )
+    )
+    offsets = [o for x in chunks if x.choices for o in x.choices[0].logprobs.text_offset]
+    assert offsets == whole.text_offset
+    counts = [x.usage.completion_tokens for x in chunks if x.choices]
+    # the echo first (no token yet), then the tokens so far (a backlog is merged: gaps allowed)
+    assert counts[0] == 0 and counts[1:] == sorted(set(counts[1:])) and counts[-1] == 6, counts
+
+
+def test_a_request_is_encoded_and_validated_once(server, monkeypatch):
+    """Two prompts with n = 2: each prompt encoded once, each of the 4 completions validated
+    once (``EngineLoop.process``), nothing checked again on the way to the engine."""
+    from jaxinfer.engine.core import EngineCore
+
+    calls = {"encode": 0, "validate": 0}
+    tok = server.llm.tokenizer
+    encode, validate = tok.encode, EngineCore.validate
+
+    def counting_encode(*a, **kw):
+        calls["encode"] += 1
+        return encode(*a, **kw)
+
+    def counting_validate(self, *a, **kw):
+        calls["validate"] += 1
+        return validate(self, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", counting_encode)
+    monkeypatch.setattr(EngineCore, "validate", counting_validate)
+    r = server.client.completions.create(
+        model=MODEL, prompt=["The sun was", "Sam"], n=2, max_tokens=3, temperature=0
+    )
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert calls == {"encode": 2, "validate": 4}
+
+
 def test_chat_renders_the_template(server, monkeypatch):
     llm = server.llm
     monkeypatch.setattr(llm.tokenizer, "chat_template", TEMPLATE)
@@ -377,7 +425,7 @@ def test_64_concurrent_streams_equal_requests_alone_and_bad_ones_get_their_error
 def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypatch):
     eng = server.llm.engine
     _wait_idle(server)
-    free = eng.allocator.num_free
+    free = eng.kv_manager.num_free_pages
     aborted_at = []  # engine steps when the server aborted the request
     real_abort = server.state.engine.abort
 
@@ -386,15 +434,15 @@ def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypa
         real_abort(ids)
 
     applied = []  # (engine steps, free pages) when the engine thread applied the abort
-    real_apply = server.state.engine._abort_locked
+    real_apply = server.state.engine._apply_aborts
 
     def apply(ids):
         real_apply(ids)
         if ids:
-            applied.append((eng.num_steps, eng.allocator.num_free))
+            applied.append((eng.num_steps, eng.kv_manager.num_free_pages))
 
     monkeypatch.setattr(server.state.engine, "abort", abort)
-    monkeypatch.setattr(server.state.engine, "_abort_locked", apply)
+    monkeypatch.setattr(server.state.engine, "_apply_aborts", apply)
     body = {
         "model": MODEL,
         "prompt": "Once upon a time",
@@ -407,11 +455,11 @@ def test_client_killed_mid_stream_frees_its_pages_within_a_step(server, monkeypa
         with client.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]  # a few tokens: the request runs
-            assert eng.allocator.num_free < free
+            assert eng.kv_manager.num_free_pages < free
             steps = eng.num_steps
     # the response and its connection are closed: the request is aborted at the next step
     deadline = time.monotonic() + 10
-    while eng.allocator.num_free != free or eng.has_unfinished():
+    while eng.kv_manager.num_free_pages != free or eng.has_unfinished():
         assert time.monotonic() < deadline, "pages not freed"
         time.sleep(0.005)
     assert len(aborted_at) == 1 and len(applied) == 1 and got
@@ -576,16 +624,16 @@ def test_an_engine_failure_is_a_500_for_that_request_alone(server, monkeypatch):
     llm = server.llm
     eng = llm.engine
     marker = 5  # prompts with this token fail on the (simulated) device
-    real = eng._forward
+    real = eng.runner.run
 
-    def faulty(params, kv, batch, *args, **kw):
-        if marker in np.asarray(batch.tokens):
-            for leaf in jax.tree_util.tree_leaves(kv):
+    def faulty(inputs, prev=None):
+        if marker in np.asarray(inputs.batch.tokens):
+            for leaf in jax.tree_util.tree_leaves(eng.runner.kv):
                 leaf.delete()
             raise RuntimeError("INTERNAL: simulated device fault")
-        return real(params, kv, batch, *args, **kw)
+        return real(inputs, prev)
 
-    monkeypatch.setattr(eng, "_forward", faulty)
+    monkeypatch.setattr(eng.runner, "run", faulty)
     ok = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
 
     async def main():
@@ -603,7 +651,7 @@ def test_an_engine_failure_is_a_500_for_that_request_alone(server, monkeypatch):
     assert bad.status_code == 500, bad.text
     assert "simulated device fault" in bad.json()["error"]["message"]
     assert bad.json()["error"]["type"] == "InternalServerError"
-    monkeypatch.setattr(eng, "_forward", real)
+    monkeypatch.setattr(eng.runner, "run", real)
     assert (
         good.json()["choices"][0]["text"]
         == _alone(llm, "Once upon a time", max_tokens=12, temperature=0).text
@@ -666,10 +714,9 @@ def test_metrics_parse_and_count_the_work_done(server):
     assert after["jaxinfer:num_requests_running"] == 0
     assert after["jaxinfer:num_requests_waiting"] == 0
     eng = server.llm.engine
-    assert after["jaxinfer:num_kv_pages_total"] == eng.allocator.num_pages - 1
-    assert (
-        after["jaxinfer:num_kv_pages_used"] == eng.allocator.num_pages - 1 - eng.allocator.num_free
-    )
+    kv = eng.kv_manager
+    assert after["jaxinfer:num_kv_pages_total"] == kv.num_pages - 1
+    assert after["jaxinfer:num_kv_pages_used"] == kv.num_pages - 1 - kv.num_free_pages
     assert 0 <= after["jaxinfer:prefix_cache_hit_rate"] <= 1
     assert after["jaxinfer:num_compilations"] == len(eng.compile_keys) >= 2
 

@@ -12,7 +12,8 @@ import pytest
 from conftest import engine_config
 from scipy import stats
 
-from jaxinfer.engine.core import Engine
+from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import init_random, param_shapes, params_from_flat
 from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors, processed_logits
@@ -25,8 +26,8 @@ from jaxinfer.speculative.drafters import (
     save_heads,
     truncated_draft,
 )
-from jaxinfer.speculative.engine import SpecEngine
 from jaxinfer.speculative.rejection import rejection_sample
+from jaxinfer.speculative.strategy import SpeculativeStrategy
 
 # ------------------------------------------------------------------ the rule on synthetic p / q
 
@@ -233,6 +234,16 @@ def _ecfg(max_num_seqs=64, max_model_len=32, **kw):
     return engine_config(cfg, **{**sizes, **kw})
 
 
+def _engine(cfg, params, tokenizer, ecfg):
+    return EngineCore(ModelRunner(cfg, params, ecfg), tokenizer)
+
+
+def _spec_engine(cfg, params, tokenizer, ecfg, spec, **drafter):
+    """An engine core over a fresh runner whose steps are ``spec``'s speculative rounds."""
+    runner = ModelRunner(cfg, params, ecfg)
+    return EngineCore(runner, tokenizer, speculative=SpeculativeStrategy(runner, spec, **drafter))
+
+
 def _run(engine, prompts, params):
     for i, (p, sp) in enumerate(zip(prompts, params, strict=False)):
         engine.add_request(str(i), p, sp)
@@ -269,7 +280,7 @@ def test_end_to_end_sampling_distribution_with_a_different_draft_model():
     # prefill round and the first verify round then have the same shapes, and the compiled
     # rounds (~8 s each) are 2 or 3 instead of one per power-of-two row count on the way up.
     ecfg = _ecfg(max_num_seqs=n, max_prefill_seqs=n, max_num_batched_tokens=n * len(prompt))
-    eng = SpecEngine(
+    eng = _spec_engine(
         cfg,
         params,
         _IdTokenizer(),
@@ -329,7 +340,7 @@ def _tiny_greedy_case():
     prompts[2] = [7, 8, 9, 7, 8, 9, 7, 8]
     params_rows = [SamplingParams(temperature=0.0, max_tokens=10 + 2 * i) for i in range(4)]
     ecfg = _ecfg(max_num_seqs=4)
-    ref = _run(Engine(cfg, params, _IdTokenizer(), ecfg), prompts, params_rows)
+    ref = _run(_engine(cfg, params, _IdTokenizer(), ecfg), prompts, params_rows)
     return cfg, params, prompts, params_rows, ecfg, [o.token_ids for o in ref]
 
 
@@ -337,7 +348,7 @@ def _tiny_greedy_case():
 def test_greedy_speculative_equals_greedy_tiny_random(method):
     cfg, params, prompts, params_rows, ecfg, ref = _tiny_greedy_case()
     m, kw = _spec_kwargs(method, cfg, params)
-    eng = SpecEngine(cfg, params, _IdTokenizer(), ecfg, SpecConfig(m, 3), **kw)
+    eng = _spec_engine(cfg, params, _IdTokenizer(), ecfg, SpecConfig(m, 3), **kw)
     got = _run(eng, prompts, params_rows)
     assert [o.token_ids for o in got] == ref
     alone = _run(eng, [prompts[1]], [params_rows[1]])[0]
@@ -392,7 +403,7 @@ def test_greedy_speculative_equals_greedy_stories(stories, method):
     llm, prompts, greedy, mixed, ref = stories
     base = llm.engines[0]
     m, kw = _spec_kwargs(method, base.cfg, base.params)
-    eng = SpecEngine(base.cfg, base.params, llm.tokenizer, base.ecfg, SpecConfig(m, 4), **kw)
+    eng = _spec_engine(base.cfg, base.params, llm.tokenizer, base.ecfg, SpecConfig(m, 4), **kw)
     got = _run(eng, prompts, mixed)
     for i in (0, 1, 3, 5):  # greedy rows (one with penalties and min_tokens) inside the mix
         assert got[i].token_ids == ref[i].token_ids, (method, i)
@@ -444,7 +455,7 @@ def test_ngram_penalties_count_the_drafts_accepted_within_a_round():
         temperature=0.0, max_tokens=10, presence_penalty=0.5, frequency_penalty=0.25
     )
     want = [0, *range(1, 10)]  # 0 (last prompt token, unpenalised), then each next t + 1
-    eng = SpecEngine(cfg, params, _IdTokenizer(), _ecfg(max_num_seqs=2), SpecConfig("ngram", 4))
+    eng = _spec_engine(cfg, params, _IdTokenizer(), _ecfg(max_num_seqs=2), SpecConfig("ngram", 4))
     got = _run(eng, [prompt], [sp])[0]
     assert got.token_ids == want
     # the rounds really accepted drafts mid-round: [0] rejected, then 2..5 and 7, 8 accepted (6/7)
@@ -480,4 +491,31 @@ def test_bad_configs():
         SpecConfig("ngram", 0)
     cfg, params = _tiny(16, 0)
     with pytest.raises(ValueError, match="draft model"):
-        SpecEngine(cfg, params, _IdTokenizer(), _ecfg(8), SpecConfig("draft-model", 2))
+        _spec_engine(cfg, params, _IdTokenizer(), _ecfg(8), SpecConfig("draft-model", 2))
+
+
+def test_what_a_speculative_engine_refuses():
+    """A speculative engine's capabilities: no prompt logprobs (its rounds make logits at the
+    verify positions only: the request is refused, naming why), no async scheduling, no
+    precompiled step shapes (its steps are rounds) and no batch invariance."""
+    from jaxinfer.compile.warmup import precompile
+    from jaxinfer.errors import RequestError
+
+    cfg, params = _tiny(16, 0)
+    eng = _spec_engine(cfg, params, _IdTokenizer(), _ecfg(8), SpecConfig("ngram", 2))
+    caps = eng.capabilities
+    assert not (caps.prompt_logprobs or caps.async_scheduling or caps.precompile)
+    assert not eng.async_scheduling
+    with pytest.raises(RequestError, match="prompt_logprobs is not supported with speculative"):
+        eng.validate([1, 2, 3], SamplingParams(prompt_logprobs=1))
+    eng.validate([1, 2, 3], SamplingParams(logprobs=1))  # sampled-token logprobs are fine
+    with pytest.raises(ValueError, match="speculative engine"):
+        precompile(eng, [("forward", (4, 0, 0, 4))])
+    with pytest.raises(ValueError, match="batch_invariant=True is not supported with spec"):
+        _spec_engine(
+            cfg,
+            params,
+            _IdTokenizer(),
+            dataclasses.replace(_ecfg(8), batch_invariant=True, attn_impl="xla"),
+            SpecConfig("ngram", 2),
+        )

@@ -62,7 +62,7 @@ def _assert_references(llm, outs, refs):
 
 def _assert_idle(engine):
     assert not engine.has_unfinished()
-    assert engine.allocator.num_free == engine.ecfg.num_pages - 1  # page 0 is the null page
+    assert engine.kv_manager.num_free_pages == engine.ecfg.num_pages - 1  # page 0 is the null page
     assert not engine._requests
 
 
@@ -91,8 +91,8 @@ def _unvalidated(**fields) -> SamplingParams:
 def test_a_failing_step_fails_only_its_request(stories_llm, async_scheduling):
     llm = stories_llm
     eng = llm.engine
-    saved = eng._async
-    eng._async = async_scheduling
+    saved = eng.async_scheduling
+    eng.async_scheduling = async_scheduling
     try:
         refs = _reference_requests(llm.tokenizer)
         prompts = [ids for ids, _, _ in refs]
@@ -109,7 +109,7 @@ def test_a_failing_step_fails_only_its_request(stories_llm, async_scheduling):
         _assert_references(llm, llm.generate(prompts, params), refs)
         _assert_references(llm, llm.generate(prompts[:1], params[0]), refs[:1])
     finally:
-        eng._async = saved
+        eng.async_scheduling = saved
 
 
 def test_a_device_failure_that_consumed_the_pool_is_recovered(stories_llm, monkeypatch):
@@ -120,25 +120,25 @@ def test_a_device_failure_that_consumed_the_pool_is_recovered(stories_llm, monke
     marker = 5  # a token id that triggers the simulated device fault
     prompts = [ids for ids, _, _ in refs]
     assert all(marker not in ids for ids in prompts)
-    real = eng._forward
+    real = eng.runner.run
     calls = {"faults": 0}
 
-    def faulty(params, kv, batch, *args, **kw):
-        if marker in np.asarray(batch.tokens):
-            for leaf in __import__("jax").tree_util.tree_leaves(kv):
+    def faulty(inputs, prev=None):
+        if marker in np.asarray(inputs.batch.tokens):
+            for leaf in __import__("jax").tree_util.tree_leaves(eng.runner.kv):
                 leaf.delete()  # what a failed donated call leaves behind
             calls["faults"] += 1
             raise RuntimeError("INTERNAL: simulated device fault")
-        return real(params, kv, batch, *args, **kw)
+        return real(inputs, prev)
 
-    monkeypatch.setattr(eng, "_forward", faulty)
+    monkeypatch.setattr(eng.runner, "run", faulty)
     bad_prompt = [1, 400, marker, 401]
     outs = llm.generate(prompts + [bad_prompt], [sp for _, sp, _ in refs] + [refs[0][1]])
     _assert_references(llm, outs[:-1], refs)
     assert outs[-1].finish_reason == "error" and "simulated device fault" in outs[-1].error
     assert calls["faults"] == 2  # in the batch, then alone
     _assert_idle(eng)
-    monkeypatch.setattr(eng, "_forward", real)
+    monkeypatch.setattr(eng.runner, "run", real)
     _assert_references(llm, llm.generate(prompts, [sp for _, sp, _ in refs]), refs)
 
 

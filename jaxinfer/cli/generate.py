@@ -1,8 +1,9 @@
 """The run of ``jaxinfer generate`` once its output file is open (``cli.cmd_generate``).
 
-Encodes and checks the prompts, generates them with a progress bar, writes one record per prompt
-as it finishes, keeps the partial-state file, prints the JSON summary; also SIGTERM handled as
-Ctrl-C (``sigterm_as_interrupt``) and the exit statuses of a run.
+Encodes and checks each prompt once (``EngineLoop.process``), generates them with a progress
+bar, writes one record per prompt as it finishes, keeps the partial-state file, prints the JSON
+summary; also SIGTERM handled as Ctrl-C (``sigterm_as_interrupt``) and the exit statuses of a
+run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jaxinfer.cli.output_file import OutputFile, OutputWriteError
 from jaxinfer.cli.partial import Checkpointer
 from jaxinfer.cli.prompts_file import Job, plan
 from jaxinfer.compile.plan import start_job
-from jaxinfer.compile.while_loading import start_for_jobs
+from jaxinfer.engine.inputs import ProcessedRequest, Request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling.params import SamplingParams
 
@@ -69,12 +70,12 @@ def error_record(job: Job) -> dict:
     return {"id": job.id, "error": job.error, "finish_reason": "error"}
 
 
-def _encode(llm, job: Job) -> list[int] | None:
-    """Token ids of a job's prompt, checked against the engine; on failure sets ``job.error``."""
+def _process(llm, job: Job) -> ProcessedRequest | None:
+    """A job's request encoded and validated, once (``EngineLoop.process``); on failure sets
+    ``job.error``."""
     try:
-        ids, _ = llm.encode_prompt(job.prompt)
-        llm.engine.validate(ids, SamplingParams.from_dict(job.sampling))
-        return ids
+        params = SamplingParams.from_dict(job.sampling)
+        return llm.engine_loop.process(Request(job.id, job.prompt, params))
     except (JaxinferError, ValueError, TypeError, KeyError) as e:
         job.error = f"line {job.line}: {e}"
         return None
@@ -82,29 +83,25 @@ def _encode(llm, job: Job) -> list[int] | None:
 
 def _generate(
     llm,
-    run: list[tuple[Job, list[int]]],
+    run: list[ProcessedRequest],
     out: OutputFile,
     stats: dict,
     bar,
     ckpt: Checkpointer,
-    warm=None,
 ) -> None:
-    """Generates ``run`` (jobs with their prompt token ids), continuing the requests ``ckpt``
-    holds partial outputs of; writes each record (and counts it in ``stats``) as its prompt
-    finishes, and gives ``ckpt`` every output. ``warm``: the first step's compile started
-    before loading (``compile_while_loading``), used when it fits. Raises OutputWriteError."""
-    prompts = [{"prompt_token_ids": ids} for _, ids in run]
-    params = [SamplingParams.from_dict(j.sampling) for j, _ in run]
-    resume = ckpt.plan(llm, [(j.id, ids, p) for (j, ids), p in zip(run, params, strict=True)])
-    if warm is not None:
-        warm.adopt(llm, [ids for _, ids in run], params, resume)
-    start_job(llm, [ids for _, ids in run], params, resume, bar, background=True)  # k/n, ahead
+    """Generates ``run`` (the jobs' requests, processed), continuing the requests ``ckpt`` holds
+    partial outputs of; writes each record (and counts it in ``stats``) as its prompt finishes,
+    and gives ``ckpt`` every output. Raises OutputWriteError."""
+    run = ckpt.plan(llm, run)  # with their resume states (checked alone, not the requests)
+    resume = [[st for _, st in r.children] for r in run]
+    resume = [states[0] if len(states) == 1 else states for states in resume]
+    ids, params = [r.prompt_ids for r in run], [r.params for r in run]
+    start_job(llm, ids, params, resume, bar, background=True)  # k/n
     stats["resumed"] = ckpt.resumed
-    t0 = time.perf_counter()
-    for res in llm.generate_stream(
-        prompts, params, request_ids=[j.id for j, _ in run], resume=resume
-    ):
+    for res in llm.engine_loop.stream(run):  # processed: not validated again
         check_terminated()
+        if bar is not None:
+            bar.add_output(res)  # tokens so far and tok/s on the line, not only finished prompts
         if not res.finished:
             ckpt.update(res)
             continue
@@ -119,8 +116,6 @@ def _generate(
             stats["completion_tokens"] += res.metrics.completion_tokens
         if bar is not None:
             bar.update(1)
-            rate = stats["completion_tokens"] / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix_str(f"{rate:.1f} tok/s")
 
 
 def run_jobs(
@@ -141,15 +136,14 @@ def run_jobs(
         say(f"{out_path}: cut away a partial last line (interrupted write)")
     run, errors, skipped = plan(jobs, done.ids)
 
-    warm = start_for_jobs(args, run) if run else None  # compiles the first step meanwhile
     llm = load_llm(args) if run else None
-    ids_run = []
+    requests = []
     for job in run:
-        ids = _encode(llm, job)
-        if ids is None:
+        request = _process(llm, job)
+        if request is None:
             errors.append(job)
         else:
-            ids_run.append((job, ids))
+            requests.append(request)
     if skipped:
         say(f"{skipped} prompt(s) already in {out_path}; skipping them")
 
@@ -164,14 +158,14 @@ def run_jobs(
         "resumed_tokens": 0,  # their output tokens carried over (not computed by this run)
     }
     bar = None
-    if ids_run and not (args.no_progress or quiet):
+    if requests and not (args.no_progress or quiet):
         from tqdm import tqdm
 
         from jaxinfer.compile.progress import CompileProgressBar
 
         bar = CompileProgressBar(
             tqdm(  # "compiling (k)" on the line while a step compiles
-                total=len(ids_run),
+                total=len(requests),
                 desc="prompts",
                 unit="prompt",
                 file=sys.stderr,
@@ -187,8 +181,8 @@ def run_jobs(
         for job in errors:
             out.write(error_record(job))
             stats["errors"] += 1
-        if ids_run:
-            _generate(llm, ids_run, out, stats, bar, ckpt, warm)
+        if requests:
+            _generate(llm, requests, out, stats, bar, ckpt)
         completed = True
     except KeyboardInterrupt as e:
         interrupted = interrupt_status(e)

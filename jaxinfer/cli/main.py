@@ -30,8 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxinfer.args import EngineArgs
-
-# cli_generate imports job_plan early: it copies Engine's methods (job_plan).
 from jaxinfer.cli.generate import EXIT_INTERRUPTED, EXIT_WRITE_FAILED, Terminated, run_jobs
 from jaxinfer.cli.generate import check_terminated as _check_terminated  # noqa: F401 - tests
 from jaxinfer.cli.generate import error_record as _error_record  # noqa: F401 - tests

@@ -4,7 +4,7 @@
 finished, its id, a fingerprint of its record (prompt token ids + sampling params), the seed it
 samples with and its output so far (token ids, and logprobs when the record asks for them). A
 rerun of the same command skips the ids already in ``--out`` as before and continues each
-in-flight request from its partial output (``Engine.add_request(resume=...)``); since sampling
+in-flight request from its partial output (``EngineCore.add_request(resume=...)``); since sampling
 keys depend only on (seed, output index), the records equal an uninterrupted run's (timing
 metrics aside: ``RequestMetrics.resumed_tokens``).
 
@@ -23,7 +23,7 @@ state
 - Trust, not faith: a file that cannot be read, is from another format version or was written
   with other model settings (`run_settings`) is ignored with a warning; an entry whose
   fingerprint does not match its record (the prompts file changed) or that the engine refuses
-  (``Engine.validate``) starts that request afresh, with a warning. Resuming is then only
+  (``EngineLoop.with_resume``) starts that request afresh, with a warning. Resuming is then only
   slower, never different from a from-scratch rerun.
 """
 
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxinfer.args import OUTPUT_SETTINGS, option_of
-from jaxinfer.engine.parallel_sampling import child_params
+from jaxinfer.engine.inputs import ProcessedRequest
 from jaxinfer.engine.resume import ResumeState
 from jaxinfer.errors import JaxinferError
 from jaxinfer.options import ChatTemplate, PathArg, is_template_text
@@ -295,20 +295,19 @@ class Checkpointer:
         self._failed = False
         self._planned = False  # until `plan` has run, the file on disk is the one to keep
 
-    def plan(
-        self, llm, run: list[tuple[str, list[int], SamplingParams]]
-    ) -> list[ResumeState | list[ResumeState]]:
-        """The resume state of each request of ``run`` (id, prompt ids, params), in order (for a
-        request with n > 1 a list of n, one per completion): the stored one when its fingerprint
-        matches and ``llm``'s engine accepts it, else a fresh start with the seed drawn now (or
-        the stored seeds of an entry whose tokens are refused). Writes them at once (seeds drawn
-        now are kept, even through a SIGKILL)."""
-        children = [child_params(p) for _, _, p in run]
-        flat = iter(llm.draw_seeds([c for cs in children for c in cs]))
+    def plan(self, llm, requests: list[ProcessedRequest]) -> list[ProcessedRequest]:
+        """``requests`` (processed: encoded and validated, ``EngineLoop.process``) with the resume
+        state of each completion (``EngineLoop.with_resume``, which checks the states alone): the
+        stored ones when the fingerprint matches and ``llm``'s engine accepts them, else a fresh
+        start with the seed drawn now (or the stored seeds of an entry whose tokens are
+        refused). Writes them at once (seeds drawn now are kept, even through a SIGKILL)."""
+        loop = llm.engine_loop
+        flat = iter(llm.draw_seeds([csp for r in requests for csp, _ in r.children]))
         out, stale, refused = [], [], []
-        for (rid, ids, params), cps in zip(run, children, strict=True):
-            fp = fingerprint(ids, params)
-            states = [ResumeState(next(flat)) for _ in cps]
+        for req in requests:
+            rid, fp = req.request_id, fingerprint(req.prompt_ids, req.params)
+            states = [ResumeState(next(flat)) for _ in req.children]
+            resumed = None
             if rid in self.stored:
                 sfp, stored = self.stored[rid]
                 stored = [stored] if isinstance(stored, ResumeState) else list(stored)
@@ -316,18 +315,15 @@ class Checkpointer:
                     stale.append(repr(rid))
                 else:
                     try:
-                        if len(stored) != len(cps):
-                            raise JaxinferError(f"{len(stored)} completion states for n={params.n}")
-                        for cp, st in zip(cps, stored, strict=True):
-                            llm.engine.validate(ids, cp, st)
+                        resumed = loop.with_resume(req, stored)
                         states = stored
                         self.resumed += any(st.token_ids for st in stored)
                     except JaxinferError as e:
                         refused.append(f"{rid!r} ({e})")
-                        if len(stored) == len(cps):
+                        if len(stored) == req.n:
                             states = [ResumeState(st.seed) for st in stored]
             self.states[rid] = (fp, states)
-            out.append(states[0] if params.n == 1 else list(states))
+            out.append(resumed or loop.with_resume(req, states))
         self._planned = True
         for what, items in (
             ("its record changed (prompt or sampling fields)", stale),

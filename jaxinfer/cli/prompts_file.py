@@ -33,6 +33,7 @@ import math
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from jaxinfer.engine.inputs import unicode_problem
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling.params import SamplingParams
 
@@ -227,20 +228,6 @@ def _got(v: Any) -> str:
     return shown if v is None or isinstance(v, list | dict) else f"{_type(v)} {shown}"
 
 
-def _unicode_problem(s: str, bad_utf8: bool) -> str | None:
-    """Why `s` cannot be written as UTF-8 (a lone surrogate), if it cannot."""
-    if s.isascii():
-        return None
-    try:
-        s.encode("utf-8")
-        return None
-    except UnicodeEncodeError as e:
-        c = ord(s[e.start])
-        if bad_utf8 and 0xDC80 <= c <= 0xDCFF:
-            return f"holds byte 0x{c - 0xDC00:02x}, which is not UTF-8"
-        return f"holds a lone surrogate \\u{c:04x} (half of a UTF-16 pair), not valid Unicode"
-
-
 def _at(path: str, key: Any) -> str:
     if isinstance(key, int):
         return f"{path}[{key}]"
@@ -256,7 +243,7 @@ def _value_problem(value: Any, path: str, bad_utf8: bool) -> str | None:
     while stack:
         v, p, depth = stack.pop()
         if isinstance(v, str):
-            why = _unicode_problem(v, bad_utf8)
+            why = unicode_problem(v, bad_utf8)
             if why:
                 return f"{p or 'value'} {why}"
         elif isinstance(v, float) and not math.isfinite(v):
@@ -268,7 +255,7 @@ def _value_problem(value: Any, path: str, bad_utf8: bool) -> str | None:
                 return f"{p or 'value'} is nested deeper than {MAX_DEPTH} levels"
             if isinstance(v, dict):
                 for k in v:
-                    why = _unicode_problem(k, bad_utf8)
+                    why = unicode_problem(k, bad_utf8)
                     if why:
                         return f"a key of {p or 'the record'} {why}"
                 if getattr(v, "repeated", ()):
@@ -283,7 +270,7 @@ def _value_problem(value: Any, path: str, bad_utf8: bool) -> str | None:
 def _id_of(rid: Any, bad_utf8: bool) -> tuple[str | None, str | None]:
     """(own id, None) or (None, why the id cannot be used)."""
     if isinstance(rid, str):
-        why = _unicode_problem(rid, bad_utf8)
+        why = unicode_problem(rid, bad_utf8)
         return (None, f"id {why}") if why else (rid, None)
     if isinstance(rid, int) and not isinstance(rid, bool):
         return str(rid), None

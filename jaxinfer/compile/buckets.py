@@ -8,7 +8,9 @@ larger in every dimension (so the step costs at most about twice its exact shape
 ``REUSE_STEPS`` steps have wanted the exact key (a shape that persists is worth its compile),
 ``BackgroundCompiler`` compiles it on a background thread while the padded steps go on, and the
 engine switches to it when it is ready: no step waits for that compile (one-device engines; a
-sharded one compiles it inline). Padding changes no row's values: padded rows and tokens write
+sharded one compiles it inline). ``BucketReuse`` is that policy, which ``EngineCore`` asks once
+per dispatch; both work through the runner's public compile API (``ModelRunner.compile_keys``,
+``compile``). Padding changes no row's values: padded rows and tokens write
 only to the null page and are never sampled. Outputs of ``EngineConfig.batch_invariant`` engines
 are bitwise the same either way; otherwise a row's floating point may differ in the last bits
 with the batch's shape, as it does between any two batch compositions.
@@ -16,14 +18,10 @@ with the batch's shape, as it does between any two batch compositions.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import jax
-import numpy as np
-
-from jaxinfer.engine.batch import Buckets, holds_within_one_bucket, next_pow2
+from jaxinfer.engine.batch import Buckets, holds_within_one_bucket, next_pow2, sample_rows
 
 REUSE_STEPS = 64
 """Steps that want an uncompiled key, padded to a compiled one, before that key is compiled. A
@@ -39,7 +37,8 @@ def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple) -> Buckets
 
     Args:
         need: the step's exact buckets.
-        compiled: ``Engine.compile_keys`` (``("forward", key)``, ``("sample", rows, *flags)``...).
+        compiled: compile keys (``ModelRunner.compile_keys``: ``("forward", key)``,
+            ``("sample", rows, *flags)``...).
         sample_flags: the step's ``sampling.sample_flags``, (logits controls, number of logprobs)
             or ``sampling.GREEDY_FLAGS``: the tail of the sampling key.
     """
@@ -60,75 +59,96 @@ def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple) -> Buckets
     return need if best is None else Buckets(*best[1])
 
 
-class BackgroundCompiler:
-    """Compiles an engine's step shapes (forward and its sampling variant) on one background
-    thread, ahead of time (``jit(...).lower(...).compile()`` fills jax's caches, so the first
-    dispatch of the shape then compiles nothing). One-device engines only: the KV pool is
-    lowered as shapes without shardings (it is donated step by step), as the dispatches see it.
+class BucketReuse:
+    """Chooses each step's buckets over a runner's compile keys (module docstring).
+
+    Args:
+        runner: the ``ModelRunner`` (or a stand-in with ``compile_keys``) whose keys are reused.
+        enabled: ``EngineConfig.reuse_compiled_buckets``; False: every step runs its exact buckets.
+        compiler: the ``BackgroundCompiler`` that compiles a persistent key, or None (such a key
+            then compiles inline, as any new shape).
+
+    Attributes:
+        wanted: uncompiled exact bucket tuple -> steps padded past it so far.
     """
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, runner, enabled: bool, compiler: BackgroundCompiler | None):
+        self.runner, self.enabled, self.compiler = runner, enabled, compiler
+        self.wanted: dict[tuple, int] = {}
+
+    def choose(self, need: Buckets, flags: tuple, exact: bool = False) -> Buckets:
+        """The buckets to run a step of exact buckets ``need`` and sampling flags ``flags``
+        (``sampling.sample_flags``) with: ``need`` when it is compiled, reuse is off or
+        ``exact`` (a step with prompt logprobs), else ``choose_buckets`` over the compiled keys
+        ready now. Once ``REUSE_STEPS`` steps have wanted ``need`` padded, starts compiling it in
+        the background (its keys count as compiled from then on) and pads meanwhile."""
+        keys = self.runner.compile_keys
+        usable = keys
+        if self.compiler is not None and self.compiler.pending:
+            keys.difference_update(self.compiler.poll())
+            usable = keys - self.compiler.pending  # counted, not ready yet
+        if ("forward", need.key) in usable or not self.enabled or exact:
+            return need
+        chosen = choose_buckets(need, usable, flags)
+        if chosen != need and self.wanted.get(need.key, 0) >= REUSE_STEPS:
+            if self.compiler is None or need.key in self.compiler.failed:
+                return need  # compiles inline, as any new shape
+            # Padded steps go on meanwhile; the keys count as compiled from now on.
+            keys.update(self.compiler.submit(need, flags, keys))
+        return chosen
+
+    def dispatching(self, need: Buckets, chosen: Buckets) -> None:
+        """Called as a step of exact buckets ``need`` is dispatched padded to ``chosen``: waits for
+        a background compile of ``chosen`` (not compile it twice), and counts a padded step
+        towards compiling ``need``."""
+        if self.compiler is not None:
+            self.compiler.wait_for(chosen.key)
+        if chosen != need:
+            self.wanted[need.key] = self.wanted.get(need.key, 0) + 1
+
+
+class BackgroundCompiler:
+    """Compiles a runner's step shapes (a forward key and its sampling variants) on one
+    background thread, ahead of time (``ModelRunner.compile``: ``jit(...).lower(...).compile()``
+    fills jax's caches, so the first dispatch of the shape then compiles nothing). One-device
+    runners only: the KV pool is lowered as shapes without shardings (it is donated step by
+    step), as the dispatches see it. Used from the engine's thread only.
+
+    Args:
+        runner: the ``ModelRunner`` (its ``compile``).
+        inline: compile at ``submit``, on the caller's thread (the job plan's stub runner, whose
+            compile does nothing: a submitted key is ready by the next step).
+    """
+
+    def __init__(self, runner, inline: bool = False):
+        self._runner = runner
+        self._inline = inline
         self._pool: ThreadPoolExecutor | None = None
-        self._futures: dict[tuple, tuple[tuple, Future]] = {}
+        self._futures: dict[tuple, tuple[list, Future]] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its compile failed (compiles inline then)
         self.compiled: list[tuple] = []  # keys compiled here, in order (observability, tests)
         self.pending: set = set()  # compile keys counted by the engine, compiling here still
-        # Keys submitted ahead of use (``submit_ahead``), not counted by the engine until a step
-        # dispatches them: bucket tuple -> its compile's future.
-        self._ahead: dict[tuple, Future] = {}
-        self._lock = threading.Lock()  # submit_ahead may run on another thread (job_plan)
         self.waited_s = 0.0  # seconds steps spent waiting for a compile here (``wait_for``)
 
-    def _compile_fn(self, key: tuple, sample_flags: list[tuple], after_first_step: bool = False):
-        """A function compiling forward bucket tuple ``key`` and its sampling variants of each
-        flags in ``sample_flags`` (``sampling.sample_flags``: (controls, num_logprobs) or
-        ``sampling.GREEDY_FLAGS``), with the engine's static arguments; with
-        ``after_first_step`` it first waits until the engine has read a step's tokens back (its
-        ``num_steps``), so it does not compete with the first step's own compile."""
-        from jaxinfer.compile.warmup import dummy_step_batch, sample_rows
-
-        e = self._engine
-        kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), e.kv)
-        batch = dummy_step_batch(key, e.ecfg.page_size)
-        static = dict(cfg=e.cfg, attn_impl=e.ecfg.attn_impl, batch_invariant=e.ecfg.batch_invariant)
-        b = sample_rows(key[0], key[2])
+    def _compile_fn(self, key: tuple, flags: tuple):
+        """A function compiling forward bucket tuple ``key`` and its sampling variant ``flags``
+        (``sampling.sample_flags``)."""
+        runner, b = self._runner, sample_rows(key[0], key[2])
 
         def compile_both():
-            from jaxinfer.engine.step import LogitsControls
-            from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams, SamplingTensors
-
-            while after_first_step and getattr(e, "num_steps", 1) == 0:
-                time.sleep(0.02)
-            lowered = e._forward.lower(e.params, kv, batch, e._no_prev, **static)
-            logits = jax.ShapeDtypeStruct(lowered.out_info[1].shape, lowered.out_info[1].dtype)
-            lowered.compile()
-            st = SamplingTensors.from_params(
-                [SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b, pad_to=b
-            )
-            v = e.cfg.vocab_size
-            for flags in sample_flags:
-                controls_on, num_lp = flags[:2]
-                controls = (
-                    None
-                    if not controls_on
-                    else LogitsControls(
-                        np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool)
-                    )
-                )
-                e._sample.lower(
-                    logits,
-                    st,
-                    controls,
-                    num_logprobs=num_lp,
-                    num_slots=e._num_slots,
-                    batch_invariant=e.ecfg.batch_invariant,
-                    greedy=tuple(flags) == GREEDY_FLAGS,
-                ).compile()
+            runner.compile(("forward", key))
+            runner.compile(("sample", b, *flags))
 
         return compile_both
 
     def _submit(self, fn) -> Future:
+        if self._inline:
+            fut = Future()
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - reported by poll, as a thread's would be
+                fut.set_exception(e)
+            return fut
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-compile")
         return self._pool.submit(fn)
@@ -137,53 +157,22 @@ class BackgroundCompiler:
         """Starts compiling ``need`` and its sampling variant (idempotent). Returns their compile
         keys not in ``compiled`` yet: the engine counts them now (so its compile count depends on
         its steps only, not on when the thread finishes) and ``pending`` holds them until done.
-        A key already submitted ahead (``submit_ahead``) is not compiled again: its compile's
-        future stands for this one.
         """
-        from jaxinfer.compile.warmup import sample_rows
-
-        with self._lock:
-            if need.key in self._futures or need.key in self.failed:
-                return []
-            b = sample_rows(need.decode_rows, need.prefill_rows)
-            fut = self._ahead.get(need.key)
-            if fut is None:
-                fut = self._submit(self._compile_fn(need.key, [sample_flags]))
-            keys = [
-                k
-                for k in (("forward", need.key), ("sample", b, *sample_flags))
-                if k not in compiled
-            ]
-            self._futures[need.key] = (keys, fut)
-            self.pending.update(keys)
-            return keys
-
-    def submit_ahead(self, keys: list[tuple], sample_flags: dict[int, list[tuple]]) -> None:
-        """Queues forward bucket tuples ``keys`` (in this order) for compiling, each with the
-        sampling variants ``sample_flags[B']`` of its sampled rows B' (default: the plain one,
-        (False, 0)).
-        Nothing is counted in the engine's ``compile_keys``: a step counts its key when it
-        dispatches it, as without this (so the steps chosen are the same), and waits for a key
-        still compiling here (``wait_for``) instead of compiling it a second time. The compiles
-        start once the engine's first step has been read back (the first token is not delayed
-        by them)."""
-        from jaxinfer.compile.warmup import sample_rows
-
-        for key in keys:
-            key = tuple(key)
-            b = sample_rows(key[0], key[2])
-            flags = list(dict.fromkeys(sample_flags.get(b) or [(False, 0)]))
-            with self._lock:
-                if key in self._ahead or key in self._futures or key in self.failed:
-                    continue
-                self._ahead[key] = self._submit(self._compile_fn(key, flags, True))
+        if need.key in self._futures or need.key in self.failed:
+            return []
+        b = sample_rows(need.decode_rows, need.prefill_rows)
+        keys = [
+            k for k in (("forward", need.key), ("sample", b, *sample_flags)) if k not in compiled
+        ]
+        self._futures[need.key] = (keys, self._submit(self._compile_fn(need.key, sample_flags)))
+        self.pending.update(keys)
+        return keys
 
     def wait_for(self, key: tuple) -> None:
-        """Blocks until a compile of forward bucket tuple ``key`` submitted here (either way)
-        has finished (a failed one: the dispatch then compiles it inline and meets the error);
-        returns at once when none is in progress."""
-        with self._lock:
-            fut = self._futures[key][1] if key in self._futures else self._ahead.get(key)
+        """Blocks until a compile of forward bucket tuple ``key`` submitted here has finished (a
+        failed one: the dispatch then compiles it inline and meets the error); returns at once
+        when none is in progress."""
+        fut = self._futures[key][1] if key in self._futures else None
         if fut is not None and not fut.done():
             t0 = time.perf_counter()
             fut.exception()
@@ -194,11 +183,9 @@ class BackgroundCompiler:
         a finished forward key goes to ``compiled``). Returns the keys of failed ones (they go
         to ``failed``; the engine forgets them and compiles them inline)."""
         failed = []
-        with self._lock:
-            done = [(key, keys, fut) for key, (keys, fut) in self._futures.items() if fut.done()]
-            for key, _, _ in done:
-                del self._futures[key]
+        done = [(key, keys, fut) for key, (keys, fut) in self._futures.items() if fut.done()]
         for key, keys, fut in done:
+            del self._futures[key]
             self.pending.difference_update(keys)
             exc = fut.exception()
             if exc is not None:
@@ -208,13 +195,7 @@ class BackgroundCompiler:
                 self.compiled.append(key)
         return failed
 
-    def busy(self) -> bool:
-        """Whether a compile is in progress."""
-        return bool(self._futures)
-
     def wait(self) -> None:
-        """Blocks until every submitted compile has finished (or failed), ahead ones included."""
-        with self._lock:
-            futs = [f for _, f in self._futures.values()] + list(self._ahead.values())
-        for fut in futs:
+        """Blocks until every submitted compile has finished (or failed)."""
+        for _, fut in list(self._futures.values()):
             fut.exception()

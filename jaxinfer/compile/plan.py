@@ -1,49 +1,45 @@
 """Predicting a whole job's compile keys before it runs (issue 21's cold start).
 
 A ``jaxinfer generate`` job knows its whole workload up front: every prompt's token ids and
-``max_tokens``. ``plan_keys`` runs that workload through the engine's own host-side step loop
-(``Engine._run_step``: the real ``Scheduler``, ``exact_buckets`` / ``build_step_batch``, bucket
-reuse's ``choose_buckets`` and ``REUSE_STEPS`` counting, async scheduling's collect-before-a-new-
-shape) with the device functions replaced by stubs that "sample" a token no request stops on, so
-each output runs to its ``max_tokens`` (or ``max_model_len``). The compile keys that loop records,
-in the order the real engine would count them (``Engine.compile_keys``), are the prediction: equal
-to a real run's when no output stops early (EOS, stop ids or strings), and a superset of the keys
-such a run needs up to the shapes its shorter tail skips.
+``max_tokens``. ``plan_job`` runs that workload through a real ``EngineCore`` (the real
+``Scheduler``, ``exact_buckets`` / ``build_step_batch``, bucket reuse's ``choose_buckets`` and
+``REUSE_STEPS`` counting, async scheduling's collect-before-a-new-shape) over a stub runner
+(``PlanRunner``: the ``ModelRunner`` API without a model) that counts each step's compile keys
+and "samples" a token no request stops on, so each output runs to its ``max_tokens`` (or
+``max_model_len``). The compile keys it records, in the order the real engine would count them
+(``ModelRunner.compile_keys``), are the prediction: equal to a real run's when no output stops
+early (EOS, stop ids or strings), and a superset of the keys such a run needs up to the shapes
+its shorter tail skips.
 
 What the prediction assumes: one engine (no data parallelism), no speculative decoding, no prompt
 logprobs (planned as without them), and the engine's configuration as given (``EngineConfig``:
 limits, pool size, prefix caching, bucket reuse, async scheduling). Background compiles that bucket
-reuse starts count when submitted, as in the engine; their finishing time does not change the key
-set (a padded step only ever uses a key already compiled).
+reuse starts count when submitted, as in the engine, and are ready by the next step (the stub's
+compiler runs inline); their finishing time does not change the key set (a padded step only ever
+uses a key already compiled).
 
-Uses (``start_job``): the progress line's "compiling (k/n)" (n = the number of predicted keys,
-``compile_progress``), and compiling the predicted forward keys ahead of use on bucket reuse's
-background thread (``BackgroundCompiler.submit_ahead``), in the order of first use, skipping the
-first (the first step compiles it inline meanwhile).
+Use (``start_job``): the progress line's "compiling (k/n)" (n = the number of predicted keys,
+``jaxinfer.compile.progress``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 from collections.abc import Sequence
 
 import numpy as np
 
+from jaxinfer.compile.buckets import BackgroundCompiler
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.core import Engine
-from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
-from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.models.kv_cache import PageAllocator
-from jaxinfer.sampling.sampler import SamplingParams
+from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.resume import ResumeState
+from jaxinfer.engine.runner import Capabilities, StepInputs, StepOutput, step_keys
+from jaxinfer.outputs import TokenLogprob
+from jaxinfer.sampling.sampler import SampleOutput, SamplingParams
 
 Key = tuple
-"""A compile key as in ``Engine.compile_keys``."""
-
-COMPILE_AHEAD_ENV = "JAXINFER_COMPILE_AHEAD"
-"""Environment variable: "1" compiles a generate job's predicted keys in the background, "0"
-(the default) does not; see ``compile_ahead_enabled``."""
+"""A compile key as in ``ModelRunner.compile_keys``."""
 
 
 class _OrderedKeys(set):
@@ -64,100 +60,58 @@ class _OrderedKeys(set):
                 self.add(key)
 
 
-class _PlanCompiler:
-    """Bucket reuse's background compiler as the plan sees it: a submitted key is counted at
-    once (as ``BackgroundCompiler.submit`` returns it) and ready by the next step."""
+class PlanRunner:
+    """The ``ModelRunner`` API without a model, for ``EngineCore`` to plan a job over: ``run``
+    counts the step's compile keys (``first_step``: the index of the step that first counted
+    each) and returns ``token`` for every sampled row; ``compile`` compiles nothing.
 
-    def __init__(self):
-        self.pending: set = set()
-        self.failed: dict = {}
+    Args:
+        ecfg: the engine's configuration (as the real runner resolved it).
+        vocab_size: the model's vocabulary size (logprob counts, prompt-logprob keys).
+        token: the token every step "samples" (one no request stops on).
+    """
 
-    def submit(self, need, flags, compiled) -> list:
-        from jaxinfer.compile.warmup import sample_rows
+    capabilities = Capabilities()  # a one-device plain engine's: what the plan models
 
-        b = sample_rows(need.decode_rows, need.prefill_rows)
-        return [k for k in (("forward", need.key), ("sample", b, *flags)) if k not in compiled]
+    def __init__(self, ecfg: EngineConfig, vocab_size: int, token: int):
+        self.ecfg, self.token = ecfg, token
+        self.cfg = types.SimpleNamespace(vocab_size=vocab_size, model_type="plan")
+        self.params = self.mesh = self.kv = None
+        self.kv_dtype, self.kv_page_major = np.float32, False
+        self.attn_impl, self.attn_impl_reason = ecfg.attn_impl, "job plan: no model runs"
+        self.compile_keys = _OrderedKeys()
+        self.first_step: dict[Key, int] = {}  # key -> index of the step that first counted it
+        self.num_runs = 0
 
-    def poll(self) -> list:
-        return []
+    def step_keys(self, buckets, flags: tuple, prompt_logprobs: bool = False) -> list[Key]:
+        from jaxinfer.engine.prompt_logprobs import num_top
 
-    def wait_for(self, key) -> None:
+        return step_keys(buckets, flags, num_top(self.cfg.vocab_size) if prompt_logprobs else 0)
+
+    def run(self, inputs: StepInputs, prev_tokens=None) -> StepOutput:
+        self.compile_keys.update(
+            self.step_keys(inputs.buckets, inputs.flags, inputs.prompt_targets is not None)
+        )
+        for k in self.compile_keys.order[len(self.first_step) :]:  # background ones too
+            self.first_step[k] = self.num_runs
+        self.num_runs += 1
+        b, n = len(inputs.batch.logits_indices), inputs.flags[1]
+        out = SampleOutput(
+            tokens=np.full(b, self.token, np.int32),
+            logprobs=np.zeros(b, np.float32),
+            top_ids=np.zeros((b, n), np.int32),
+            top_logprobs=np.zeros((b, n), np.float32),
+        )
+        return StepOutput(out, None)
+
+    def compile(self, key: Key) -> None:
+        pass
+
+    def reset_after_failure(self) -> None:
         pass
 
 
-class _PlanEngine(Engine):
-    """``Engine``'s host step loop over stub device functions (no model, no KV pool)."""
-
-    def __init__(self, ecfg: EngineConfig, vocab_size: int, token: int):
-        # The attributes Engine.__init__ sets that the step loop reads (tests/test_job_plan.py
-        # checks the plan against real engine runs, so a drift here shows there).
-        self.cfg = types.SimpleNamespace(vocab_size=vocab_size, model_type="plan")
-        self.ecfg, self.mesh, self.params, self.kv = ecfg, None, None, None
-        self.tokenizer = types.SimpleNamespace(
-            has_text=False, eos_ids=(), bos_id=None, path="<job plan>"
-        )
-        if ecfg.enable_prefix_caching:
-            self.allocator = PrefixCachingAllocator(ecfg.num_pages, ecfg.page_size, ("plan",))
-        else:
-            self.allocator = PageAllocator(ecfg.num_pages)
-        self.scheduler = Scheduler(
-            self.allocator,
-            ecfg.page_size,
-            ecfg.max_num_seqs,
-            ecfg.max_num_batched_tokens,
-            ecfg.max_prefill_seqs,
-        )
-        self._rng = np.random.default_rng(0)
-        self._requests = {}
-        self._num_slots = 1
-        self._no_prev = None
-        self._async = ecfg.async_scheduling is not False
-        self._inflight = None
-        self._culprits, self._isolate, self._failures = [], [], {}
-        self.num_step_failures = 0
-        self.compile_keys = _OrderedKeys()
-        self._wanted = {}
-        self._compiler = _PlanCompiler()
-        self.num_steps = 0
-        self.stop_ids = set()  # outputs run to max_tokens: no EOS
-        self._token = token
-
-        def forward(params, kv, batch, prev, **_):
-            return None, len(batch.logits_indices)  # "logits": the sampled rows B'
-
-        def sample(b, st, controls, num_logprobs, **_):
-            out = types.SimpleNamespace(
-                tokens=np.full(b, token, np.int32),
-                logprobs=np.zeros(b, np.float32),
-                top_ids=np.zeros((b, num_logprobs), np.int32),
-                top_logprobs=np.zeros((b, num_logprobs), np.float32),
-            )
-            return out, None
-
-        self._forward, self._sample = forward, sample
-        self.first_step: dict[Key, int] = {}  # key -> index of the step that first counted it
-
-    def _output(self, req):
-        """What Engine._output does to the engine's state (a finished request leaves
-        ``_requests``), without building the output the plan does not read."""
-        if req.seq.finish_reason is not None:
-            del self._requests[req.seq.request_id]
-
-    def _dispatch(self, sched, prev):
-        out = _ENGINE_DISPATCH(self, sched, prev)
-        step = self.num_dispatched = getattr(self, "num_dispatched", 0) + 1
-        for k in self.compile_keys.order[len(self.first_step) :]:
-            self.first_step[k] = step - 1
-        return out
-
-
-# Engine's methods as they are when this module is imported (``jaxinfer.cli.main`` imports it at
-# once): a later class-level wrap of an Engine method (a test's spy, scripts/profile_compile.py's
-# timers) must not see the plan's stub steps.
-_ENGINE_DISPATCH = Engine._dispatch
-for _name, _fn in vars(Engine).items():
-    if callable(_fn) and not _name.startswith("__") and _name not in vars(_PlanEngine):
-        setattr(_PlanEngine, _name, _fn)
+_PLAN_TOKENIZER = types.SimpleNamespace(has_text=False, eos_ids=(), bos_id=None, path="<job plan>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +119,8 @@ class JobPlan:
     """What ``plan_job`` predicts.
 
     Attributes:
-        keys: the distinct compile keys in order of first use (``Engine.compile_keys``'s kinds).
+        keys: the distinct compile keys in order of first use (kinds of
+            ``ModelRunner.compile_keys``).
         first_step: for each key of ``keys``, the index of the step that first counts it.
         steps: steps the job takes.
     """
@@ -191,11 +146,11 @@ def plan_job(
     output_so_far: Sequence[int] | None = None,
     max_steps: int = 1_000_000,
 ) -> JobPlan:
-    """Runs the job's requests through ``Engine``'s host step loop (module docstring) and returns
-    the compile keys it meets.
+    """Runs the job's requests through an ``EngineCore`` over a ``PlanRunner`` (module
+    docstring) and returns the compile keys it meets.
 
     Args:
-        ecfg: the engine's configuration (``Engine.ecfg``, with its resolved ``num_pages``).
+        ecfg: the engine's configuration (``EngineCore.ecfg``, with its resolved ``num_pages``).
         prompt_lens: each request's prompt length, tokens (>= 1, < ``max_model_len``).
         max_tokens: each request's ``max_tokens`` (None: up to ``max_model_len``), or one for all.
         vocab_size: the model's vocabulary size (the fake sampled token and logprob counts).
@@ -214,6 +169,8 @@ def plan_job(
     Raises:
         ValueError: lengths that do not match ``prompt_lens``, a prompt length outside
             [1, max_model_len), or a job longer than ``max_steps`` steps.
+        RequestError: a request the engine refuses (``EngineCore.add_request``).
+        RuntimeError: a step of the plan failed (a request ended with an error).
     """
     n = len(prompt_lens)
     per = lambda x, name: list(x) if isinstance(x, Sequence) else [x] * n  # noqa: E731
@@ -236,7 +193,8 @@ def plan_job(
         )
     banned = {t for p in plist for t in p.stop_token_ids}
     token = next(t for t in range(vocab_size) if t not in banned)
-    eng = _PlanEngine(ecfg, vocab_size, token)
+    runner = PlanRunner(ecfg, vocab_size, token)
+    eng = EngineCore(runner, _PLAN_TOKENIZER, compiler=BackgroundCompiler(runner, inline=True))
     rng = np.random.default_rng(0)
     for i in range(n):
         ids = (
@@ -247,16 +205,19 @@ def plan_job(
         p = dataclasses.replace(
             plist[i], max_tokens=maxes[i], stop=(), ignore_eos=True, prompt_logprobs=None, n=1
         )
-        eng.add_request(str(i), ids, p, resume=None)
-        seq = eng._requests[str(i)].seq
-        seq.output_ids.extend([token] * done[i])
+        resume = None
+        if done[i]:  # a resumed request: its output so far replayed as the engine does
+            lps = None if p.logprobs is None else (TokenLogprob(token, 0.0, []),) * done[i]
+            resume = ResumeState(0, (token,) * done[i], lps)
+        eng.add_request(str(i), ids, p, resume=resume)
     while eng.has_unfinished():
         if eng.num_steps >= max_steps:
             raise ValueError(f"plan_job: the job takes more than max_steps={max_steps} steps")
-        eng._culprits = []
-        eng._run_step()  # errors propagate: the loop is the engine's own
-    keys = tuple(eng.compile_keys.order)
-    return JobPlan(keys, tuple(eng.first_step[k] for k in keys), eng.num_steps)
+        failed = [o for o in eng.step() if o.error is not None]
+        if failed:
+            raise RuntimeError(f"plan_job: request {failed[0].request_id}: {failed[0].error}")
+    keys = tuple(runner.compile_keys.order)
+    return JobPlan(keys, tuple(runner.first_step[k] for k in keys), eng.num_steps)
 
 
 def plan_keys(
@@ -270,51 +231,39 @@ def plan_keys(
     return list(plan_job(ecfg, prompt_lens, max_tokens, **kwargs).keys)
 
 
-def compile_ahead_enabled() -> bool:
-    """Whether ``start_job`` compiles the predicted keys in the background: environment variable
-    ``JAXINFER_COMPILE_AHEAD`` "1" (on) or "0"/unset (off; see docs/performance_cold_start.md
-    for why off is the default on a 2-core CPU). Raises ValueError for another value."""
-    v = os.environ.get(COMPILE_AHEAD_ENV, "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"{COMPILE_AHEAD_ENV} must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
 def start_job(
     llm,
     prompt_ids: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     resume: Sequence | None = None,
     bar=None,
-    compile_ahead: bool | None = None,
     background: bool = False,
 ) -> JobPlan | None:
     """At the start of a generate job on ``llm``: predicts its compile keys (``plan_job``, each
-    output to its ``max_tokens``), gives their number to ``bar`` (``CompileProgressBar.expect``),
-    and with ``compile_ahead`` (default ``compile_ahead_enabled()``) submits the predicted
-    forward keys after the first to the engine's background compiler, in order of first use.
+    output to its ``max_tokens``) and gives their number to ``bar``
+    (``CompileProgressBar.expect``).
 
     With ``background`` it does that on a daemon thread and returns None at once: the plan (a
     host loop over the whole job, ~0.1-0.6 s for 64 prompts) then overlaps the first step's
     compile, which releases the GIL. A plan that raises is reported as a RuntimeWarning and the
     job goes on without it (the line shows "compiling (k)").
 
-    Returns the plan, or None where it does not apply (several engines, a speculative engine,
-    n > 1 or prompt-logprob requests, a request that would fail validation): nothing is shown
-    or compiled then.
+    Returns the plan, or None where it does not apply (several engines, an engine whose steps are
+    not plain ones: ``capabilities.precompile`` False, as speculative decoding; n > 1 or
+    prompt-logprob requests, a request that would fail validation): nothing is shown then.
     """
     if background:
         import threading
 
         threading.Thread(
             target=start_job,
-            args=(llm, prompt_ids, params, resume, bar, compile_ahead),
+            args=(llm, prompt_ids, params, resume, bar),
             daemon=True,
             name="jaxinfer-job-plan",
         ).start()
         return None
     try:
-        return _start_job(llm, prompt_ids, params, resume, bar, compile_ahead)
+        return _start_job(llm, prompt_ids, params, resume, bar)
     except Exception as e:  # noqa: BLE001 - the plan only informs; the job itself goes on
         import warnings
 
@@ -327,9 +276,9 @@ def start_job(
         return None
 
 
-def _start_job(llm, prompt_ids, params, resume, bar, compile_ahead) -> JobPlan | None:
-    engines = list(getattr(llm, "engines", []) or [])
-    if len(engines) != 1 or hasattr(engines[0], "spec") or not prompt_ids:
+def _start_job(llm, prompt_ids, params, resume, bar) -> JobPlan | None:
+    engines = list(llm.engines)
+    if len(engines) != 1 or not engines[0].capabilities.precompile or not prompt_ids:
         return None
     eng = engines[0]
     if any(p.n != 1 or p.prompt_logprobs is not None for p in params):
@@ -357,13 +306,4 @@ def _start_job(llm, prompt_ids, params, resume, bar, compile_ahead) -> JobPlan |
     )
     if bar is not None and hasattr(bar, "expect"):
         bar.expect(len(plan.keys))
-    if compile_ahead is None:
-        compile_ahead = compile_ahead_enabled()
-    compiler = getattr(eng, "_compiler", None)
-    if compile_ahead and compiler is not None:
-        flags = {}
-        for k in plan.keys:
-            if k[0] == "sample":
-                flags.setdefault(k[1], []).append(tuple(k[2:]))
-        compiler.submit_ahead(plan.forward_keys[1:], flags)
     return plan

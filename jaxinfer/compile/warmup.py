@@ -1,15 +1,15 @@
 """Compiling an engine's step shapes ahead of use (``jaxinfer serve --warmup``).
 
 Every step's shapes are padded to buckets (``jaxinfer.engine.batch``): the forward step compiles
-once per
-bucket tuple ``("forward", (Td, Tp, Bp, M))`` and the sampling step once per
+once per bucket tuple ``("forward", (Td, Tp, Bp, M))`` and the sampling step once per
 ``("sample", B', controls, num_logprobs)``, or ``("sample", B', False, 0, "greedy")`` for an
-all-greedy step without controls or logprobs (``sampling.sample_flags``; ``Engine.compile_keys``).
-A key met for the first
-time mid-serving compiles while every running request waits (2-4 CPU-seconds a key for
-stories260K on CPU, docs/server.md). ``precompile`` dispatches a dummy all-padding step of each
-key through the engine's own jitted functions, with the static arguments ``Engine._dispatch``
-passes, so the jit caches hold them before the first request. Its padding tokens write only
+all-greedy step without controls or logprobs (``sampling.sample_flags``; the compile keys of
+``jaxinfer.engine.runner``). A key met for the first time mid-serving compiles while every
+running request waits (2-4 CPU-seconds a key for stories260K on CPU, docs/server.md).
+``precompile`` runs a dummy all-padding step of each key through the engine's runner
+(``ModelRunner.run_padding``, the jitted functions and static arguments of a real step), so the
+jit caches hold them before the first request; with several workers it first compiles the
+forward keys ahead of time (``ModelRunner.compile``) on threads. The padding tokens write only
 into the null page (``kv_cache.NULL_PAGE``), which no sequence owns, so the pool's other pages
 are untouched.
 
@@ -31,17 +31,12 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
-import numpy as np
-
-from jaxinfer.engine.batch import holds_within_one_bucket, next_pow2, step_buckets
+from jaxinfer.engine.batch import Buckets, holds_within_one_bucket, sample_rows, step_buckets
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.step import LogitsControls, StepBatch
-from jaxinfer.models.kv_cache import NULL_PAGE
-from jaxinfer.models.paged_attention import AttentionMetadata
-from jaxinfer.sampling.sampler import GREEDY_FLAGS, SamplingParams, SamplingTensors
+from jaxinfer.sampling.sampler import GREEDY_FLAGS
 
 Key = tuple
-"""A compile key as in ``Engine.compile_keys``: ``("forward", (Td, Tp, Bp, M))``,
+"""A compile key as in ``ModelRunner.compile_keys``: ``("forward", (Td, Tp, Bp, M))``,
 ``("sample", B', controls, num_logprobs)`` or ``("sample", B', False, 0, "greedy")``."""
 
 PLAIN_SAMPLE_FLAGS = ((False, 0), GREEDY_FLAGS)
@@ -127,36 +122,6 @@ def with_sample_keys(forward: Iterable[tuple[int, int, int, int]]) -> list[Key]:
     return out
 
 
-def sample_rows(td: int, bp: int) -> int:
-    """B', the sampled rows of a step with Td decode and Bp prefill rows (``logits_indices``)."""
-    return next_pow2(td + bp)
-
-
-def dummy_step_batch(key: tuple[int, int, int, int], page_size: int) -> StepBatch:
-    """A numpy StepBatch of bucket ``key`` = (Td, Tp, Bp, M) holding only padding, laid out as
-    ``build_step_batch`` pads: tokens i32[Td + Tp] all writing into the null page (slot mapping
-    ``NULL_PAGE * page_size``), block tables i32[Td + Bp, M] all the null page, kv_lens 0 (decode
-    padding rows one query token each), logits_indices i32[next_pow2(Td + Bp)]."""
-    td, tp, bp, m = key
-    t, b = td + tp, td + bp
-    seq_ids = np.full(t, -1, np.int32)
-    seq_ids[:td] = np.arange(td, dtype=np.int32)
-    q_lens = np.zeros(b, np.int32)
-    q_lens[:td] = 1
-    md = AttentionMetadata(
-        positions=np.zeros(t, np.int32),
-        slot_mapping=np.full(t, NULL_PAGE * page_size, np.int32),
-        block_tables=np.full((b, m), NULL_PAGE, np.int32),
-        kv_lens=np.zeros(b, np.int32),
-        cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-        seq_ids=seq_ids,
-        num_decode=td,
-    )
-    return StepBatch(
-        tokens=np.zeros(t, np.int32), md=md, logits_indices=np.zeros(sample_rows(td, bp), np.int32)
-    )
-
-
 def precompile(
     engine,
     keys: Iterable[Key] | None = None,
@@ -165,29 +130,26 @@ def precompile(
 ) -> PrecompileReport:
     """Compiles ``keys`` (default ``serving_keys(engine.ecfg)``) into the engine's jit caches.
 
-    Each forward key runs one dummy all-padding step (``dummy_step_batch``) through
-    ``engine._forward``, then its B' sampled rows through ``engine._sample`` with the plain
-    options (no controls, no logprobs: ``PLAIN_SAMPLE_FLAGS``, the general variant and the
-    all-greedy one), and with
+    Each forward key runs one dummy all-padding step through the engine's runner
+    (``ModelRunner.run_padding``), then its B' sampled rows with the plain options (no controls,
+    no logprobs: ``PLAIN_SAMPLE_FLAGS``, the general variant and the all-greedy one), and with
     the options of every sampling key in ``keys`` of the same B', each with the static arguments
-    ``Engine._dispatch`` passes. Every key run goes into ``engine.compile_keys``. The KV pool is
-    donated and replaced as in a real step; only the null page is written. Call it while no
-    other thread steps the engine (before serving); a request already running is unaffected.
+    a real step passes. Every key run goes into ``engine.compile_keys``. The KV pool is donated
+    and replaced as in a real step; only the null page is written. Call it while no other
+    thread steps the engine (before serving); a request already running is unaffected.
 
     The jit caches also key on whether each input is committed to a device: the first forward
-    runs with the engine's ``_no_prev`` (as a step dispatched with none in flight), the others
-    with the previous sampling output (as a pipelined step). Both are placed alike (uncommitted on
-    one device; on a mesh ``_no_prev`` is replicated and committed as the sampling output is), so
-    they share one compilation. Prompt-logprobs forwards are not covered.
+    runs with no previous tokens (as a step dispatched with none in flight), the others with the
+    previous sampling output (as a pipelined step). Both are placed alike, so they share one
+    compilation. Prompt-logprobs forwards are not covered.
 
     With ``workers`` > 1 the forward keys are first compiled ahead of time
-    (``jax.jit(...).lower(...).compile()``) by that many threads at once (XLA compiles outside
-    the GIL); the dispatches that follow find the executables in jax's compilation cache and
-    compile nothing.
+    (``ModelRunner.compile``) by that many threads at once (XLA compiles outside the GIL); the
+    dispatches that follow find the executables in jax's compilation cache and compile nothing.
 
     Args:
-        engine: a ``jaxinfer.engine.core.Engine`` (not a speculative one).
-        keys: compile keys as in ``Engine.compile_keys``, "forward" and "sample" kinds.
+        engine: an ``EngineCore`` whose ``capabilities.precompile`` holds (not a speculative one).
+        keys: compile keys as in ``ModelRunner.compile_keys``, "forward" and "sample" kinds.
         progress: called as each forward key is compiled (with its sampling keys, when
             ``workers`` is 1) as ``progress(k, n, key)``: k of n forward keys done.
         workers: threads compiling forward keys at once (>= 1).
@@ -203,10 +165,10 @@ def precompile(
     t0 = time.perf_counter()
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"precompile: workers must be an integer >= 1, got {workers!r}")
-    if hasattr(engine, "spec"):
+    if not engine.capabilities.precompile:
         raise ValueError(
             "precompile: a speculative engine steps through its own round function "
-            "('spec_round' keys); precompile supports the plain Engine only"
+            "('spec_round' keys); precompile supports plain engine steps only"
         )
     fwd, smp = _split_keys(list(serving_keys(engine.ecfg) if keys is None else keys))
     rows = {sample_rows(bk[0], bk[2]) for bk in fwd}
@@ -216,64 +178,32 @@ def precompile(
             f"precompile: sampling keys {orphans} have no forward key of the same "
             "row count B' in keys (their logits come from one)"
         )
-    ecfg, v = engine.ecfg, engine.cfg.vocab_size
-    before = set(engine.compile_keys)
+    runner = engine.runner
+    before = set(runner.compile_keys)
     done: list[Key] = []
-    static = dict(cfg=engine.cfg, attn_impl=ecfg.attn_impl, batch_invariant=ecfg.batch_invariant)
     if workers > 1:
-        _compile_ahead(engine, fwd, static, workers, progress)
+        _compile_on_threads(runner, fwd, workers, progress)
         progress = None
-    prev = engine._no_prev
+    prev = None
     for k, bk in enumerate(fwd, 1):
         b = sample_rows(bk[0], bk[2])
-        engine.kv, logits = engine._forward(
-            engine.params, engine.kv, dummy_step_batch(bk, ecfg.page_size), prev, **static
-        )
-        engine.compile_keys.add(("forward", bk))
-        done.append(("forward", bk))
-        st = SamplingTensors.from_params(
-            [SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b, pad_to=b
-        )
         plain = [("sample", b, *flags) for flags in PLAIN_SAMPLE_FLAGS]
-        for sk in plain + [s for s in smp if s[1] == b]:
-            if sk in done:
-                continue
-            controls = (
-                None
-                if not sk[2]
-                else LogitsControls(
-                    np.zeros((b, v), bool), np.zeros((b, v), np.int32), np.zeros((b, v), bool)
-                )
-            )
-            out, prev = engine._sample(
-                logits,
-                st,
-                controls,
-                num_logprobs=sk[3],
-                num_slots=engine._num_slots,
-                batch_invariant=ecfg.batch_invariant,
-                greedy=sk[2:] == GREEDY_FLAGS,
-            )
-            engine.compile_keys.add(sk)
-            done.append(sk)
-        prev.block_until_ready()  # the compile happened at dispatch; this bounds the device work
+        todo = [sk for sk in dict.fromkeys(plain + [s for s in smp if s[1] == b]) if sk not in done]
+        prev = runner.run_padding(Buckets(*bk), [sk[2:] for sk in todo], prev)
+        done += [("forward", bk), *todo]
         if progress is not None:
             progress(k, len(fwd), ("forward", bk))
     return PrecompileReport(tuple(done), len(set(done) - before), time.perf_counter() - t0)
 
 
-def _compile_ahead(
-    engine, fwd: list[tuple[int, int, int, int]], static: dict, workers: int, progress
+def _compile_on_threads(
+    runner, fwd: list[tuple[int, int, int, int]], workers: int, progress
 ) -> None:
-    """Compiles each forward bucket tuple ahead of time on ``workers`` threads (nothing runs;
-    the KV pool is only read for its shape)."""
+    """Compiles each forward bucket tuple ahead of time on ``workers`` threads (nothing runs)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    page_size = engine.ecfg.page_size
-
     def compile_one(bk):
-        batch = dummy_step_batch(bk, page_size)
-        engine._forward.lower(engine.params, engine.kv, batch, engine._no_prev, **static).compile()
+        runner.compile(("forward", bk))
         return bk
 
     with ThreadPoolExecutor(workers, thread_name_prefix="jaxinfer-precompile") as pool:

@@ -15,6 +15,7 @@ from jaxinfer.engine.scheduler import ScheduleOutput
 from jaxinfer.engine.step import StepBatch
 from jaxinfer.models.kv_cache import NULL_PAGE
 from jaxinfer.models.paged_attention import AttentionMetadata
+from jaxinfer.sampling.sampler import SamplingParams, SamplingTensors
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -159,6 +160,49 @@ def build_step_batch(
         num_decode=td,
     )
     return StepBatch(tokens=tokens, md=md, logits_indices=logits_indices), bk
+
+
+def sample_rows(td: int, bp: int) -> int:
+    """B', the sampled rows of a step with Td decode and Bp prefill rows (``logits_indices``)."""
+    return next_pow2(td + bp)
+
+
+def dummy_step_batch(key: tuple[int, int, int, int], page_size: int) -> StepBatch:
+    """A numpy StepBatch of bucket ``key`` = (Td, Tp, Bp, M) holding only padding, laid out as
+    ``build_step_batch`` pads: tokens i32[Td + Tp] all writing into the null page (slot mapping
+    ``NULL_PAGE * page_size``), block tables i32[Td + Bp, M] all the null page, kv_lens 0 (decode
+    padding rows one query token each), logits_indices i32[next_pow2(Td + Bp)]."""
+    td, tp, bp, m = key
+    t, b = td + tp, td + bp
+    seq_ids = np.full(t, -1, np.int32)
+    seq_ids[:td] = np.arange(td, dtype=np.int32)
+    q_lens = np.zeros(b, np.int32)
+    q_lens[:td] = 1
+    md = AttentionMetadata(
+        positions=np.zeros(t, np.int32),
+        slot_mapping=np.full(t, NULL_PAGE * page_size, np.int32),
+        block_tables=np.full((b, m), NULL_PAGE, np.int32),
+        kv_lens=np.zeros(b, np.int32),
+        cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+        seq_ids=seq_ids,
+        num_decode=td,
+    )
+    return StepBatch(
+        tokens=np.zeros(t, np.int32), md=md, logits_indices=np.zeros(sample_rows(td, bp), np.int32)
+    )
+
+
+def sampling_tensors(rows, b: int) -> SamplingTensors:
+    """The sampling tensors of a step's rows ((``ScheduledRow``, padded row index) pairs), B' =
+    ``b`` rows, padding rows greedy. A row's step index is the output index of the token it
+    samples, its pending tokens (async scheduling) counted: its key is (seed, that index)."""
+    params_rows = [SamplingParams(temperature=0.0)] * b
+    seeds, steps = [0] * b, [0] * b
+    for row, r in rows:
+        params_rows[r] = row.seq.params
+        seeds[r] = row.seq.seed
+        steps[r] = len(row.seq.output_ids) + len(row.seq.pending)  # index of the token sampled
+    return SamplingTensors.from_params(params_rows, seeds, steps, pad_to=b)
 
 
 def row_index(i: int, num_decode_live: int, td: int) -> int:

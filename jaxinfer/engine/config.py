@@ -12,14 +12,14 @@ import numpy as np
 
 from jaxinfer.engine.batch import decode_bucket, next_pow2
 from jaxinfer.memory_limits import fmt_bytes, shortfall
-from jaxinfer.models.config import INT32_MAX, ModelConfig
-from jaxinfer.models.kv_cache import kv_bytes_per_token
-from jaxinfer.models.paged_attention import (
+from jaxinfer.models.attn_dispatch import (
     XLA_IMPLS,
     check_attn_impl,
     engine_attn_impl,
     resolve_attn_impl,
 )
+from jaxinfer.models.config import INT32_MAX, ModelConfig
+from jaxinfer.models.kv_cache import kv_bytes_per_token
 
 KV_CACHE_DTYPES = ("auto", "int8")
 # Host bytes of the page allocator per page: an int32 refcount, a free-list slot and its int.
@@ -41,8 +41,8 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (>= ``max_num_seqs``).
         max_prefill_seqs: most prefill chunks in one step.
         attn_impl: the attention implementation every jitted step runs, a concrete one of
-            ``paged_attention.ATTN_IMPLS`` ("xla", "cpu_kernel", "pallas_tpu", ...).
-        attn_impl_reason: why ``attn_impl`` was chosen (``paged_attention.engine_attn_impl``);
+            ``attn_dispatch.ATTN_IMPLS`` ("xla", "cpu_kernel", "pallas_tpu", ...).
+        attn_impl_reason: why ``attn_impl`` was chosen (``attn_dispatch.engine_attn_impl``);
             not part of equality.
         seed: seed of the host RNG that draws seeds for requests without one.
         kv_cache_dtype: dtype name of the KV pages ("float32", "bfloat16", "int8": per-token,
@@ -132,7 +132,7 @@ def default_page_size(attn_impl: str = "auto", backend: str | None = None) -> in
     On CPU, 8-token pages leave half the last-page slack of 16-token ones (97 % vs 94 % of
     allocated slots live in ``scripts/bench_kv_memory.py``) at no cost in speed: the 64-prompt
     110M serving run took 69.2 / 65.9 s with 8 vs 71.2 / 70.2 s with 16, same tokens.
-    Raises ValueError for an unknown ``attn_impl`` (``paged_attention.resolve_attn_impl``)."""
+    Raises ValueError for an unknown ``attn_impl`` (``attn_dispatch.resolve_attn_impl``)."""
     backend = backend or jax.default_backend()
     return 8 if backend == "cpu" and resolve_attn_impl(attn_impl, backend) in XLA_IMPLS else 16
 
@@ -172,8 +172,9 @@ def resolve(
             ``batch_invariant``, ``kv_page_major`` or int8 KV pages with a mesh; an
             ``attn_impl`` this backend cannot run or whose kernel cannot tile this model and
             pool; ``kv_page_major`` or ``batch_invariant`` with a Pallas ``attn_impl``; a KV
-            pool too small for one sequence; ``max_num_batched_tokens`` < ``max_num_seqs``.
-            Whether the pool fits in memory is ``check_kv_pool``'s question.
+            pool too small for one sequence; ``max_num_batched_tokens`` < ``max_num_seqs``; the
+            pool and the buffers of ``max_num_seqs`` rows beyond free memory on the devices
+            holding them (``check_kv_pool``).
         RuntimeError: ``attn_impl="cpu_kernel"`` whose build fails (``KernelBuildError``).
     """
     name, spell = args.name, args.spell
@@ -300,7 +301,10 @@ def resolve(
         for f in dataclasses.fields(EngineConfig)
         if f.name not in resolved
     }
-    return EngineConfig(**{**given, **resolved})
+    ecfg = EngineConfig(**{**given, **resolved})
+    devices = None if mesh is None else list(mesh.devices.flat)
+    check_kv_pool(cfg, ecfg, kv_dtype, tp, devices, args)
+    return ecfg
 
 
 def check_kv_pool(
@@ -308,7 +312,7 @@ def check_kv_pool(
 ) -> None:
     """Checks the engine's sized buffers fit before they are allocated: the KV pool
     (``num_pages`` pages of ``page_size`` tokens), its page allocator, and the per-row sampling
-    buffers of ``max_num_seqs`` rows (``Engine``'s ``num_slots``, mirrored here).
+    buffers of ``max_num_seqs`` rows (``ModelRunner``'s ``num_slots``, mirrored here).
 
     Args:
         cfg: the config the engine runs (with any KV heads replicated for tensor parallelism).

@@ -1,9 +1,15 @@
-"""Engine core: requests in, one device step at a time, outputs out.
+"""EngineCore: an engine's host side (nano-vllm's ``LLMEngine``, vLLM v1's ``EngineCore``).
 
-Owns the loaded model, the KV page pool, the scheduler and the per-request host state
-(detokenizer, stop checks, metrics: ``jaxinfer.engine.request_output``). ``LLM`` (``jaxinfer.llm``)
-is
-the user-facing API over it.
+Requests in, one step at a time, outputs out. A step reads: schedule (``Scheduler``: which rows
+run, chunked prefill, preemption), prepare the host inputs (buckets, chosen once per dispatch by
+bucket reuse; the numpy batch, sampling tensors, logits controls), ``ModelRunner.run`` (the
+device step, not waited for), postprocess (read the sampled tokens back, append them with the
+stop checks: ``jaxinfer.engine.request_output``). With async scheduling the next step is
+dispatched before the previous one is read back. With speculative decoding a
+``SpeculativeStrategy`` (``jaxinfer.speculative.strategy``) runs a draft-verify-accept round in
+place of the dispatch. A step that fails fails only the requests that caused it (``_recover``).
+The device side (params, KV pool, jitted functions, compile keys) is ``jaxinfer.engine.runner``;
+``LLM`` (``jaxinfer.llm``) is the user-facing API over one or more cores.
 """
 
 from __future__ import annotations
@@ -14,175 +20,157 @@ import time
 import jax
 import numpy as np
 
-import jaxinfer.compile.buckets as bucket_reuse
 import jaxinfer.engine.prompt_logprobs as plp
+from jaxinfer.compile.buckets import BackgroundCompiler, BucketReuse
 from jaxinfer.engine.batch import (
+    Buckets,
     build_step_batch,
-    decode_bucket,
     exact_buckets,
-    next_pow2,
     row_index,
+    sampling_tensors,
 )
-from jaxinfer.engine.config import (  # noqa: F401 - re-exported: jaxinfer.engine.core's public names
-    KV_CACHE_DTYPES,
-    EngineConfig,
-    default_num_pages,
-    default_page_size,
-    kv_cache_dtype,
-    scan_from_tokens,
-)
-from jaxinfer.engine.host_memory import keep_freed_host_memory
-from jaxinfer.engine.prefix_cache import PrefixCachingAllocator
+from jaxinfer.engine.intake import check_request, check_stop_strings, new_request_state, replay
+from jaxinfer.engine.kv_manager import make_kv_manager
+from jaxinfer.engine.recovery import StepRecovery
 from jaxinfer.engine.request_output import RequestState, advance, build_output
 from jaxinfer.engine.resume import ResumeState, check_resume
-from jaxinfer.engine.scheduler import Scheduler, SeqStatus, Sequence
-from jaxinfer.engine.step import LogitsControls, jitted_forward_step, jitted_sample_step
+from jaxinfer.engine.runner import Capabilities, ModelRunner, StepInputs, StepOutput
+from jaxinfer.engine.scheduler import ScheduleOutput, Scheduler
+from jaxinfer.engine.sequence import SeqStatus, Sequence
+from jaxinfer.engine.step import LogitsControls
 from jaxinfer.engine.step_controls import has_penalties, logits_controls, needs_controls
 from jaxinfer.errors import RequestError
-from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.kv_cache import PageAllocator, init_kv_cache
-from jaxinfer.models.params import Params, out_in_projections, unstack_layers
 from jaxinfer.models.sharding import to_host
 from jaxinfer.outputs import RequestOutput, TokenLogprob
-from jaxinfer.sampling.sampler import (
-    GREEDY_FLAGS,
-    MAX_LOGPROBS,
-    SamplingParams,
-    SamplingTensors,
-    draw_seed,
-    sample_flags,
-)
-from jaxinfer.tokenizers import IncrementalDetokenizer, Tokenizer
-from jaxinfer.tokenizers.ids_only import no_tokenizer_message
+from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams, draw_seed, sample_flags
+from jaxinfer.tokenizers import Tokenizer
+
+
+@dataclasses.dataclass(eq=False)
+class _Step:
+    """A scheduled step with its buckets and sampling variant, chosen once per dispatch."""
+
+    sched: ScheduleOutput
+    need: Buckets  # exact buckets (``batch.exact_buckets``)
+    buckets: Buckets  # the buckets it runs padded to (bucket reuse)
+    flags: tuple  # ``sampling.sample_flags``
+    forward_key: tuple  # its forward compile key (``ModelRunner.step_keys``)
 
 
 @dataclasses.dataclass(eq=False)
 class _InFlight:
     """A dispatched step whose sampled tokens are still on device."""
 
-    out: object  # SampleOutput (device arrays)
-    next_tokens: jax.Array  # i32[R] the sampled tokens padded, the next step's prev_tokens
+    out: StepOutput
     sampled: list[tuple[Sequence, int]]  # (sequence, row) of each row that sampled a token
     num_logprobs: int
-    prompt_lp: tuple | None = None  # (plp.StepPlan, device PromptLogprobsOut) when asked
+    prompt_lp: plp.StepPlan | None = None  # when some row wants prompt logprobs
 
 
-MAX_STEP_FAILURES = 2
-"""A request in this many failed steps fails (``Engine.step``'s recovery)."""
+def _from_runner(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.runner, name), doc=f"{doc} (``ModelRunner.{name}``)")
 
 
-class Engine:
-    """Continuous-batching engine over one model.
+class EngineCore:
+    """Continuous-batching engine core over one ``ModelRunner`` (module docstring).
 
-    ``ecfg`` is a resolved config (``jaxinfer.engine.config.resolve``: sizes checked, backend
-    defaults applied), which the engine only reads. ``attn_impl`` is the implementation it runs
-    (``ecfg.attn_impl``, the static argument of every jitted step), ``attn_impl_reason`` why.
+    Args:
+        runner: the device side (``ModelRunner``; the job plan passes a stub with its API).
+        tokenizer: the model's tokenizer (EOS ids, detokenization; ``IdsOnlyTokenizer`` without
+            one).
+        speculative: a ``SpeculativeStrategy`` whose rounds replace the plain step, or None.
+        compiler: bucket reuse's ``BackgroundCompiler``; default one over ``runner`` when the
+            runner supports background compiles, else None.
+
+    The runner's ``ecfg`` is a resolved config (``jaxinfer.engine.config.resolve``: sizes
+    checked, backend defaults applied), which the core only reads.
+
+    Raises:
+        ValueError: ``batch_invariant`` on an engine that cannot honour it (speculative
+            decoding; ``EngineArgs`` refuses the pair before).
     """
 
     def __init__(
-        self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer, ecfg: EngineConfig, mesh=None
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        *,
+        speculative=None,
+        compiler: BackgroundCompiler | None = None,
     ):
-        # ecfg is resolved (``engine.config.resolve``): every choice is made, every check done.
-        self.kv_page_major = ecfg.kv_page_major
-        self.attn_impl, self.attn_impl_reason = ecfg.attn_impl, ecfg.attn_impl_reason
-        kv_dtype = kv_cache_dtype(ecfg)
-        if ecfg.keep_host_memory:
-            keep_freed_host_memory()
-        if ecfg.unroll_layers:
-            params = unstack_layers(params, scan_from_tokens(ecfg))
-        if ecfg.out_in_weights:
-            params = out_in_projections(params)
-        self.cfg, self.params, self.tokenizer, self.ecfg = cfg, params, tokenizer, ecfg
-        self.mesh = mesh  # a jax.sharding.Mesh the params are sharded over (None: one device)
-        self._kv_dtype = kv_dtype
-        self.kv = self._new_kv_cache()
-        if mesh is None:
-            self._forward = jitted_forward_step()
-        else:
-            from jaxinfer.models.sharding import step_out_shardings
-
-            self._forward = jitted_forward_step(out_shardings=step_out_shardings(mesh))
-        if ecfg.enable_prefix_caching:
-            # What else decides a page's contents besides its tokens (one engine: one model).
-            extra = (cfg.model_type, str(np.dtype(kv_dtype)), ecfg.page_size)
-            self.allocator = PrefixCachingAllocator(ecfg.num_pages, ecfg.page_size, extra)
-        else:
-            self.allocator = PageAllocator(ecfg.num_pages)
+        ecfg, cfg = runner.ecfg, runner.cfg
+        self.runner, self.speculative = runner, speculative
+        self.cfg, self.tokenizer, self.ecfg = cfg, tokenizer, ecfg
+        caps = self.capabilities
+        if ecfg.batch_invariant and not caps.batch_invariant:
+            raise ValueError("batch_invariant=True is not supported with speculative decoding")
+        # What else decides a page's contents besides its tokens (one engine: one model).
+        extra = (cfg.model_type, str(np.dtype(runner.kv_dtype)), ecfg.page_size)
+        self.kv_manager = make_kv_manager(ecfg, extra)
         self.scheduler = Scheduler(
-            self.allocator,
-            ecfg.page_size,
+            self.kv_manager,
             ecfg.max_num_seqs,
             ecfg.max_num_batched_tokens,
             ecfg.max_prefill_seqs,
         )
         self._rng = np.random.default_rng(ecfg.seed)
         self._requests: dict[str, RequestState] = {}
-        self._sample = jitted_sample_step()
-        # Rows of the widest step's sampling (``build_step_batch``): the prev_tokens length.
-        self._num_slots = next_pow2(
-            decode_bucket(ecfg.max_num_seqs) + next_pow2(ecfg.max_prefill_seqs)
-        )
-        self._no_prev = jax.numpy.zeros(self._num_slots, jax.numpy.int32)
-        if mesh is not None:  # placed as the sampling step's output: one compile per forward shape
-            self._no_prev = jax.device_put(
-                self._no_prev, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            )
-        self._async = ecfg.async_scheduling
+        if compiler is None and caps.background_compiles:
+            compiler = BackgroundCompiler(runner)
+        self.buckets = BucketReuse(runner, ecfg.reuse_compiled_buckets, compiler)
+        # Whether a step is dispatched before the previous one's tokens are read back.
+        self.async_scheduling = ecfg.async_scheduling and caps.async_scheduling
         self._inflight: _InFlight | None = None
-        # Step-failure recovery (``step``): sequences the current attempt's device work covers,
-        # sequences to run alone until they sample a token, failed steps per request.
-        self._culprits: list[Sequence] = []
-        self._isolate: list[Sequence] = []
-        self._failures: dict[str, int] = {}
-        self.num_step_failures = 0
-        self.compile_keys: set[tuple] = set()
-        self._wanted: dict[tuple, int] = {}  # uncompiled key -> steps padded past it (bucket_reuse)
-        self._compiler = bucket_reuse.BackgroundCompiler(self) if mesh is None else None
+        self.recovery = StepRecovery()  # step-failure recovery (``step``, ``_recover``)
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
         if cfg.model_type == "llama2c" and tokenizer.bos_id is not None:
             # llama2.c's run.c ends a sample when the model emits BOS (the start of a new story).
             self.stop_ids.add(tokenizer.bos_id)
 
-    def _new_kv_cache(self):
-        """A fresh, zeroed KV page pool for this engine (sharded over the mesh if there is one)."""
-        ecfg = self.ecfg
-        if self.mesh is None:
-            return init_kv_cache(
-                self.cfg, ecfg.num_pages, ecfg.page_size, self._kv_dtype, self.kv_page_major
-            )
-        from jaxinfer.models.sharding import sharded_kv_cache
+    # ---------------------------------------------------------------- the runner's side
 
-        return sharded_kv_cache(
-            self.cfg, ecfg.num_pages, ecfg.page_size, self.params.embed.dtype, self.mesh
-        )
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this engine supports: its runner's, and its speculative strategy's."""
+        caps = self.runner.capabilities
+        return caps if self.speculative is None else caps & self.speculative.capabilities
+
+    # The runner's public state, read through the core (``ModelRunner``'s attributes).
+    params = _from_runner("params", "the params in the runner's layout")
+    mesh = _from_runner("mesh", "the jax.sharding.Mesh of the params (None: one device)")
+    kv = _from_runner("kv", "the KV page pool")
+    kv_page_major = _from_runner("kv_page_major", "the pool's layout")
+    attn_impl = _from_runner("attn_impl", "the attention implementation ('auto' resolved)")
+    attn_impl_reason = _from_runner("attn_impl_reason", "why that implementation")
+    compile_keys = _from_runner("compile_keys", "the compile keys met so far")
+
+    @property
+    def num_step_failures(self) -> int:
+        """Steps that failed so far (each recovered from: ``step``)."""
+        return self.recovery.num_step_failures
 
     def prefix_cache_stats(self) -> dict:
-        """Prefix-cache counters (``PrefixCachingAllocator.stats``: queried_tokens, hit_tokens,
+        """Prefix-cache counters (``KVCacheManager.stats``: queried_tokens, hit_tokens,
         hit_rate, evictions, cached_pages); all zero with prefix caching off."""
-        if isinstance(self.allocator, PrefixCachingAllocator):
-            return self.allocator.stats()
-        return {
-            "queried_tokens": 0,
-            "hit_tokens": 0,
-            "hit_rate": 0.0,
-            "evictions": 0,
-            "cached_pages": 0,
-        }
+        return self.kv_manager.stats()
 
     def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
         """Tokens of ``prompt_ids`` this engine's prefix cache holds now (0 with caching off);
         takes no references (data-parallel routing asks every replica)."""
-        if not isinstance(self.allocator, PrefixCachingAllocator):
-            return 0
-        max_pages = (len(prompt_ids) - 1) // self.ecfg.page_size
-        return len(self.allocator.match_prefix(prompt_ids, max_pages)[0]) * self.ecfg.page_size
+        return self.kv_manager.cached_prefix_tokens(prompt_ids)
 
     @property
     def num_compilations(self) -> int:
         """Distinct device functions compiled so far by this engine: forward steps (one per bucket
         tuple) plus sampling steps (one per row count and option set); bounded by the buckets."""
         return len(self.compile_keys)
+
+    def _prompt_logprobs_refused_by(self) -> str | None:
+        """What keeps this engine from computing prompt logprobs, or None."""
+        if self.capabilities.prompt_logprobs:
+            return None
+        return "batch_invariant=True" if self.ecfg.batch_invariant else "speculative decoding"
 
     # ---------------------------------------------------------------- requests
 
@@ -191,45 +179,24 @@ class Engine:
     ) -> None:
         """Raises RequestError when a request cannot run (or cannot resume from ``resume``: see
         ``add_request``)."""
-        if len(prompt_ids) == 0:
-            raise RequestError(
-                "prompt has zero tokens (empty prompt on a tokenizer that adds no BOS)"
-            )
-        if len(prompt_ids) >= self.ecfg.max_model_len:
-            raise RequestError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len={self.ecfg.max_model_len} "
-                "leaves no room to generate (prompt must be shorter than max_model_len)"
-            )
-        bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})"
-            )
-        if params.logprobs is not None and params.logprobs > min(MAX_LOGPROBS, self.cfg.vocab_size):
-            raise RequestError(
-                f"logprobs={params.logprobs} > {MAX_LOGPROBS} or the vocabulary "
-                f"size {self.cfg.vocab_size}"
-            )
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(
-                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size}) "
-                "and could never be generated"
-            )
-        self._check_stop_strings(params)
-        plp.check_request(
+        check_request(
+            prompt_ids,
             params,
-            self.cfg.vocab_size,
-            self.ecfg.batch_invariant,
-            type(self)._run_step is not Engine._run_step,
-            len(prompt_ids),
+            vocab_size=self.cfg.vocab_size,
+            max_model_len=self.ecfg.max_model_len,
+            tokenizer=self.tokenizer,
+            prompt_logprobs_refused_by=self._prompt_logprobs_refused_by(),
         )
         if resume is not None:
-            self._new_request("validate", prompt_ids, params, None, resume)
+            self.validate_resume(prompt_ids, params, resume)
 
-    def _check_stop_strings(self, params: SamplingParams) -> None:
-        if params.stop and not getattr(self.tokenizer, "has_text", True):
-            raise RequestError(no_tokenizer_message(self.tokenizer.path, "a stop string (stop)"))
+    def validate_resume(
+        self, prompt_ids: list[int], params: SamplingParams, resume: ResumeState
+    ) -> None:
+        """The part of ``validate`` that concerns ``resume`` alone, for a request already
+        validated: raises RequestError when it cannot continue from ``resume`` (``check_resume``,
+        or a partial output that has already finished or outgrows ``max_model_len``)."""
+        self._new_request("validate", prompt_ids, params, None, resume)
 
     def draw_seed(self, params: SamplingParams) -> int:
         """The seed a request with ``params`` samples with: ``params.seed``, or one drawn from the
@@ -259,7 +226,7 @@ class Engine:
                 f"n={params.n}: an engine request is one sequence; n > 1 is run as "
                 "n requests by LLM / EngineLoop (jaxinfer.engine.parallel_sampling)"
             )
-        self._check_stop_strings(params)
+        check_stop_strings(params, self.tokenizer)
         req = self._new_request(request_id, prompt_ids, params, prompt, resume)
         self._requests[request_id] = req
         self.scheduler.add(req.seq)
@@ -276,30 +243,9 @@ class Engine:
         if resume is not None:
             check_resume(resume, params, self.cfg.vocab_size)
         seed = self.draw_seed(params) if resume is None else resume.seed
-        seq = Sequence(request_id, [int(t) for t in prompt_ids], params, seed)
-        has_text = getattr(self.tokenizer, "has_text", True)  # duck-typed tokenizers have text
-        detok = (
-            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, params.skip_special_tokens)
-            if has_text
-            else None
-        )
-        req = RequestState(
-            seq,
-            prompt,
-            detok,
-            prompt_logprobs=None
-            if params.prompt_logprobs is None
-            else [None] * params.prompt_logprobs_from,
-        )
+        req = new_request_state(request_id, prompt_ids, params, prompt, seed, self.tokenizer)
         if resume is not None:
-            lps = resume.logprobs or [None] * len(resume.token_ids)
-            for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
-                if (reason := self._advance(req, int(tok), lp)) is not None:
-                    raise RequestError(
-                        f"the partial output has already finished ({reason!r} at "
-                        f"output token {i} of {len(resume.token_ids)})"
-                    )
-            req.resumed = len(resume.token_ids)
+            replay(req, resume, self._advance)
         return req
 
     def has_unfinished(self) -> bool:
@@ -320,219 +266,103 @@ class Engine:
 
         A step that raises (a device error, a host error while building or reading it) fails
         only the requests that caused it; the engine stays usable (``_recover``)."""
-        self._culprits = []
+        self.recovery.culprits = []
         try:
             results = self._run_step()
         except Exception as e:  # noqa: BLE001 - every step failure is recovered from, see _recover
             return self._recover(e)
-        if self._isolate:  # an isolated request that sampled a token is innocent
-            got = {o.request_id for o in results}
-            self._isolate = [
-                s
-                for s in self._isolate
-                if s.status is not SeqStatus.FINISHED and s.request_id not in got
-            ]
+        self.recovery.cleared({o.request_id for o in results})
         return results
 
-    def _schedule(self):
+    def _schedule(self) -> ScheduleOutput:
         """The next step's rows: the first sequence to isolate alone, if any, else the usual."""
-        only = self._isolate[0] if self._isolate else None
-        sched = self.scheduler.schedule(only=only)
+        sched = self.scheduler.schedule(only=self.recovery.only())
         if not sched.rows:
             raise RuntimeError("scheduler produced an empty step while requests are pending")
-        self._culprits = [row.seq for row in sched.rows]
+        self.recovery.culprits = [row.seq for row in sched.rows]
         return sched
 
     def _run_step(self) -> list[RequestOutput]:
+        """Schedule, dispatch (``ModelRunner.run``), postprocess (``_collect``)."""
+        if self.speculative is not None:
+            return self._speculative_step()
         if self._inflight is None:
-            self._inflight = self._dispatch(self._schedule(), None)
+            self._inflight = self._dispatch(self._prepare(self._schedule()), None)
         done, self._inflight = self._inflight, None
         if (
-            self._async
-            and not self._isolate
+            self.async_scheduling
+            and not self.recovery.isolate
             and self.scheduler.has_work()
             and not any(has_penalties(seq.params) for seq, _ in done.sampled)
         ):
             # Penalties need the output tokens' counts on the host: those rows wait for them.
             sched = self.scheduler.schedule()
-            if sched.rows and self._needs_compile(sched):
-                return self._collect_then_dispatch(done, sched)
             if sched.rows:
-                self._culprits = [row.seq for row in sched.rows]
-                self._inflight = self._dispatch(sched, done)
-        self._culprits = [seq for seq, _ in done.sampled]
+                nxt = self._prepare(sched)
+                if nxt.forward_key not in self.compile_keys:  # a new shape compiles
+                    return self._collect_then_dispatch(done, nxt)
+                self.recovery.culprits = [row.seq for row in sched.rows]
+                self._inflight = self._dispatch(nxt, done)
+        self.recovery.culprits = [seq for seq, _ in done.sampled]
         return self._collect(done)
 
-    def _needs_compile(self, sched) -> bool:
-        """Whether dispatching ``sched`` would compile a forward shape not seen yet."""
-        return ("forward", self._buckets(sched).key) not in self.compile_keys
-
-    def _buckets(self, sched):
-        """The step's buckets: exact, or a compiled key one size up (``bucket_reuse``)."""
+    def _prepare(self, sched: ScheduleOutput) -> _Step:
+        """The step's buckets (exact, or a compiled key one size up: ``BucketReuse``) and its
+        sampling variant."""
+        rows = sched.rows
         need = exact_buckets(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
-        usable = self.compile_keys
-        if self._compiler is not None and self._compiler.pending:
-            self.compile_keys.difference_update(self._compiler.poll())
-            usable = self.compile_keys - self._compiler.pending  # counted, not ready yet
-        if (
-            ("forward", need.key) in usable
-            or not self.ecfg.reuse_compiled_buckets
-            or any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)
-        ):
-            return need
-        want_lp = any(r.seq.params.logprobs is not None for r in sched.rows)
+        want_lp = any(r.seq.params.logprobs is not None for r in rows)
         flags = sample_flags(
-            (r.seq.params for r in sched.rows),
-            any(needs_controls(r.seq) for r in sched.rows),
+            (r.seq.params for r in rows),
+            any(needs_controls(r.seq) for r in rows),
             min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0,
         )
-        chosen = bucket_reuse.choose_buckets(need, usable, flags)
-        if chosen != need and self._wanted.get(need.key, 0) >= bucket_reuse.REUSE_STEPS:
-            if self._compiler is None or need.key in self._compiler.failed:
-                return need  # compiles inline, as any new shape
-            # Padded steps go on meanwhile; the keys count as compiled from now on.
-            self.compile_keys.update(self._compiler.submit(need, flags, self.compile_keys))
-        return chosen
+        want_plp = any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)
+        bk = self.buckets.choose(need, flags, exact=want_plp)
+        return _Step(sched, need, bk, flags, self.runner.step_keys(bk, flags, want_plp)[0])
 
-    def _collect_then_dispatch(self, done: _InFlight, sched) -> list[RequestOutput]:
+    def _collect_then_dispatch(self, done: _InFlight, nxt: _Step) -> list[RequestOutput]:
         """Async scheduling when the next step compiles a new shape: reads the step in flight
         first, so its tokens (a cold run's first token) do not wait for the compile, then
         dispatches the next step without the rows that finished meanwhile."""
-        self._culprits = [seq for seq, _ in done.sampled]
+        self.recovery.culprits = [seq for seq, _ in done.sampled]
         results = self._collect(done)
-        sched = dataclasses.replace(
+        sched = nxt.sched
+        live = dataclasses.replace(
             sched,
             decode=[r for r in sched.decode if r.seq.status is not SeqStatus.FINISHED],
             prefill=[r for r in sched.prefill if r.seq.status is not SeqStatus.FINISHED],
         )
-        if sched.rows:
-            self._culprits = [row.seq for row in sched.rows]
+        if live.rows:
+            self.recovery.culprits = [row.seq for row in live.rows]
             try:
-                self._inflight = self._dispatch(sched, None)
+                if len(live.rows) != len(sched.rows):  # rows left: buckets and flags anew
+                    nxt = self._prepare(live)
+                self._inflight = self._dispatch(nxt, None)
             except Exception as e:  # noqa: BLE001 - as step(): the collected tokens are kept
                 return results + self._recover(e)
         return results
 
-    def _reset_device_state(self) -> None:
-        """After a failed step: a fresh KV pool when the failed call had consumed (donated) it."""
-        if any(
-            getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(self.kv)
-        ):
-            self.kv = self._new_kv_cache()
-
-    def _recover(self, exc: Exception) -> list[RequestOutput]:
-        """Fails the requests that caused a failed step and leaves the engine usable.
-
-        Every running sequence is preempted (its KV may be half written, or the pool was donated
-        to the failed call); recomputation gives the same output, as sampling keys depend only on
-        (seed, output index). A failed step of one request fails that request with the error. A
-        failed step of several runs each of them alone, one step at a time, until it samples a
-        token (innocent) or fails alone (guilty); a request in ``MAX_STEP_FAILURES`` failed steps
-        fails. Returns the outputs of the failed requests (``finish_reason`` "error")."""
-        culprits, self._culprits = list(dict.fromkeys(self._culprits)), []
-        self._inflight = None
-        self.num_step_failures += 1
-        self._reset_device_state()
-        for seq in reversed(list(self.scheduler.running)):  # newest first: oldest ends up first
-            self.scheduler.preempt(seq)
-        for seq in self.scheduler.waiting:  # the step in flight is dropped: its tokens with it
-            seq.pending.clear()
-            seq.pending_final = False
-        if isinstance(self.allocator, PrefixCachingAllocator):
-            self.allocator.clear_cache()  # pages the failed step was to write are not trusted
-        msg = f"step failed: {type(exc).__name__}: {exc}"
-        results = []
-        for seq in culprits:
-            if seq.status is SeqStatus.FINISHED:
-                continue
-            n = self._failures[seq.request_id] = self._failures.get(seq.request_id, 0) + 1
-            if len(culprits) == 1 or n >= MAX_STEP_FAILURES:
-                results.append(self.fail_request(seq.request_id, msg))
-            elif all(seq is not s for s in self._isolate):
-                self._isolate.append(seq)
-        self._isolate = [s for s in self._isolate if s.status is not SeqStatus.FINISHED]
-        return results
-
-    def fail_request(self, request_id: str, error: str) -> RequestOutput:
-        """Ends a queued or running request with ``finish_reason`` "error"; returns its output."""
-        req = self._requests[request_id]
-        req.error = error
-        self.scheduler.finish(req.seq, "error")
-        self._failures.pop(request_id, None)
-        return self._output(req)
-
-    def abort_request(self, request_id: str) -> None:
-        """Drops a request (its consumer went away): its pages are freed, no output is made.
-        Unknown or finished ids are ignored."""
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req.seq, "abort")
-            self._failures.pop(request_id, None)
-            self._isolate = [s for s in self._isolate if s is not req.seq]
-
-    def _dispatch(self, sched, prev: _InFlight | None) -> _InFlight:
-        """Builds and dispatches one step; advances ``num_computed`` and marks each sampled
-        token pending. Returns without waiting for the device."""
-        bk = self._buckets(sched)
-        if self._compiler is not None:  # compiling in the background: wait, not compile twice
-            self._compiler.wait_for(bk.key)
-        need = exact_buckets(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq)
-        if bk != need:  # padded past an uncompiled key: count it towards compiling it
-            self._wanted[need.key] = self._wanted.get(need.key, 0) + 1
+    def _dispatch(self, step: _Step, prev: _InFlight | None) -> _InFlight:
+        """Builds the step's host inputs and dispatches them (``ModelRunner.run``); advances
+        ``num_computed`` and marks each sampled token pending. Returns without waiting for the
+        device."""
+        sched, bk = step.sched, step.buckets
+        self.buckets.dispatching(step.need, bk)
         batch, bk = build_step_batch(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq, bk)
         td, nd = bk.decode_rows, len(sched.decode)
         b = len(batch.logits_indices)
         rows = [(row, row_index(i, nd, td)) for i, row in enumerate(sched.rows)]
-        params_rows = [SamplingParams(temperature=0.0)] * b
-        seeds, steps = [0] * b, [0] * b
-        for row, r in rows:
-            params_rows[r] = row.seq.params
-            seeds[r] = row.seq.seed
-            steps[r] = len(row.seq.output_ids) + len(row.seq.pending)  # index of the token sampled
-        st = SamplingTensors.from_params(params_rows, seeds, steps, pad_to=b)
-        controls = self._controls(rows, b)
-        want_lp = any(row.seq.params.logprobs is not None for row, _ in rows)
-        num_lp = min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0
-        self.compile_keys.add(("forward", bk.key))
-        flags = sample_flags((row.seq.params for row, _ in rows), controls is not None, num_lp)
-        self.compile_keys.add(("sample", b, *flags))
-        prev_tokens = prev.next_tokens if prev is not None else self._no_prev
         plan = plp.plan_step(rows, batch.logits_indices, len(batch.tokens))
-        if plan is None:
-            self.kv, logits = self._forward(
-                self.params,
-                self.kv,
-                batch,
-                prev_tokens,
-                cfg=self.cfg,
-                attn_impl=self.ecfg.attn_impl,
-                batch_invariant=self.ecfg.batch_invariant,
-            )
-        else:
-            k = plp.num_top(self.cfg.vocab_size)
-            self.compile_keys.add(("forward_prompt_logprobs", bk.key, k))
-            fwd = plp.jitted_forward_step_prompt_logprobs(
-                None if self.mesh is None else self._forward_out_shardings()
-            )
-            self.kv, logits, plan_out = fwd(
-                self.params,
-                self.kv,
-                batch,
-                prev_tokens,
-                plan.targets,
-                cfg=self.cfg,
-                attn_impl=self.ecfg.attn_impl,
-                num_top=k,
-            )
-        out, next_tokens = self._sample(
-            logits,
-            st,
-            controls,
-            num_logprobs=num_lp,
-            greedy=flags == GREEDY_FLAGS,
-            num_slots=self._num_slots,
-            batch_invariant=self.ecfg.batch_invariant,
+        inputs = StepInputs(
+            batch,
+            bk,
+            sampling_tensors(rows, b),
+            self._controls(rows, b),
+            step.flags,
+            None if plan is None else plan.targets,
         )
+        out = self.runner.run(inputs, None if prev is None else prev.out.next_tokens)
         sampled = []
         for row, r in rows:
             seq = row.seq
@@ -547,22 +377,21 @@ class Engine:
             ) or seq.num_tokens >= self.ecfg.max_model_len:
                 seq.pending_final = True  # finishes on this token whatever it is
             sampled.append((seq, r))
-        return _InFlight(
-            out, next_tokens, sampled, num_lp, None if plan is None else (plan, plan_out)
-        )
+        return _InFlight(out, sampled, step.flags[1], plan)
 
     def _collect(self, done: _InFlight) -> list[RequestOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and appends them."""
-        out, num_lp = done.out, done.num_logprobs
+        out, num_lp = done.out.sampled, done.num_logprobs
         tokens = to_host(out.tokens)
         lps = to_host(out.logprobs)
         top_ids, top_lps = (
             (to_host(out.top_ids), to_host(out.top_logprobs)) if num_lp else (None, None)
         )
         if done.prompt_lp is not None:  # before the sampled tokens: outputs hold them complete
-            plan, plan_out = done.prompt_lp
-            self._culprits += [seq for seq, _, _ in plan.entries]  # mid-prefill rows too
-            plp.record(plan, jax.tree.map(to_host, plan_out), self._prompt_logprobs_of)
+            plan = done.prompt_lp
+            self.recovery.culprits += [seq for seq, _, _ in plan.entries]  # mid-prefill rows too
+            host = jax.tree.map(to_host, done.out.prompt_logprobs)
+            plp.record(plan, host, self._prompt_logprobs_of)
         now = time.perf_counter()
         self.num_steps += 1
         results = []
@@ -584,14 +413,63 @@ class Engine:
             results.append(self._append(seq, int(tokens[r]), lp, now))
         return results
 
+    def _speculative_step(self) -> list[RequestOutput]:
+        """One speculative round (``SpeculativeStrategy.run_round``) over the scheduled rows;
+        each row's emitted tokens are appended one by one with the usual stop checks (a request
+        may appear once per emitted token, each with its ``delta_text``)."""
+        rows = self.speculative.run_round(self._schedule(), self.kv_manager, self._controls)
+        now = time.perf_counter()
+        self.num_steps += 1
+        results = []
+        for row in rows:
+            for tok, lp in zip(row.tokens, row.logprobs, strict=True):
+                out = self._append(row.seq, tok, lp, now)
+                self.speculative.fill_metrics(out)
+                results.append(out)
+                if row.seq.finish_reason is not None:
+                    self.speculative.forget(row.seq.request_id)
+                    break
+        return results
+
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """Fails the requests that caused a failed step and leaves the engine usable
+        (``jaxinfer.engine.recovery``): every running sequence is preempted, the device state a
+        failed call consumed is rebuilt, the step in flight is dropped with its tokens. Returns
+        the outputs of the failed requests (``finish_reason`` "error")."""
+        self._inflight = None
+        self.runner.reset_after_failure()
+        if self.speculative is not None:
+            self.speculative.reset_after_failure()
+        for seq in reversed(list(self.scheduler.running)):  # newest first: oldest ends up first
+            self.scheduler.preempt(seq)
+        for seq in self.scheduler.waiting:  # the step in flight is dropped: its tokens with it
+            seq.pending.clear()
+            seq.pending_final = False
+        self.kv_manager.clear_cache()  # pages the failed step was to write are not trusted
+        msg = f"step failed: {type(exc).__name__}: {exc}"
+        results = [self.fail_request(seq.request_id, msg) for seq in self.recovery.blame()]
+        self.recovery.cleared(set())  # the failed ones leave the isolated
+        return results
+
+    def fail_request(self, request_id: str, error: str) -> RequestOutput:
+        """Ends a queued or running request with ``finish_reason`` "error"; returns its output."""
+        req = self._requests[request_id]
+        req.error = error
+        self.scheduler.finish(req.seq, "error")
+        self.recovery.forget(request_id)
+        return self._output(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drops a request (its consumer went away): its pages are freed, no output is made.
+        Unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+            self.recovery.forget(request_id)
+
     def _prompt_logprobs_of(self, request_id: str) -> list | None:
         req = self._requests.get(request_id)
         return None if req is None else req.prompt_logprobs
-
-    def _forward_out_shardings(self):
-        from jaxinfer.models.sharding import step_out_shardings
-
-        return step_out_shardings(self.mesh)
 
     def _append(
         self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float

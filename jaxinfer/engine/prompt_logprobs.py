@@ -137,14 +137,14 @@ def num_top(vocab_size: int) -> int:
 def check_request(
     params: SamplingParams,
     vocab_size: int,
-    batch_invariant: bool,
-    own_step_loop: bool,
+    refused_by: str | None,
     prompt_len: int | None = None,
 ) -> None:
     """Raises RequestError when this engine cannot give ``params.prompt_logprobs``: above
-    ``min(MAX_LOGPROBS, vocab_size)``, with ``batch_invariant`` (its forward makes logits of the
-    last tokens only), on an engine with a step loop of its own (speculative decoding), or
-    ``prompt_logprobs_from`` not inside a prompt of ``prompt_len`` tokens."""
+    ``min(MAX_LOGPROBS, vocab_size)``, ``prompt_logprobs_from`` not inside a prompt of
+    ``prompt_len`` tokens, or an engine that computes none (``refused_by``, what keeps it from
+    them: "batch_invariant=True", whose forward makes logits of the last tokens only, or
+    "speculative decoding"; None when it can: ``EngineCore.capabilities.prompt_logprobs``)."""
     k = params.prompt_logprobs
     if k is None:
         return
@@ -157,10 +157,8 @@ def check_request(
         raise RequestError(
             f"prompt_logprobs={k} > {MAX_LOGPROBS} or the vocabulary size {vocab_size}"
         )
-    if batch_invariant:
-        raise RequestError("prompt_logprobs is not supported with batch_invariant=True")
-    if own_step_loop:
-        raise RequestError("prompt_logprobs is not supported with speculative decoding")
+    if refused_by is not None:
+        raise RequestError(f"prompt_logprobs is not supported with {refused_by}")
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """A request's host state (ids, text, stop checks) and the ``RequestOutput`` built from it.
 
-Plain functions the ``Engine`` calls for each sampled token (``advance``) and each output it
+Plain functions the ``EngineCore`` calls for each sampled token (``advance``) and each output it
 returns (``build_output``); the speculative engine appends its accepted drafts through the same.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxinfer.engine.scheduler import Sequence
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxinfer.sampling.sampler import find_stop_string
 from jaxinfer.tokenizers import IncrementalDetokenizer

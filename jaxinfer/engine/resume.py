@@ -1,4 +1,4 @@
-"""Continuing a request from a partial output (``Engine.add_request(..., resume=...)``).
+"""Continuing a request from a partial output (``EngineCore.add_request(..., resume=...)``).
 
 Sampling keys depend only on (seed, output index), so a request given its seed and the first k
 output tokens (with their logprobs, when requested) continues exactly as if it had never stopped:
@@ -24,7 +24,7 @@ class ResumeState:
 
     Attributes:
         seed: the seed the request sampled with (its own ``SamplingParams.seed``, or the one the
-            engine drew for it: ``Engine.draw_seed``).
+            engine drew for it: ``EngineCore.draw_seed``).
         token_ids: the output token ids so far, int[k] (k may be 0: a fresh request with this seed).
         logprobs: one ``TokenLogprob`` per token of ``token_ids`` when the request's
             ``SamplingParams.logprobs`` is set (None is accepted for k = 0), else None.

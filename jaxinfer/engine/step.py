@@ -15,11 +15,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.models.attn_dispatch import resolve_attn_impl
 from jaxinfer.models.batch_invariant import invariant_forward_logits, map_token_tiles
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.forward import compute_logits, forward
 from jaxinfer.models.kv_cache import KVCache
-from jaxinfer.models.paged_attention import AttentionMetadata, paged_attn_fn, resolve_attn_impl
+from jaxinfer.models.paged_attention import AttentionMetadata, paged_attn_fn
 from jaxinfer.models.params import Params
 from jaxinfer.sampling.sampler import (
     SampleOutput,
@@ -92,7 +93,7 @@ def forward_step(
         prev_tokens: i32[R] the previous step's sampled tokens (``sample_step_padded``), or None
             when ``batch.tokens`` holds no placeholder.
         cfg: architecture (static).
-        attn_impl: attention implementation (static), see ``paged_attention.ATTN_IMPLS``.
+        attn_impl: attention implementation (static), see ``attn_dispatch.ATTN_IMPLS``.
         batch_invariant: (static) run ``batch_invariant.invariant_forward_logits``: each row's
             logits bitwise the same whatever else is in the batch. Needs ``attn_impl``
             resolving to "xla".

@@ -1,6 +1,6 @@
 """Host-side logits controls of a step (penalties, ``min_tokens`` bans), numpy only.
 
-``Engine`` builds them for the rows that need them; a step without such rows passes none, and
+``EngineCore`` builds them for the rows that need them; a step without such rows passes none, and
 its sampling compiles without them.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxinfer.engine.scheduler import Sequence
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.step import LogitsControls
 from jaxinfer.sampling.sampler import SamplingParams
 

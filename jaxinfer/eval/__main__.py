@@ -2,8 +2,12 @@
 model registered (lm-eval 0.4.13 finds models only in its own table or in modules imported
 before its command line runs), e.g.::
 
-    python -m jaxinfer.eval --model jaxinfer --model_args pretrained=PATH,max_model_len=2048 \\
-        --tasks hellaswag --limit 100
+    python -m jaxinfer.eval --model jaxinfer \\
+        --model_args pretrained=../shared/models/stories260K,max_model_len=512 \\
+        --include_path examples/lm_eval --tasks stories_mc
+
+(``examples/lm_eval``: an offline task shipped with the repository; ``max_model_len`` at most the
+model's context, 512 tokens for stories260K.)
 """
 
 from __future__ import annotations

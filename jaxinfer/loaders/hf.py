@@ -14,8 +14,8 @@ Tensors are read one at a time with ``safetensors.safe_open(framework="numpy")``
 as an ``ml_dtypes.bfloat16`` array), checked to be finite, cast to the target dtype and written
 into one preallocated numpy array per Params field (layers stacked on axis 0), which is moved to
 the device before the next field is filled. Each shard is opened per tensor so its memory map is
-released at once. The loader's transient host memory is one field (measured by
-``scripts/load_memory.py``).
+released at once. The loader's transient host memory is one field
+(``scripts/load_memory.py`` shows it).
 
 Layout changes (HF ``nn.Linear`` weights are ``[out, in]``; jaxinfer's are input-dim first):
 ``q_proj [N*H, D] -> wq [D, N, H]``, ``k/v_proj [K*H, D] -> [D, K, H]``, ``o_proj [D, N*H] -> wo

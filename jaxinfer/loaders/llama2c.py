@@ -410,7 +410,8 @@ def is_llama2c_tokenizer_file(path: str | os.PathLike) -> bool:
     """True when ``path`` parses completely as a llama2.c tokenizer file (int32
     max_token_length, then per token: float32 score, int32 length, bytes)."""
     try:
-        data = open(path, "rb").read(1 << 24)
+        with open(path, "rb") as f:
+            data = f.read(1 << 24)
     except OSError:
         return False
     if len(data) < 4 or os.path.getsize(path) > len(data):

@@ -3,8 +3,8 @@
 In the default step a matmul's or an attention's shape follows the batch (T tokens, B rows, the
 block table's bucketed width M, the prefill query blocks), and XLA picks a different algorithm
 (tiling, reduction order) for different shapes: a token's logits differ in the last bits with
-the batch around it, and a near-tie between two tokens can flip (measured on XLA CPU: the
-output-first projection differs for every row between T = 48 and T = 64 rows).
+the batch around it, and a near-tie between two tokens can flip (on XLA CPU, for one, the
+output-first projection gives every row other last bits at T = 48 than at T = 64).
 
 Here every computation a token's numbers pass through has a shape that does not depend on the
 batch: ``map_token_tiles`` runs the per-token work (embedding, norms, projections, RoPE, MLP, LM
@@ -25,8 +25,8 @@ B (a row's log-softmax differs between B = 2 and B = 64), so B must not reach th
 
 Cost: the weights are read once per tile instead of once per step, decode rows are padded to a
 tile, and prefill tokens gather their pages one token at a time (``scripts/bench_serving.py
---batch-invariant``; README). Sources: H. He and Thinking Machines Lab, "Defeating Nondeterminism
-in LLM Inference" (2025); vLLM's batch-invariant mode.
+--batch-invariant``; docs/reproducibility.md). Sources: H. He and Thinking Machines Lab,
+"Defeating Nondeterminism in LLM Inference" (2025); vLLM's batch-invariant mode.
 """
 
 from __future__ import annotations

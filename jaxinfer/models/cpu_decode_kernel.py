@@ -2,11 +2,11 @@
 
 The XLA decode attention (``paged_attention._decode_attention``) gathers each work item's pages into
 a copy before two small batched dots; this kernel reads the live pages of a page-major pool in
-place (one pass, online softmax per head), which on a 2-core CPU takes ~1/3 of the CPU time at
-the 110M model's shapes (``scripts/bench_decode_attention.py``; docs/performance_cold_start.md).
+place (one pass, online softmax per head), at a fraction of the CPU time
+(``scripts/bench_decode_attention.py``; figures in docs/performance.md).
 
 The CPU default: ``attn_impl="auto"`` (the default) runs the XLA attention with its decode rows in
-this kernel wherever it can serve the engine (``paged_attention.engine_attn_impl``): the CPU
+this kernel wherever it can serve the engine (``attn_dispatch.engine_attn_impl``): the CPU
 backend, a page-major float32 pool on one device (the CPU default for float32 weights), no
 ``batch_invariant``, and a kernel that builds and loads; elsewhere "auto" runs the plain XLA
 attention (int8 or bfloat16 pools, head-major pools, meshes, ``batch_invariant``: the rule, not
@@ -15,7 +15,7 @@ an error), and a failed build under "auto" logs a warning and runs XLA. ``attn_i
 (ValueError), a missing compiler or a failed build raises ``KernelBuildError``, a RuntimeError
 (no fallback for a kernel asked by name); ``attn_impl="xla"`` never uses it.
 
-The first engine compiles the source with the system C++ compiler (``$CXX``, else ``c++``; ~3-4
+The first engine compiles the source with the system C++ compiler (``$CXX``, else ``c++``; a few
 CPU seconds) into ``$JAXINFER_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxinfer``), keyed by
 the source, the flags, jaxlib's version and the CPU; concurrent processes (xdist workers) take a
 file lock, so one builds and the others wait for its library (written to a temporary file and

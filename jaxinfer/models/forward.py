@@ -73,8 +73,8 @@ def linear_out_in(x: jax.Array, w: jax.Array, num_in: int) -> jax.Array:
     """``x [*rows, *in]`` times an output-first weight ``w [*out, *in]`` -> ``[*rows, *out]`` in
     x's dtype, accumulated in float32.
 
-    On CPU it is computed as ``(w @ x^T)^T``: XLA CPU's GEMM is 2-2.4x faster in that form for
-    2-32 rows (``params.out_in_projections``), and the optimization barrier keeps XLA from folding
+    On CPU it is computed as ``(w @ x^T)^T``: XLA CPU's GEMM is faster in that form for a few
+    rows (``params.out_in_projections``), and the optimization barrier keeps XLA from folding
     the small transpose back into the dot (which restores the slow form). Elsewhere a plain
     contraction.
     """

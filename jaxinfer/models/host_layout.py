@@ -1,15 +1,13 @@
 """The engine's weight layout transforms done with numpy on the host: no XLA compilations.
 
-``Engine.__init__`` puts loaded weights into its run layout with eager jax ops
-(``params.unstack_layers``, ``params.out_in_projections``): each distinct slice, transpose,
-reshape and concatenate shape is an XLA compilation of its own (21 for a ~110M Llama, 27 for
-stories260K; 0.4 s on a quiet 2-core CPU, 1-3.5 s at load 8). On the CPU backend a loaded
-array is readable as numpy without a copy, so ``engine_layout_on_host`` builds the same layout
-with numpy and places each result with ``jax.device_put``; the engine then finds its weights
-already in that layout and leaves them as they are (``unstack_layers`` only sets
-``scan_from_tokens``, ``out_in_projections`` keeps ``OutInWeight``). Values are the same bits
-(copies, no arithmetic). It also matters to ``compile_while_loading``: XLA compilations in one
-process largely serialize, so a load that compiles waits for a compile running beside it.
+``ModelRunner.__init__`` (``jaxinfer.engine.runner``) puts loaded weights into its run layout with
+eager jax ops (``params.unstack_layers``, ``params.out_in_projections``): each distinct slice,
+transpose, reshape and concatenate shape is an XLA compilation of its own (a few dozen per model,
+each adding to the start-up; docs/performance.md). On the CPU backend a loaded array is readable
+as numpy without a copy, so ``engine_layout_on_host`` builds the same layout with numpy and places
+each result with ``jax.device_put``; the engine then finds its weights already in that layout and
+leaves them as they are (``unstack_layers`` only sets ``scan_from_tokens``, ``out_in_projections``
+keeps ``OutInWeight``). Values are the same bits (copies, no arithmetic).
 """
 
 from __future__ import annotations
@@ -54,8 +52,8 @@ def applies(params: Params) -> bool:
 
 
 def engine_layout_on_host(params: Params, ecfg: EngineConfig) -> Params:
-    """``params`` in the layout ``Engine.__init__`` gives them on one CPU device under ``ecfg``
-    (``unroll_layers`` / ``out_in_weights``): ``out_in_projections(unstack_layers(
+    """``params`` in the layout ``ModelRunner.__init__`` gives them on one CPU device under
+    ``ecfg`` (``unroll_layers`` / ``out_in_weights``): ``out_in_projections(unstack_layers(
     params, scan_from_tokens(ecfg)))``'s tree and values, built with numpy (no XLA compile).
     Returns ``params`` unchanged where ``applies`` is False (the engine then transforms them
     itself, with the same result).

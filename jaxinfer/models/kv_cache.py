@@ -1,4 +1,5 @@
-"""Paged KV cache: the device-side page pool (a pytree) and the host-side page allocator.
+"""Paged KV cache: the device-side page pool (a pytree). Which sequence holds which page is the
+host's business (``jaxinfer.engine.page_pool``, ``jaxinfer.engine.kv_manager``).
 
 Layout (PagedAttention, Kwon et al. 2023; the per-layer layout of jax's Pallas paged_attention):
 ``k_pages, v_pages: [L, K, P, Z, H]``. A sequence owns a list of page ids (its block table); token
@@ -9,9 +10,8 @@ padding.
 
 A page-major pool (``KVCache.page_major``) stores ``[L, P, K, Z, H]`` instead: a page's K heads are
 one contiguous block (48 KB for 12 heads of 64 at Z = 16, not 12 pieces of 4 KB), so the XLA
-attention's page gathers read large runs. On XLA CPU this makes a decode attention group ~15 %
-faster (32 items of 4 pages, 110M heads: 3.6 -> 3.05 ms); the Pallas kernels and sharded pools use
-the head-major layout.
+attention's page gathers read large runs, which makes XLA CPU's decode attention faster
+(docs/performance.md); the Pallas kernels and sharded pools use the head-major layout.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.quant.kv import quantize_kv
@@ -115,50 +114,3 @@ def write_kv(
         k_pages=cache.k_pages.at[at].set(k.astype(cache.k_pages.dtype)),
         v_pages=cache.v_pages.at[at].set(v.astype(cache.v_pages.dtype)),
     )
-
-
-class OutOfPagesError(RuntimeError):
-    """The allocator has fewer free pages than asked for (the scheduler preempts on this)."""
-
-
-class PageAllocator:
-    """Host-side free list of pages with per-page reference counts.
-
-    Reference counts let a page be shared (prefix sharing); a page returns to the free list when
-    its count drops to zero. Page 0 is never handed out.
-    """
-
-    def __init__(self, num_pages: int):
-        if num_pages < 2:
-            raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is reserved)")
-        self.num_pages = num_pages
-        self.refcounts = np.zeros(num_pages, np.int32)
-        self.refcounts[NULL_PAGE] = 1
-        # A stack: pages freed last are reused first (their contents are warm in cache).
-        self._free = list(range(num_pages - 1, 0, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """Hands out ``n`` pages (refcount 1). Raises OutOfPagesError, allocating nothing, if
-        fewer than ``n`` are free."""
-        if n > len(self._free):
-            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self.refcounts[pages] = 1
-        return pages
-
-    def share(self, pages: list[int]) -> None:
-        """Adds a reference to each of ``pages`` (a second owner of a shared prefix)."""
-        self.refcounts[pages] += 1
-
-    def free(self, pages: list[int]) -> None:
-        """Drops one reference from each of ``pages``; pages reaching zero become free."""
-        for p in pages:
-            if p == NULL_PAGE or self.refcounts[p] <= 0:
-                raise ValueError(f"page {p} is not allocated")
-            self.refcounts[p] -= 1
-            if self.refcounts[p] == 0:
-                self._free.append(p)

@@ -228,11 +228,10 @@ def out_in_projections(params: Params) -> Params:
     """The same weights with every float layer projection stored output-first (``OutInWeight``),
     and wq/wk/wv and w_gate/w_up each fused into one weight (``wqkv``, ``w_gate_up``).
 
-    Why: on XLA CPU, ``x [R, D] @ w [D, F]`` runs its GEMM 2-2.4x slower for R = 2..32 rows than
-    ``w^T [F, D] @ x^T`` (measured at 768 x 2048: 16 rows 15.0 vs 6.8 ms for 8 matrices), and a
-    decode step is such a product. Each dot also has a fixed cost (~35 us per GEMV on 2 cores), so
-    fusing the projections of one input (7 -> 4 dots per layer) brings a batch-1 decode step
-    closer to the weight-streaming bound (110M: the layer dots 21.5 -> 20 ms). Quantized
+    Why: on XLA CPU, ``x [R, D] @ w [D, F]`` runs its GEMM slower for a few rows (R = 2..32)
+    than ``w^T [F, D] @ x^T``, and a decode step is such a product. Each dot also has a fixed
+    cost, so fusing the projections of one input (7 -> 4 dots per layer) brings a batch-1 decode
+    step closer to the weight-streaming bound (figures in docs/performance.md). Quantized
     (``QTensor``) weights keep their int8 layout (already output-first), but are fused alike
     (``quant.tensor.fuse_qtensors``); already converted weights are left as they are; the original
     arrays are released once converted. Stacked layers keep their L axis.

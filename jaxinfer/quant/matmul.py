@@ -1,14 +1,10 @@
 """The quantized projection behind ``model.linear``: w8a16 and w8a8 matmuls, one formulation per
 backend and batch regime.
 
-Formulations of ``y[R, O] = x[R, I] . q[O, I] * s[O]`` (R rows = flattened T or B axis), measured
-on XLA CPU (jaxlib 0.10.2, 2 shared cores) for the random ~110M Llama, one forward step with the
-engine's unstacked layers (``python scripts/bench_quant.py --formulations``; ms per step, rows 4
-= a batch-1 decode step, the engine's smallest decode bucket; results/bench_quant.jsonl):
-
-    rows  float32  reduce_or  reduce  reduce_ro  dot  | int_dot2 (w8a16) | int_dot (w8a8)
-    4     219      720        1101    505        352  | 45               | 59
-    32    442      -          -       -          576  | 515              | 292
+Formulations of ``y[R, O] = x[R, I] . q[O, I] * s[O]`` (R rows = flattened T or B axis). Which
+one runs where was chosen by timing whole forward steps (``python scripts/bench_quant.py
+--formulations`` and ``scripts/bench_quant_batch.py``; the figures are in docs/performance.md,
+"Design measurements"):
 
 - ``"int_dot"``: w8a8's integer ``dot_general`` (int8 x int8, ``preferred_element_type=int32``),
   rescaled by ``s_x[r] * s[o]`` -- the AQT scheme; the TPU/GPU path (MXU / tensor-core int8),
@@ -19,23 +15,21 @@ engine's unstacked layers (``python scripts/bench_quant.py --formulations``; ms 
 - ``"dot"`` (w8a16 on TPU/GPU): ``x . q.astype(x.dtype)``, exact; XLA TPU/GPU fuse the convert
   into the matmul's operand load. On XLA CPU it writes a float copy of the weight every step.
 - ``"reduce"`` / ``"reduce_or"`` / ``"reduce_ro"``: a fused convert-multiply-reduce
-  (``sum(x[r] * q.astype(f32), axis=-1)``; per row, output [O, R], output [R, O]). In isolation a
-  single matrix-vector row reduction ran ~4x faster than the float32 dot, but in the whole model
-  XLA CPU's reduction loops lost to every dot (above), so they remain only as measured
-  candidates.
+  (``sum(x[r] * q.astype(f32), axis=-1)``; per row, output [O, R], output [R, O]). A single
+  matrix-vector row reduction beats the float32 dot in isolation, but in the whole model XLA
+  CPU's reduction loops lost to every dot, so they remain only as candidates for benchmarks.
 
 w8a8 activations are quantized per row (token): ``s_x = max|x_r| / 127``, ``x_q = round(x / s_x)``.
 
-Batch sizes (issue 21; ``python scripts/bench_quant_batch.py``, whole 110M forward steps with the
-engine's CPU layout, where wq/wk/wv and w_gate/w_up int8 weights are fused into one ``QTensor``
-each, ``qlinear_flat``): neither mode writes a float copy of the weight on CPU. w8a8's integer
-dot runs as an XLA CPU "ynn" (YNNPACK) fusion and is the fastest mode at every row count; a
-single-row int8 dot there is ~30x slower than a two-row one, hence the duplicated row. w8a16's
-``int_dot2`` costs two int8 products per product, and XLA CPU's int8 GEMM is only ~1.4x its f32
-GEMM once compute-bound, so from ~64 rows up w8a16 takes 1.05-1.2x float32's time. The
-dequantize-then-f32-GEMM alternative (``"dot"``) is no way out: its convert writes the whole
-float weight every step (~2.6x float32 at 64 rows, a tie at 512), and bfloat16 copies would
-too; keeping w8a16's ~16-bit activations on CPU needs the two digits.
+Batch sizes (the engine's CPU layout, where wq/wk/wv and w_gate/w_up int8 weights are fused
+into one ``QTensor`` each, ``qlinear_flat``): neither mode writes a float copy of the weight on
+CPU. w8a8's integer dot runs as an XLA CPU "ynn" (YNNPACK) fusion, the fastest mode at every row
+count; a single-row int8 dot there is much slower than a two-row one, hence the duplicated row.
+w8a16's ``int_dot2`` costs two int8 products per product, and XLA CPU's int8 GEMM is not much
+faster than its f32 GEMM once compute-bound, so at large row counts w8a16 is a little slower than
+float32. The dequantize-then-f32-GEMM alternative (``"dot"``) is no way out: its convert writes
+the whole float weight every step, and bfloat16 copies would too; keeping w8a16's ~16-bit
+activations on CPU needs the two digits.
 
 Error bounds (tests/test_quant.py checks them), ``w = q * s`` the dequantized weight:
 - w8a16 ``"dot"`` and the reductions: ``y == x @ w`` up to float32 rounding of the sum (the weight
@@ -68,7 +62,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def choose_formulation(act: str, rows: int, backend: str | None = None) -> str:
     """The formulation for ``rows`` rows (static) on ``backend`` (default: jax's); see the table
     in the module docstring. ``rows`` is kept in the signature for per-regime choices."""
-    del rows  # measured: the same choice wins at 1-512 rows on CPU (module docstring)
+    del rows  # the same choice won at 1-512 rows on CPU (docs/performance.md)
     backend = backend or jax.default_backend()
     if act == "int8":
         return "int_dot"
@@ -130,9 +124,8 @@ def qmatmul_2d(
     elif formulation == "int_dot":
         if act != "int8":
             raise ValueError("formulation 'int_dot' is for w8a8 (int8 activations)")
-        # XLA CPU's int8 dot of a single row is ~4x slower than of two (1.42 vs 0.35 ms at
-        # 768 x 3072, measured here; ~30x in a chain of 24 products on jaxlib 0.10.2's YNNPACK
-        # fusions): a batch-1 decode step dots its row twice.
+        # XLA CPU's int8 dot of a single row is several times slower than of two (YNNPACK
+        # fusions; docs/performance.md): a batch-1 decode step dots its row twice.
         x2 = jnp.concatenate([xq, xq]) if rows == 1 and jax.default_backend() == "cpu" else xq
         acc = jax.lax.dot_general(
             x2, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32

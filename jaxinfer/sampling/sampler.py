@@ -387,8 +387,8 @@ def argmax_lowest(x: jax.Array) -> jax.Array:
     """i32[B]: per row of f32[B, V] `x`, ``jnp.argmax``'s index (the lowest id among the largest
     values; the first NaN when the row has one), by two plain reductions: the row maximum, then
     the smallest index holding it (or holding a NaN, whose maximum is NaN). XLA on CPU runs
-    these vectorised, 5-7x faster than ``argmax``'s (value, index) pair reduction at V = 32000
-    (scripts/bench_sample_step.py)."""
+    these vectorised, several times faster than ``argmax``'s (value, index) pair reduction
+    (scripts/bench_sample_step.py; docs/performance.md)."""
     m = jnp.max(x, axis=-1, keepdims=True)  # NaN when the row has a NaN
     hit = (x == m) | jnp.isnan(x)  # a NaN only occurs in a row whose m is NaN
     ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)

@@ -113,17 +113,16 @@ def create_app(llm, model_name: str | None = None, max_queue: int | None = None)
         serving.check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
+        tok = engine.loop.tokenizer  # the one prompts are encoded with
         try:
             if req.prompt is not None:
                 add = True if req.add_special_tokens is None else req.add_special_tokens
-                ids = llm._engine_tokenizer.encode(req.prompt, add_special_tokens=add)
+                ids = tok.encode(req.prompt, add_special_tokens=add)
             else:
-                text = llm._engine_tokenizer.apply_chat_template(
+                text = tok.apply_chat_template(
                     [m.as_template_dict() for m in req.messages], req.add_generation_prompt
                 )
-                ids = llm._engine_tokenizer.encode(
-                    text, add_special_tokens=bool(req.add_special_tokens)
-                )
+                ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         except JaxinferError as e:
             where = "prompt" if req.prompt is not None else "messages"
             raise APIError(str(e), param=where) from None

@@ -140,7 +140,7 @@ def precompile_engines(llm, mode: str, say, interval: float = 2.0, check=None) -
     from jaxinfer.compile.warmup import all_keys, cover_keys, precompile, serving_keys
     from jaxinfer.sampling.sampler import MAX_LOGPROBS
 
-    if any(hasattr(e, "spec") for e in llm.engines):
+    if not all(e.capabilities.precompile for e in llm.engines):
         raise UsageError(
             f"--warmup {mode} does not support speculative decoding (its rounds "
             "compile their own functions); use --warmup requests"

@@ -1,18 +1,21 @@
-"""The server's engine thread: one loop steps the engines for every connected client.
+"""The server's engine thread: one thread steps the engines for every connected client.
 
-HTTP handlers run on the asyncio event loop and never step the engine. They hand requests to
-``AsyncEngine.submit`` (validated already) and read outputs from an ``OutputStream``; the engine
-thread adds the requests between steps, steps every replica while there is work, appends each
-output to its request's stream and, once per step, wakes the streams that got outputs (one
+HTTP handlers run on the asyncio event loop and never step the engine. They process a request
+through the ``LLM``'s ``EngineLoop`` (encoded and validated there, once: a bad one is refused
+before it is queued), hand it to ``AsyncEngine.submit`` and read its outputs from an
+``OutputStream``. The engine thread adds the submitted requests between steps
+(``EngineLoop.add``, whose sink is the request's stream), steps while there is work
+(``EngineLoop.step``) and, once per step, wakes the streams that got outputs (one
 ``loop.call_soon_threadsafe`` per step, not one per output). A handler that falls behind gets its
-backlog merged per sequence (latest state, ``delta_text`` joined: vLLM's
+backlog merged per completion (latest state, ``delta_text`` joined: vLLM's
 ``RequestOutputCollector``), so it sends fewer, larger chunks instead of falling further behind.
 ``abort`` (a client that went away) is applied before the next step, so an aborted request's
 pages are free within one step.
 
-The thread shares the ``LLM``'s ``EngineLoop`` (its lock and its output routes), so ``LLM.generate``
-called in the same process while the server runs joins the same continuous batch. Source: the
-shape of vLLM's ``AsyncLLM`` (engine core in its own loop, per-request output queues).
+The thread uses only ``EngineLoop``'s public methods, the same ones ``LLM.generate`` uses, so
+``LLM.generate`` called in the same process while the server runs joins the same continuous
+batch. Source: the shape of vLLM's ``AsyncLLM`` (engine core in its own loop, per-request output
+collectors).
 """
 
 from __future__ import annotations
@@ -20,15 +23,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import itertools
+import functools
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from jaxinfer.engine.inputs import ProcessedRequest
+from jaxinfer.engine.parallel_sampling import error_output
 from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.sampling.params import SamplingParams
 
 log = logging.getLogger("jaxinfer.server")
 
@@ -41,26 +44,22 @@ class ShuttingDown(Exception):
     """The engine thread has stopped (or died): no request can be added."""
 
 
-@dataclass
-class EngineRequest:
-    """One engine sequence: a validated prompt (token ids) and its params (``n`` = 1; a
-    request with ``n`` > 1 is n of them, ``parallel_sampling.child_params``)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    prompt_text: str | None = None
+def completion_key(out: RequestOutput) -> tuple[str, int | None]:
+    """Which stream of a request's outputs ``out`` continues: (request id, completion index) for
+    an output of one completion (every output of a request with n = 1, the streamed outputs of one
+    with n > 1), (request id, None) for the final output of a request with n > 1."""
+    return out.request_id, (out.outputs[0].index if len(out.outputs) == 1 else None)
 
 
 class OutputStream:
-    """The outputs of one HTTP request's sequences, from the engine thread to its handler.
+    """The outputs of one HTTP request, from the engine thread to its handler.
 
-    The engine thread appends (``_Sink``); the handler awaits ``get``, which returns every output
-    that arrived since its last call, merged per sequence: consecutive outputs of one sequence
-    become the latest of them with their ``delta_text`` joined (the other fields of an output
-    are cumulative: text, token_ids, logprobs). Outputs of different sequences keep their order.
-    ``disconnect`` (the client went away) makes the pending and every later ``get`` return None.
-    Create it on the event loop that reads it.
+    The engine thread calls ``put``; the handler awaits ``get``, which returns every output that
+    arrived since its last call, merged per completion (``completion_key``): consecutive outputs
+    of one completion become the latest of them with their ``delta_text`` joined (the other
+    fields of an output are cumulative: text, token_ids, logprobs). Outputs of different
+    completions keep their order. ``disconnect`` (the client went away) makes the pending and
+    every later ``get`` return None. Create it on the event loop that reads it.
     """
 
     def __init__(self):
@@ -69,7 +68,12 @@ class OutputStream:
         self._event = asyncio.Event()
         self.disconnected = False
 
-    def _wake(self) -> None:  # event loop only
+    def put(self, out: RequestOutput) -> None:
+        """Appends an output (any thread); ``wake`` makes ``get`` see it."""
+        self._items.append(out)
+
+    def wake(self) -> None:
+        """Wakes a pending ``get`` (event loop only)."""
         self._event.set()
 
     def disconnect(self) -> None:
@@ -78,7 +82,7 @@ class OutputStream:
         self._event.set()
 
     async def get(self) -> list[RequestOutput] | None:
-        """Waits for outputs; returns them merged per sequence, or None once disconnected."""
+        """Waits for outputs; returns them merged per completion, or None once disconnected."""
         while not self._items and not self.disconnected:
             self._event.clear()
             if self._items:  # appended before the clear: its wake-up may already have run
@@ -86,53 +90,37 @@ class OutputStream:
             await self._event.wait()
         if self.disconnected:
             return None
-        merged: dict[str, RequestOutput] = {}
+        merged: dict[tuple[str, int | None], RequestOutput] = {}
         while self._items:
             out = self._items.popleft()
-            prev = merged.pop(out.request_id, None)  # re-inserted: ordered by its latest output
+            key = completion_key(out)
+            prev = merged.pop(key, None)  # re-inserted: ordered by its latest output
             if prev is not None and prev.delta_text and out.error is None:
-                out = dataclasses.replace(
-                    out, delta_text=prev.delta_text + (out.delta_text or ""), outputs=None
-                )
-            merged[out.request_id] = out
+                delta = prev.delta_text + (out.delta_text or "")
+                comp = dataclasses.replace(out.outputs[0], delta_text=delta)
+                out = dataclasses.replace(out, delta_text=delta, outputs=[comp])
+            merged[key] = out
         return list(merged.values())
-
-
-class _Sink:
-    """Route of one HTTP request's outputs into its ``OutputStream`` (EngineLoop calls
-    ``append`` under its lock, on the engine thread); the stream is woken by ``AsyncEngine``
-    once the step's outputs are all in."""
-
-    def __init__(self, engine: AsyncEngine, stream: OutputStream):
-        self.engine, self.stream = engine, stream
-
-    def append(self, out: RequestOutput) -> None:
-        self.stream._items.append(out)
-        self.engine._dirty[id(self.stream)] = self.stream
-
-    def extend(self, outs) -> None:
-        for out in outs:
-            self.append(out)
 
 
 def _wake_all(streams: list[OutputStream]) -> None:
     for s in streams:
-        s._wake()
+        s.wake()
 
 
 class AsyncEngine:
     """Background stepping of an ``LLM``'s engines for asyncio handlers.
 
     Args:
-        llm: the loaded ``LLM``.
+        llm: the loaded ``LLM`` (its ``engine_loop`` is stepped).
         max_queue: most sequences accepted beyond the running capacity (``max_num_seqs`` per
             replica); ``submit`` raises ``Overloaded`` past it. None: no limit.
     """
 
     def __init__(self, llm, max_queue: int | None = None):
         self.llm = llm
-        self._eloop = llm._loop  # the LLM's EngineLoop: its lock, routes and _step_all
-        self.engines = list(self._eloop.engines)
+        self.loop = llm.engine_loop
+        self.engines = list(self.loop.engines)
         self.capacity = (
             None
             if max_queue is None
@@ -140,19 +128,20 @@ class AsyncEngine:
         )
         self.outstanding = 0  # sequences submitted and not yet finished or aborted
         self._cv = threading.Condition()
-        self._adds: list[tuple[EngineRequest, _Sink]] = []
+        self._adds: list[tuple[ProcessedRequest, OutputStream]] = []
         self._aborts: list[str] = []
-        self._mine: set[str] = set()  # request ids routed to a sink (engine thread only)
+        # request id -> (its stream, n): added and not finished (engine thread only)
+        self._mine: dict[str, tuple[OutputStream, int]] = {}
         self._dirty: dict[int, OutputStream] = {}  # streams with outputs to wake (engine thread)
-        self._replica = itertools.count()
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the thread died, if it did
 
     # ------------------------------------------------------------------ asyncio side
 
-    def submit(self, requests: Sequence[EngineRequest], stream: OutputStream) -> None:
-        """Queues ``requests`` for the engine thread; their outputs go to ``stream``.
+    def submit(self, requests: Sequence[ProcessedRequest], stream: OutputStream) -> None:
+        """Queues processed requests (``EngineLoop.process``) for the engine thread; their
+        outputs go to ``stream``.
 
         Raises:
             Overloaded: accepting them would exceed ``max_queue``.
@@ -163,15 +152,15 @@ class AsyncEngine:
                 "the engine is not running"
                 + (f" (it failed: {type(self.error).__name__}: {self.error})" if self.error else "")
             )
-        if self.capacity is not None and self.outstanding + len(requests) > self.capacity:
+        seqs = sum(r.n for r in requests)
+        if self.capacity is not None and self.outstanding + seqs > self.capacity:
             raise Overloaded(
                 f"{self.outstanding} sequences are running or queued; the server "
                 f"takes at most {self.capacity} (max_num_seqs + --max-queue)"
             )
-        sink = _Sink(self, stream)
-        self.outstanding += len(requests)
+        self.outstanding += seqs
         with self._cv:
-            self._adds.extend((r, sink) for r in requests)
+            self._adds.extend((r, stream) for r in requests)
             self._cv.notify()
 
     def release(self, n: int) -> None:
@@ -190,7 +179,7 @@ class AsyncEngine:
 
     def num_queued(self) -> int:
         """Sequences submitted but not yet handed to an engine."""
-        return len(self._adds)
+        return sum(r.n for r, _ in list(self._adds))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -208,35 +197,37 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _has_work(self) -> bool:
-        return any(e.has_unfinished() for e in self.engines)
-
     def _run(self) -> None:
         try:
             while True:
                 with self._cv:
-                    while not (self._adds or self._aborts or self._stop or self._has_work()):
+                    while not (self._adds or self._aborts or self._stop or self.loop.has_work()):
                         self._cv.wait(0.5)
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                     stop = self._stop
-                with self._eloop._lock:
-                    if stop:
-                        self._abort_locked(list(self._mine) + [r.request_id for r, _ in adds])
-                        return
-                    self._abort_locked(aborts)
-                    for req, sink in adds:
-                        self._add_locked(req, sink)
-                    if self._has_work():
-                        self._step_locked()
+                if stop:
+                    self.loop.abort(list(self._mine))
+                    self._mine.clear()
+                    return
+                self._apply_aborts(aborts)
+                for req, stream in adds:
+                    self._add(req, stream)
+                self._step()
                 self._flush()
         except BaseException as e:  # noqa: BLE001 - reported by /health and every later submit
             self.error = e
             log.exception("the engine thread stopped")
-            with self._eloop._lock:
-                self._fail_mine_locked(f"the engine stopped: {type(e).__name__}: {e}")
+            self._fail_mine(f"the engine stopped: {type(e).__name__}: {e}")
             self._flush()
             raise
+
+    def _deliver(self, stream: OutputStream, out: RequestOutput) -> None:
+        """The sink of this thread's requests (``EngineLoop`` calls it as it routes outputs)."""
+        stream.put(out)
+        self._dirty[id(stream)] = stream
+        if out.finished:
+            self._mine.pop(out.request_id, None)
 
     def _flush(self) -> None:
         """Wakes the streams that got outputs: one ``call_soon_threadsafe`` per event loop."""
@@ -252,53 +243,31 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is closed: nobody will read them
                 pass
 
-    def _abort_locked(self, request_ids) -> None:
+    def _apply_aborts(self, request_ids: list[str]) -> None:
+        self.loop.abort(request_ids)
         for rid in request_ids:
-            self._eloop._routes.pop(rid, None)
-            self._mine.discard(rid)
-            for eng in self.engines:
-                eng.abort_request(rid)
+            self._mine.pop(rid, None)
 
-    def _add_locked(self, req: EngineRequest, sink: _Sink) -> None:
-        # Round robin, unless a replica's prefix cache holds part of the prompt (EngineLoop's rule).
-        home = self.engines[next(self._replica) % len(self.engines)]
-        eng = self._eloop._route(req.prompt_ids, home)
+    def _add(self, req: ProcessedRequest, stream: OutputStream) -> None:
         try:
-            if req.request_id in self._eloop._routes:
-                raise JaxinferError(f"duplicate request id {req.request_id!r}")
-            eng.add_request(req.request_id, req.prompt_ids, req.params, prompt=req.prompt_text)
-        except JaxinferError as e:
-            sink.append(_error_output(req.request_id, req.prompt_text, str(e)))
+            self.loop.add(req, functools.partial(self._deliver, stream))
+        except JaxinferError as e:  # a duplicate id
+            self._deliver(stream, error_output(req.request_id, req.prompt_text, str(e), req.n))
             return
-        self._eloop._routes[req.request_id] = (sink, None, 0)  # EngineLoop's (queue, parent, i)
-        self._mine.add(req.request_id)
+        self._mine[req.request_id] = (stream, req.n)
 
-    def _step_locked(self) -> None:
-        """One step of every replica with work (``EngineLoop._step_all`` routes the outputs).
-        An exception that escapes the engine's own recovery fails this thread's requests (500s)
-        and leaves the engines to recover on the next step."""
+    def _step(self) -> None:
+        """One step of every replica with work. An exception that escapes the engine's own
+        recovery fails this thread's requests (500s) and leaves the engines to recover on the
+        next step."""
         try:
-            self._eloop._step_all()
+            self.loop.step()
         except Exception as e:  # noqa: BLE001
             log.exception("engine step failed")
-            self._fail_mine_locked(f"engine step failed: {type(e).__name__}: {e}")
-        self._mine = {rid for rid in self._mine if rid in self._eloop._routes}
+            self._fail_mine(f"engine step failed: {type(e).__name__}: {e}")
 
-    def _fail_mine_locked(self, message: str) -> None:
-        for rid in list(self._mine):
-            route = self._eloop._routes.pop(rid, None)
-            for eng in self.engines:
-                eng.abort_request(rid)
-            if route is not None:
-                route[0].append(_error_output(rid, None, message))
-        self._mine.clear()
-
-
-def _error_output(request_id: str, prompt: str | None, error: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        prompt=prompt,
-        prompt_token_ids=[],
-        finish_reason="error",
-        error=error,
-    )
+    def _fail_mine(self, message: str) -> None:
+        mine, self._mine = self._mine, {}
+        self.loop.abort(list(mine))
+        for rid, (stream, n) in mine.items():
+            self._deliver(stream, error_output(rid, None, message, n))

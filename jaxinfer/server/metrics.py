@@ -105,8 +105,8 @@ class _EngineCollector:
         engines = self.thread.engines
         running = sum(len(e.scheduler.running) for e in engines)
         waiting = sum(len(e.scheduler.waiting) for e in engines) + self.thread.num_queued()
-        total = sum(e.allocator.num_pages - 1 for e in engines)  # page 0 is never handed out
-        used = total - sum(e.allocator.num_free for e in engines)
+        total = sum(e.kv_manager.num_pages - 1 for e in engines)  # page 0 is never handed out
+        used = total - sum(e.kv_manager.num_free_pages for e in engines)
         yield self._gauge(
             "jaxinfer:num_requests_running", "Sequences in the running batch.", running
         )
@@ -132,7 +132,7 @@ class _EngineCollector:
         yield self._gauge(
             "jaxinfer:num_compilations",
             "Device functions compiled so far (step "
-            "shapes met, Engine.num_compilations; flat once warm).",
+            "shapes met, EngineCore.num_compilations; flat once warm).",
             sum(e.num_compilations for e in engines),
         )
         stats = prefix_cache_stats(self.llm)

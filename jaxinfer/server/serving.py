@@ -1,13 +1,15 @@
-"""``/v1/completions`` and ``/v1/chat/completions``: validate, submit, stream or collect.
+"""``/v1/completions`` and ``/v1/chat/completions``: process, submit, stream or collect.
 
-A request is checked completely before anything reaches the engine (model name 404; body,
-sampling values, prompt length 400, each naming the field), then becomes one engine sequence per
-(prompt, choice): choice index ``prompt_index * n + j`` as vLLM. Outputs come back on one
-``OutputStream`` (``engine_thread``: what arrived since the last read, merged per sequence, so a
-stream that falls behind sends one chunk per choice with the joined text, and one write per read
-of the stream); a client that disconnects (a watcher reads ``http.disconnect``) or stops reading
-has its unfinished sequences aborted at once. A sequence that fails inside the
-engine is a 500 for this request alone (in a stream: an error event, then ``[DONE]``).
+A request is checked completely before anything reaches the engine: the model name (404) and the
+body (400, ``protocol``) here, then each prompt through ``EngineLoop.process`` (encoded and
+validated once, there: a refusal is a 400 naming the field). It runs as one engine request per
+prompt, whose ``n`` completions the loop fans out; choice ``prompt_index * n + j`` is completion
+j of prompt ``prompt_index``, as vLLM. Outputs come back on one ``OutputStream``
+(``engine_thread``: what arrived since the last read, merged per completion, so a stream that
+falls behind sends one chunk per choice with the joined text, and one write per read of the
+stream); a client that disconnects (a watcher reads ``http.disconnect``) or stops reading has its
+unfinished requests aborted at once. A request that fails inside the engine is a 500 for this
+request alone (in a stream: an error event, then ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import jaxinfer.server.formatting as fmt
-from jaxinfer.cli.prompts_file import _unicode_problem
-from jaxinfer.engine.parallel_sampling import child_params
+from jaxinfer.engine import inputs
 from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling.params import SamplingParams
-from jaxinfer.server.engine_thread import EngineRequest, OutputStream, Overloaded, ShuttingDown
+from jaxinfer.server.engine_thread import (
+    OutputStream,
+    Overloaded,
+    ShuttingDown,
+    completion_key,
+)
 from jaxinfer.server.errors import APIError, error_body
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 
@@ -44,6 +50,7 @@ class _Choice:
     text_offset: int = 0
     final: RequestOutput | None = None
     echo_sent: bool = False
+    completion: int = 0  # its completion of the engine request (choice index % n)
 
 
 class _SSEResponse(StreamingResponse):
@@ -62,8 +69,8 @@ def check_model(state, model: str | None) -> None:
         raise APIError(f"The model `{model}` does not exist.", param="model", status=404)
 
 
-def _validate_param(msg: str, kind: str, req) -> str | None:
-    """The request field an ``Engine.validate`` / encoding error is about."""
+def _validate_param(msg: str, kind: str) -> str | None:
+    """The request field an ``EngineLoop.process`` error is about."""
     if msg.startswith("logprobs"):
         return "top_logprobs" if kind == "chat" else "logprobs"
     if msg.startswith("stop_token_ids"):
@@ -86,27 +93,31 @@ def _prompts(req: CompletionRequest) -> list:
     return list(p)
 
 
-def _encode_all(llm, prompts: list, sp: SamplingParams, kind: str, req) -> list[tuple]:
-    """(token ids, text) of each prompt, validated by the engine (runs in a worker thread)."""
-    encoded = []
+def _process_all(
+    loop, base: str, prompts: list, sp: SamplingParams, kind: str
+) -> list[inputs.ProcessedRequest]:
+    """Each prompt as an engine request ``<base>-<i>``, encoded and validated by the engine
+    loop (runs in a worker thread). Raises APIError (400) naming the field a refusal is about."""
+    procs = []
     for i, p in enumerate(prompts):
         where = "" if len(prompts) == 1 else f" (prompt {i})"
         head = "messages: " if kind == "chat" else ""
-        problem = _unicode_problem(p, False) if isinstance(p, str) else None
-        if problem:
-            raise APIError(f"{head}prompt{where} {problem}", param=_validate_param("", kind, req))
+        problem = inputs.unicode_problem(p) if isinstance(p, str) else None
+        if problem:  # a JSON "\\ud800" escape: the body's text, not the engine's concern
+            raise APIError(f"{head}prompt{where} {problem}", param=_validate_param("", kind))
+        prompt = {"prompt_token_ids": p} if isinstance(p, list) else p
         try:
-            ids, text = llm.encode_prompt(p if not isinstance(p, list) else {"prompt_token_ids": p})
-            llm.engine.validate(ids, sp)
+            procs.append(loop.process(inputs.Request(f"{base}-{i}", prompt, sp)))
         except JaxinferError as e:
-            raise APIError(f"{head}{e}{where}", param=_validate_param(str(e), kind, req)) from None
-        except Exception as e:  # noqa: BLE001 - a tokenizer's own error on this prompt
-            raise APIError(
-                f"{head}cannot encode the prompt{where}: {type(e).__name__}: {e}",
-                param=_validate_param("", kind, req),
-            ) from None
-        encoded.append((ids, text))
-    return encoded
+            raise APIError(f"{head}{e}{where}", param=_validate_param(str(e), kind)) from None
+    return procs
+
+
+def _as_choice(out: RequestOutput) -> RequestOutput:
+    """An output of one completion as its choice's own output: ``finish_reason`` is the
+    completion's (a request with n > 1 has None there until all n finished)."""
+    reason = out.outputs[0].finish_reason
+    return out if reason == out.finish_reason else dataclasses.replace(out, finish_reason=reason)
 
 
 async def _watch_disconnect(raw: Request, stream: OutputStream) -> None:
@@ -126,28 +137,35 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
         prompts = [{"messages": req.template_messages()}]
     else:
         prompts = _prompts(req)
-    encoded = await asyncio.to_thread(_encode_all, state.llm, prompts, sp, kind, req)
     base = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    choices, reqs = [], []
-    children = child_params(sp)  # as LLM.generate: n=1 each, choice j seeded seed + j
-    for i, (ids, text) in enumerate(encoded):
-        for j, csp in enumerate(children):
-            rid = f"{base}-{i}-{j}"
-            echo = (text or "") if kind == "completion" and req.echo else ""
-            choices.append(_Choice(i * req.n + j, rid, ids, j == 0, echo, 0, len(echo)))
-            reqs.append(EngineRequest(rid, ids, csp, text))
+    procs = await asyncio.to_thread(_process_all, state.engine.loop, base, prompts, sp, kind)
+    choices = []
+    for i, proc in enumerate(procs):
+        echo = (proc.prompt_text or "") if kind == "completion" and req.echo else ""
+        for j in range(proc.n):  # completion j of prompt i (the loop seeds it seed + j)
+            choices.append(
+                _Choice(
+                    i * req.n + j,
+                    proc.request_id,
+                    proc.prompt_ids,
+                    j == 0,
+                    echo,
+                    text_offset=len(echo),
+                    completion=j,
+                )
+            )
     cap = state.engine.capacity
-    if cap is not None and len(reqs) > cap:  # never fits: not worth a retry
+    if cap is not None and len(choices) > cap:  # never fits: not worth a retry
         param = "n" if req.n > 1 else "prompt"
         raise APIError(
-            f"the request asks for {len(reqs)} sequences ({len(encoded)} prompts x "
+            f"the request asks for {len(choices)} sequences ({len(procs)} prompts x "
             f"n={req.n}); the server takes at most {cap} at once (max_num_seqs + "
             "--max-queue)",
             param=param,
         )
     stream = OutputStream()
     try:
-        state.engine.submit(reqs, stream)
+        state.engine.submit(procs, stream)
     except (Overloaded, ShuttingDown) as e:
         raise APIError(str(e), status=503) from None
     run = _Run(state, raw, req, kind, base, choices, stream)
@@ -159,13 +177,13 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
 
 
 class _Run:
-    """The sequences of one HTTP request while they run."""
+    """The choices of one HTTP request while they run."""
 
     def __init__(self, state, raw, req, kind, base, choices, stream):
         self.state, self.raw, self.req, self.kind = state, raw, req, kind
         self.id, self.created = base, int(time.time())
         self.choices = choices
-        self.by_rid = {c.request_id: c for c in choices}
+        self.by_key = {(c.request_id, c.completion): c for c in choices}
         self.outputs = stream
         self.released = False
         self.tok = state.llm.tokenizer
@@ -173,18 +191,19 @@ class _Run:
         self.echo_lp = kind == "completion" and req.echo and req.logprobs is not None
 
     def _cleanup(self) -> None:
-        """Aborts the unfinished sequences and gives their places back (once)."""
+        """Aborts the unfinished requests and gives their places back (once)."""
         if self.released:
             return
         self.released = True
-        left = [c.request_id for c in self.choices if c.final is None]
+        left = list(dict.fromkeys(c.request_id for c in self.choices if c.final is None))
         if left:
             self.state.engine.abort(left)
         self.state.engine.release(len(self.choices))
 
-    async def _outputs(self) -> AsyncIterator[list[RequestOutput] | None]:
-        """Outputs, a read of the stream at a time (merged per sequence), until every choice
-        finished; None when the client went away."""
+    async def _outputs(self) -> AsyncIterator[list[tuple[_Choice | None, RequestOutput]] | None]:
+        """(choice, its output) pairs, a read of the stream at a time (merged per completion),
+        until every choice finished; None when the client went away. A failed request's error
+        output comes with choice None (the caller fails the whole HTTP request)."""
         watcher = asyncio.create_task(_watch_disconnect(self.raw, self.outputs))
         try:
             remaining = len(self.choices)
@@ -195,15 +214,18 @@ class _Run:
                     return
                 outs = []
                 for out in got:
-                    c = self.by_rid.get(out.request_id)
-                    if c is None or c.final is not None:
+                    if out.error is not None:
+                        outs.append((None, out))
                         continue
+                    c = self.by_key.get(completion_key(out))
+                    if c is None or c.final is not None:
+                        continue  # the final output of n > 1: every choice finished before it
+                    out = _as_choice(out)
                     if out.finished:
                         c.final = out
                         remaining -= 1
-                        if out.error is None:
-                            self.state.metrics.finished(out, count_prompt=c.first_of_prompt)
-                    outs.append(out)
+                        self.state.metrics.finished(out, count_prompt=c.first_of_prompt)
+                    outs.append((c, out))
                 if outs:
                     yield outs
         finally:
@@ -216,7 +238,7 @@ class _Run:
             async for outs in self._outputs():
                 if outs is None:  # nobody to answer: abort (finally) and send nothing useful
                     return JSONResponse(error_body("client disconnected", 499), status_code=499)
-                for out in outs:
+                for _, out in outs:
                     if out.error is not None:
                         raise APIError(f"the engine failed this request: {out.error}", status=500)
         finally:
@@ -360,7 +382,7 @@ class _Run:
                 if outs is None:
                     return
                 parts = []  # one write per read of the stream
-                for out in outs:
+                for c, out in outs:
                     if out.error is not None:
                         parts += [
                             fmt.sse(
@@ -370,7 +392,6 @@ class _Run:
                         ]
                         yield "".join(parts)
                         return
-                    c = self.by_rid[out.request_id]
                     if c.echo and not c.echo_sent and out.prompt_logprobs is not None:
                         c.echo_sent = True  # the prompt logprobs come with the first output
                         parts.append(

@@ -15,9 +15,10 @@ What is jitted (``jitted_spec_round``, one XLA program per round and bucket tupl
    heads method the next round's drafts from the Medusa heads at the hidden state of the last
    accepted position.
 
-The host (``SpecEngine``) runs between rounds: admission, chunked prefill, page allocation for
-R+1 more slots, appending the emitted tokens with stop checks, and rolling back the KV lengths of
-rejected positions (``num_computed`` counts only accepted tokens; the pages are kept).
+The host (``EngineCore`` with a ``SpeculativeStrategy``) runs between rounds: admission, chunked
+prefill, page allocation for R+1 more slots, appending the emitted tokens with stop checks, and
+rolling back the KV lengths of rejected positions (``num_computed`` counts only accepted tokens;
+the pages are kept).
 """
 
 from __future__ import annotations

@@ -86,8 +86,7 @@ def generate_corpus(llm, num_sequences: int, gen_tokens: int, seed: int) -> list
 def hidden_states(params, cfg, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Final-normed hidden states f32[N, S, D] of the sequences padded to S, and i32[N, S] ids
     (-1 padding). Padding sits after each sequence, so causal attention keeps it invisible."""
-    from jaxinfer.models.attention import dense_attn_fn
-    from jaxinfer.models.forward import forward
+    from jaxinfer.models.dense import dense_hidden
 
     s = max(len(x) for x in seqs)
     ids = np.full((len(seqs), s), -1, np.int32)
@@ -95,12 +94,8 @@ def hidden_states(params, cfg, seqs: list[list[int]]) -> tuple[np.ndarray, np.nd
         ids[i, : len(x)] = x
 
     @jax.jit
-    def run(tok):  # [b, S]
-        b = tok.shape[0]
-        seg = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)
-        pos = jnp.tile(jnp.arange(s, dtype=jnp.int32), b)
-        h, _ = forward(params, cfg, tok.reshape(-1), pos, None, dense_attn_fn(cfg, seg, pos))
-        return h.reshape(b, s, -1).astype(jnp.float32)
+    def run(tok):  # i32[b, S]
+        return dense_hidden(params, cfg, tok).astype(jnp.float32)
 
     out = [
         np.asarray(run(jnp.asarray(np.maximum(ids[i : i + 32], 0))))

@@ -1,7 +1,7 @@
 """Streaming detokenization: generated ids to text, one id at a time.
 
-The rule (also in the README): the output text of a request is the decoding of its output ids in
-the context of its prompt, and the concatenated deltas are exactly that text:
+The rule (also in docs/python-api.md): the output text of a request is the decoding of its output
+ids in the context of its prompt, and the concatenated deltas are exactly that text:
 
     text == decode(prompt + output)[len(c):]
 

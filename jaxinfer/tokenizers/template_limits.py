@@ -19,7 +19,7 @@ import jinja2
 from jinja2.sandbox import MAX_RANGE
 from jinja2.utils import Namespace, generate_lorem_ipsum
 
-MAX_RENDER_SECONDS = 2.0  # wall time of one render; real templates take under 10 ms
+MAX_RENDER_SECONDS = 2.0  # wall time of one render; real templates take a tiny part of it
 MAX_TEMPLATE_CHARS = 1 << 20  # 1 Mi characters, plus INPUT_CHARS_FACTOR x the messages' text
 INPUT_CHARS_FACTOR = 4
 MAX_CALL_DEPTH = 64  # nested calls; recursive tool-schema macros nest about as deep as the JSON
@@ -361,8 +361,9 @@ def check_call(obj, args: tuple, kwargs: dict, b: Budget) -> tuple:
 
 
 MAX_WORDWRAP_CHARS = 100_000
-"""Longest text the wordwrap filter takes (0.34 s at width 1 on this project's CPU; textwrap's
-time grows quadratically within one call, where the deadline cannot interrupt it)."""
+"""Longest text the wordwrap filter takes (a fraction of MAX_RENDER_SECONDS at width 1,
+docs/performance.md; textwrap's time grows quadratically within one call, where the deadline
+cannot interrupt it)."""
 
 
 def _filter_checks(name: str, bound: dict, env, b: Budget) -> None:

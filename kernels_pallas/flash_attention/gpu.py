@@ -126,7 +126,9 @@ def _gpu_id_specs(q_ids, q_block, kv_block):
     ]
 
 
-def _gpu_forward(cfg, q, k, v, q_ids, kv_ids):
+def gpu_forward(cfg, q, k, v, q_ids, kv_ids):
+    """The forward pass on GPU (Triton): ``(o, lse)`` for ``kernel.flash_attention``'s
+    custom_vjp (shapes as there: q f[B, N, T, H], k/v f[B, K, S, H])."""
     b, n, t, h = q.shape
     s = k.shape[2]
     hp = max(16, pl.next_power_of_2(h))
@@ -158,7 +160,9 @@ def _gpu_forward(cfg, q, k, v, q_ids, kv_ids):
     return o[..., :h], lse  # lse: f32[B, N, T]
 
 
-def _gpu_backward(cfg, q, k, v, q_ids, kv_ids, o, lse, do):
+def gpu_backward(cfg, q, k, v, q_ids, kv_ids, o, lse, do):
+    """The backward pass on GPU (Triton): ``(dq, dk, dv)`` from the forward's ``o``, ``lse``
+    and the output gradient ``do`` (``kernel.flash_attention``'s custom_vjp)."""
     b, n, t, h = q.shape
     kh, s = k.shape[1], k.shape[2]
     hp = max(16, pl.next_power_of_2(h))

@@ -32,13 +32,13 @@ from kernels_pallas.flash_attention.common import (
     BACKENDS,  # noqa: F401
     _Config,
 )
-from kernels_pallas.flash_attention.gpu import _gpu_backward, _gpu_forward
+from kernels_pallas.flash_attention.gpu import gpu_backward, gpu_forward
 from kernels_pallas.flash_attention.reference import SegmentIds, split_segment_ids
-from kernels_pallas.flash_attention.tpu import _tpu_backward, _tpu_forward
+from kernels_pallas.flash_attention.tpu import tpu_backward, tpu_forward
 
 
 def _forward(cfg, q, k, v, q_ids, kv_ids):
-    impl = _tpu_forward if cfg.backend == "tpu" else _gpu_forward
+    impl = tpu_forward if cfg.backend == "tpu" else gpu_forward
     return impl(cfg, q, k, v, q_ids, kv_ids)
 
 
@@ -54,7 +54,7 @@ def _flash_fwd(cfg, q, k, v, q_ids, kv_ids):
 
 def _flash_bwd(cfg, residuals, do):
     q, k, v, q_ids, kv_ids, o, lse = residuals
-    impl = _tpu_backward if cfg.backend == "tpu" else _gpu_backward
+    impl = tpu_backward if cfg.backend == "tpu" else gpu_backward
     dq, dk, dv = impl(cfg, q, k, v, q_ids, kv_ids, o, lse, do)
     return dq, dk, dv, None, None
 

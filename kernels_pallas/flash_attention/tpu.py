@@ -70,7 +70,9 @@ def _tpu_id_arrays(q_ids, kv_ids):
     return q_ids, kv_ids
 
 
-def _tpu_forward(cfg, q, k, v, q_ids, kv_ids):
+def tpu_forward(cfg, q, k, v, q_ids, kv_ids):
+    """The forward pass on TPU (Mosaic): ``(o, lse)`` for ``kernel.flash_attention``'s
+    custom_vjp (shapes as there: q f[B, N, T, H], k/v f[B, K, S, H])."""
     b, n, t, h = q.shape
     s = k.shape[2]
     bq, bk = cfg.block_sizes.block_q, cfg.block_sizes.block_k
@@ -195,7 +197,9 @@ def _tpu_dq_kernel(
         dq_ref[...] = (dq_sc[...] * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def _tpu_backward(cfg, q, k, v, q_ids, kv_ids, o, lse, do):
+def tpu_backward(cfg, q, k, v, q_ids, kv_ids, o, lse, do):
+    """The backward pass on TPU (Mosaic): ``(dq, dk, dv)`` from the forward's ``o``, ``lse``
+    and the output gradient ``do`` (``kernel.flash_attention``'s custom_vjp)."""
     b, n, t, h = q.shape
     kh, s = k.shape[1], k.shape[2]
     g = cfg.groups

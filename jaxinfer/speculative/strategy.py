@@ -1,26 +1,31 @@
-"""``SpecEngine``: the continuous-batching engine with speculative rounds (host side).
+"""``SpeculativeStrategy``: speculative rounds in place of an engine core's plain step (host side).
 
-Each ``step`` is one round: the scheduler admits and chunks prefills as usual; every decode row
-becomes a verify row of 1 + r query tokens (r <= R drafts, fewer near max_tokens/max_model_len,
-when the pool is short, or when the n-gram lookup finds less), for which pages are allocated up
-front; the jitted round (``round.spec_round``) drafts, verifies and accepts; then each row's
-emitted tokens are appended one by one with the usual stop checks, and ``num_computed`` advances by
-1 + accepted only, which rolls back the KV length of rejected positions (their pages stay
-allocated and are overwritten by the next round).
+``EngineCore.step`` with a strategy is one round: the scheduler admits and chunks prefills as
+usual; the strategy (``run_round``) makes every decode row a verify row of 1 + r query tokens
+(r <= R drafts, fewer near max_tokens/max_model_len, when the pool is short, or when the n-gram
+lookup finds less), for which pages are allocated up front; the jitted round
+(``round.spec_round``) drafts, verifies and accepts over the runner's params and pool
+(``ModelRunner.run_with_pool``); ``num_computed`` advances by 1 + accepted only, which rolls back
+the KV length of rejected positions (their pages stay allocated and are overwritten by the next
+round). The core then appends each row's emitted tokens one by one with the usual stop checks.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from jaxinfer.engine.batch import MIN_DECODE_ROWS, MIN_PAGES_PER_SEQ, MIN_PREFILL_TOKENS, next_pow2
-from jaxinfer.engine.core import Engine, EngineConfig
-from jaxinfer.engine.scheduler import ScheduledRow, Sequence
+from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.kv_manager import KVCacheManager
+from jaxinfer.engine.runner import Capabilities, ModelRunner
+from jaxinfer.engine.scheduler import ScheduledRow, ScheduleOutput
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.kv_cache import NULL_PAGE, OutOfPagesError, init_kv_cache
+from jaxinfer.models.kv_cache import NULL_PAGE, init_kv_cache
 from jaxinfer.models.paged_attention import AttentionMetadata
 from jaxinfer.models.params import Params
 from jaxinfer.outputs import RequestOutput, TokenLogprob
@@ -28,7 +33,6 @@ from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams, SamplingTens
 from jaxinfer.speculative.config import SpecConfig
 from jaxinfer.speculative.drafters import DraftHeads, ngram_propose
 from jaxinfer.speculative.round import SpecBatch, jitted_spec_round
-from jaxinfer.tokenizers import Tokenizer
 
 MIN_ROWS = MIN_DECODE_ROWS
 
@@ -121,33 +125,58 @@ def build_spec_batch(
     )
 
 
-class SpecEngine(Engine):
-    """``Engine`` whose steps are speculative rounds.
+@dataclasses.dataclass(eq=False)
+class RoundRow:
+    """One row's result of a round.
+
+    Attributes:
+        seq: the row's sequence (``num_computed`` already advanced past what was emitted).
+        tokens: the tokens it emits, in order (1 + accepted drafts; one for a prefill row that
+            reached its prompt's end).
+        logprobs: each token's ``TokenLogprob`` when the request asks for logprobs, else None.
+        drafted: drafts the row verified this round (0 for a prefill row).
+    """
+
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    drafted: int = 0
+
+
+class SpeculativeStrategy:
+    """Speculative rounds over a runner's model (module docstring).
 
     Args:
-        cfg, params, tokenizer, ecfg: as ``Engine``.
+        runner: the target model's ``ModelRunner`` (its params and pool run the verify pass).
         spec: the drafter and R.
         draft_cfg, draft_params: the draft model (method "draft-model"); its vocabulary must be
-            the target's. Its paged KV cache uses the target's page ids (one allocator, two pools).
+            the target's. Its paged KV cache uses the target's page ids (one KV manager, two pools).
         heads: the Medusa heads (method "heads").
 
     Raises:
-        ValueError: a missing or mismatched drafter for ``spec.method``.
+        ValueError: a missing or mismatched drafter for ``spec.method``, or a sharded runner.
     """
+
+    capabilities = Capabilities(
+        prompt_logprobs=False,  # the round makes logits at the verify positions only
+        async_scheduling=False,  # a round reads its tokens back before the next is planned
+        batch_invariant=False,  # the verify pass runs the batched attention
+        background_compiles=False,
+        precompile=False,  # its steps are rounds ("spec_round" keys), not the plain step's
+    )
 
     def __init__(
         self,
-        cfg: ModelConfig,
-        params: Params,
-        tokenizer: Tokenizer,
-        ecfg: EngineConfig,
+        runner: ModelRunner,
         spec: SpecConfig,
         draft_cfg: ModelConfig | None = None,
         draft_params: Params | None = None,
         heads: DraftHeads | None = None,
     ):
-        super().__init__(cfg, params, tokenizer, ecfg)
-        self.spec = spec
+        if runner.mesh is not None:
+            raise ValueError("speculative decoding does not support sharded engines yet")
+        cfg = runner.cfg
+        self.runner, self.spec = runner, spec
         self.draft_cfg, self.draft_params, self.draft_kv = None, None, None
         if spec.method == "draft-model":
             if draft_params is None or draft_cfg is None:
@@ -157,13 +186,7 @@ class SpecEngine(Engine):
                     f"draft vocab_size={draft_cfg.vocab_size} != target {cfg.vocab_size}"
                 )
             self.draft_cfg, self.draft_params = draft_cfg, draft_params
-            self.draft_kv = init_kv_cache(
-                draft_cfg,
-                ecfg.num_pages,
-                ecfg.page_size,
-                draft_params.embed.dtype,
-                self.kv_page_major,
-            )
+            self.draft_kv = self._new_draft_kv()
         elif spec.method == "heads":
             if heads is None:
                 raise ValueError("speculative='heads' needs draft heads (draft_heads=PATH)")
@@ -171,6 +194,16 @@ class SpecEngine(Engine):
         self._round = jitted_spec_round()
         self._stats: dict[str, list[int]] = {}  # request id -> [rounds, drafted, accepted]
         self._pending: dict[str, list[int]] = {}  # heads: next round's drafts per request
+
+    def _new_draft_kv(self):
+        ecfg = self.runner.ecfg
+        return init_kv_cache(
+            self.draft_cfg,
+            ecfg.num_pages,
+            ecfg.page_size,
+            self.draft_params.embed.dtype,
+            self.runner.kv_page_major,
+        )
 
     # ---------------------------------------------------------------- drafts on the host
 
@@ -180,7 +213,7 @@ class SpecEngine(Engine):
         p = seq.params
         if p.max_tokens is not None:
             r = min(r, p.max_tokens - len(seq.output_ids) - 1)
-        r = min(r, self.ecfg.max_model_len - seq.num_tokens)
+        r = min(r, self.runner.ecfg.max_model_len - seq.num_tokens)
         return max(r, 0)
 
     def _host_drafts(self, seq: Sequence, r: int) -> list[int]:
@@ -191,24 +224,27 @@ class SpecEngine(Engine):
             return self._pending.get(seq.request_id, [])[:r]
         return []
 
-    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Pages for ``num_tokens`` tokens of ``seq``; False (nothing allocated) when short."""
-        need = -(-num_tokens // self.ecfg.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        try:
-            seq.pages.extend(self.allocator.allocate(need))
-        except OutOfPagesError:
-            return False
-        return True
-
     # ---------------------------------------------------------------- the round
 
-    def _run_step(self) -> list[RequestOutput]:
-        """One speculative round (``Engine.step`` calls it and recovers from its failures);
-        returns outputs of requests with new tokens (a request may appear once per emitted
-        token, each with its ``delta_text``)."""
-        sched = self._schedule()
+    def run_round(
+        self,
+        sched: ScheduleOutput,
+        kv_manager: KVCacheManager,
+        controls: Callable[[list, int], object],
+    ) -> list[RoundRow]:
+        """Drafts, verifies and accepts for ``sched``'s decode rows (and runs its prefill rows),
+        waiting for the device; advances each row's ``num_computed``.
+
+        Args:
+            sched: the scheduled rows (pages of their scheduled tokens allocated).
+            kv_manager: the engine's KV-cache manager (pages for the drafts' slots).
+            controls: ``EngineCore``'s logits controls of (row, index) pairs padded to B rows.
+
+        Returns:
+            A ``RoundRow`` per row that emits tokens (decode rows, and prefill rows that reach
+            their prompt's end), in row order.
+        """
+        ecfg, cfg = self.runner.ecfg, self.runner.cfg
         verify = []
         for row in sched.decode:
             seq = row.seq
@@ -217,14 +253,14 @@ class SpecEngine(Engine):
             if r and self.spec.method != "draft-model":
                 drafts = self._host_drafts(seq, r)
                 r = len(drafts)
-            if r and not self._reserve(seq, seq.num_computed + 1 + r):
+            if r and not kv_manager.allocate(seq, 1 + r):  # False: nothing allocated
                 r, drafts = 0, []
             verify.append((seq, drafts, r))
         batch = build_spec_batch(
             verify,
             sched.prefill,
-            self.ecfg.page_size,
-            self.ecfg.max_pages_per_seq,
+            ecfg.page_size,
+            ecfg.max_pages_per_seq,
             self.spec.num_speculative_tokens,
         )
         b = batch.num_drafts.shape[0]
@@ -234,37 +270,40 @@ class SpecEngine(Engine):
         for i, seq in enumerate(seqs):
             params_rows[i], seeds[i], steps[i] = seq.params, seq.seed, len(seq.output_ids)
         st = SamplingTensors.from_params(params_rows, seeds, steps, pad_to=b)
-        rows = [(ScheduledRow(seq, 0), i) for i, seq in enumerate(seqs)]
-        controls = self._controls(rows, b)
+        ctl = controls([(ScheduledRow(seq, 0), i) for i, seq in enumerate(seqs)], b)
         want_lp = any(seq.params.logprobs is not None for seq in seqs)
-        num_lp = min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0
+        num_lp = min(MAX_LOGPROBS, cfg.vocab_size) if want_lp else 0
         key = (batch.tokens.shape[0], b, batch.md.block_tables.shape[1])
-        self.compile_keys.add(("spec_round", key, controls is not None, num_lp))
-        self.kv, self.draft_kv, out = self._round(
-            self.params,
-            self.kv,
-            self.draft_params,
-            self.draft_kv,
-            batch,
-            st,
-            controls,
-            cfg=self.cfg,
-            dcfg=self.draft_cfg,
-            method=self.spec.method,
-            num_spec=self.spec.num_speculative_tokens,
-            attn_impl=self.ecfg.attn_impl,
-            num_logprobs=num_lp,
-        )
+        self.runner.compile_keys.add(("spec_round", key, ctl is not None, num_lp))
+
+        def round_fn(params, kv):
+            kv, self.draft_kv, out = self._round(
+                params,
+                kv,
+                self.draft_params,
+                self.draft_kv,
+                batch,
+                st,
+                ctl,
+                cfg=cfg,
+                dcfg=self.draft_cfg,
+                method=self.spec.method,
+                num_spec=self.spec.num_speculative_tokens,
+                attn_impl=ecfg.attn_impl,
+                num_logprobs=num_lp,
+            )
+            return kv, out
+
+        out = self.runner.run_with_pool(round_fn)
         tokens, n_acc = np.asarray(out.tokens), np.asarray(out.num_accepted)
         lps = np.asarray(out.logprobs)
         top_ids, top_lps = (
             (np.asarray(out.top_ids), np.asarray(out.top_logprobs)) if num_lp else (None, None)
         )
         next_drafts = np.asarray(out.next_drafts)
-        now = time.perf_counter()
-        self.num_steps += 1
-        results = []
+        rows = []
         for i, seq in enumerate(seqs):
+            r = 0
             if i < len(verify):
                 r = verify[i][2]
                 n_emit = int(n_acc[i]) + 1
@@ -282,41 +321,34 @@ class SpecEngine(Engine):
                 n_emit = 1
             if self.spec.method == "heads":
                 self._pending[seq.request_id] = [int(x) for x in next_drafts[i]]
-            for j in range(n_emit):
-                lp = None
-                if seq.params.logprobs is not None:
-                    k = seq.params.logprobs
-                    lp = TokenLogprob(
-                        int(tokens[i, j]),
-                        float(lps[i, j]),
-                        [
-                            (int(a), float(x))
-                            for a, x in zip(top_ids[i, j, :k], top_lps[i, j, :k], strict=False)
-                        ],
-                    )
-                o = self._append(seq, int(tokens[i, j]), lp, now)
-                self._fill_metrics(o)
-                results.append(o)
-                if seq.finish_reason is not None:
-                    self._stats.pop(seq.request_id, None)
-                    self._pending.pop(seq.request_id, None)
-                    break
-        return results
+            k = seq.params.logprobs
+            logprobs = [
+                None
+                if k is None
+                else TokenLogprob(
+                    int(tokens[i, j]),
+                    float(lps[i, j]),
+                    [
+                        (int(a), float(x))
+                        for a, x in zip(top_ids[i, j, :k], top_lps[i, j, :k], strict=False)
+                    ],
+                )
+                for j in range(n_emit)
+            ]
+            rows.append(RoundRow(seq, [int(t) for t in tokens[i, :n_emit]], logprobs, r))
+        return rows
 
-    def _reset_device_state(self) -> None:
-        super()._reset_device_state()
+    def reset_after_failure(self) -> None:
+        """After a failed round: a fresh draft pool when the failed call consumed it; the heads'
+        drafts of the dropped round are forgotten."""
         leaves = jax.tree_util.tree_leaves(self.draft_kv)
         if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
-            self.draft_kv = init_kv_cache(
-                self.draft_cfg,
-                self.ecfg.num_pages,
-                self.ecfg.page_size,
-                self.draft_params.embed.dtype,
-                self.kv_page_major,
-            )
-        self._pending.clear()  # heads' drafts of the dropped round
+            self.draft_kv = self._new_draft_kv()
+        self._pending.clear()
 
-    def _fill_metrics(self, out: RequestOutput) -> None:
+    def fill_metrics(self, out: RequestOutput) -> None:
+        """Puts the request's round statistics in ``out.metrics`` (rounds, acceptance rate, mean
+        accepted tokens a round)."""
         s = self._stats.get(out.request_id)
         if s is None or s[0] == 0:
             return
@@ -325,15 +357,21 @@ class SpecEngine(Engine):
         m.acceptance_rate = s[2] / s[1] if s[1] else 0.0
         m.mean_accepted_tokens = s[2] / s[0]
 
+    def forget(self, request_id: str) -> None:
+        """Drops a finished request's statistics and pending drafts."""
+        self._stats.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
 
 def make_spec_engine(
-    engine: Engine,
+    engine: EngineCore,
     method: str,
     num_speculative_tokens: int,
     draft_model: str | None,
     draft_heads: str | None,
-) -> SpecEngine:
-    """A ``SpecEngine`` over a built engine's model and sizes (``LLM(speculative=...)``).
+) -> EngineCore:
+    """An ``EngineCore`` over a fresh runner of ``engine``'s model and sizes (its own KV pool)
+    whose steps are speculative rounds (``LLM(speculative=...)``); ``engine`` is left as it was.
 
     Raises:
         ValueError: bad method or R, a missing drafter path, a sharded engine, a draft that does
@@ -341,7 +379,7 @@ def make_spec_engine(
     """
     from jaxinfer.speculative.drafters import load_draft_model, load_heads
 
-    if getattr(engine, "mesh", None) is not None:
+    if engine.mesh is not None:
         raise ValueError("speculative decoding does not support sharded engines yet")
     spec = SpecConfig(method, num_speculative_tokens)
     kw = {}
@@ -359,4 +397,6 @@ def make_spec_engine(
                 "speculative='heads' needs draft_heads (a directory from train-draft-heads)"
             )
         kw["heads"] = load_heads(draft_heads, engine.cfg)
-    return SpecEngine(engine.cfg, engine.params, engine.tokenizer, engine.ecfg, spec, **kw)
+    runner = ModelRunner(engine.cfg, engine.params, engine.ecfg)
+    strategy = SpeculativeStrategy(runner, spec, **kw)
+    return EngineCore(runner, engine.tokenizer, speculative=strategy)
