@@ -25,8 +25,8 @@ from jaxinfer.engine.batch import Buckets, holds_within_one_bucket, next_pow2, s
 
 REUSE_STEPS = 64
 """Steps that want an uncompiled key, padded to a compiled one, before that key is compiled. A
-padded step costs up to ~2x (batch-1 decode of a ~110M model on 2 cores: ~25 ms more), a compile
-~1-5 s: 64 padded steps cost less than the compile they may save."""
+padded step costs up to twice its exact step, a compile seconds: 64 padded steps cost less than
+the compile they may save (figures: docs/performance.md, "Design measurements")."""
 
 
 def choose_buckets(need: Buckets, compiled: set, sample_flags: tuple) -> Buckets:

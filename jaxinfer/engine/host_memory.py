@@ -2,9 +2,8 @@
 
 XLA:CPU allocates each step's output and temporary buffers afresh. glibc's malloc serves a large
 request (over its mmap threshold, at most 32 MiB) with a new ``mmap`` and returns it with
-``munmap`` on free, so every step pays first-touch page faults on every large buffer: measured
-here, a 50 MB copy ran at 1.1-1.8 GB/s that way against 3.1-5.5 GB/s with mmap off, and a
-gather of a decode step's KV pages 2-3x faster. ``keep_freed_host_memory`` turns off mmap
+``munmap`` on free, so every step pays first-touch page faults on every large buffer (the
+figures: docs/performance.md, "Design measurements"). ``keep_freed_host_memory`` turns off mmap
 allocation and heap trimming (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD, 2**31-1)``,
 the settings of glibc's ``MALLOC_MMAP_MAX_`` / ``MALLOC_TRIM_THRESHOLD_`` environment variables),
 so freed buffers are reused without page faults. The cost: the process keeps its peak heap
