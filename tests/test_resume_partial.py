@@ -6,7 +6,8 @@ k output tokens (k = 0, 1, ..., n - 1, across a stop string and inside ``min_tok
 the same token ids, text, finish and stop reasons; logprob values may differ in the last float
 bits, since the resumed prefill computes the same logits in another batch layout (they are
 compared within 1e-5, the tolerance of ``test_async_scheduling``; bitwise equality is the
-batch-invariant mode's promise, not this one's).
+batch-invariant mode's promise, not this one's). Negative seeds resume with their low 32 bits; a
+partial file that is a FIFO or a device is never read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -565,3 +567,31 @@ def test_write_atomic_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no .tmp left on a full disk
     partial_mod.write_atomic(path, b"new")
     assert path.read_bytes() == b"new"
+
+
+def test_negative_seeds_resume_with_their_low_32_bits(stories_llm):
+    llm = stories_llm
+    sp = SamplingParams(temperature=0.9, max_tokens=12, seed=-2)
+    low = SamplingParams(temperature=0.9, max_tokens=12, seed=(-2) & 0xFFFFFFFF)
+    a, b = llm.generate(["Once upon a time"] * 2, [sp, low])
+    assert a.error is None and a.token_ids == b.token_ids
+    ids = llm.encode_prompt("Once upon a time")[0]
+    llm.engine.validate(ids, sp, ResumeState(-2, tuple(a.token_ids[:3])))
+    resumed = list(
+        llm.generate_stream(
+            ["Once upon a time"], sp, resume=[ResumeState(-2, tuple(a.token_ids[:3]))]
+        )
+    )[-1]
+    assert resumed.token_ids == a.token_ids
+
+
+def test_a_partial_file_that_is_a_device_or_fifo_is_not_read(tmp_path):
+    from jaxinfer.cli import partial
+
+    fifo = tmp_path / "p.partial.json"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        warnings = []
+        t0 = time.perf_counter()
+        assert partial.load(type(fifo)(path), {}, warnings.append) == {}
+        assert time.perf_counter() - t0 < 10 and "not a regular file" in warnings[0]
