@@ -17,6 +17,7 @@ import time
 import tracemalloc
 
 import pytest
+from conftest import STORIES_CLI_FLAGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -531,11 +532,7 @@ def test_bad_template_record_fails_alone_in_cli(
             str(prompts),
             "--out",
             str(out),
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "8",
-            "--no-progress",
+            *STORIES_CLI_FLAGS,
             "--max-tokens",
             "8",
             "--temperature",

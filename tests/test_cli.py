@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import STORIES_CLI_FLAGS
 
 from jaxinfer.cli import main as cli
 
@@ -29,8 +30,8 @@ needs_model = pytest.mark.skipif(
     not STORIES.is_dir(), reason=f"stories260K directory {STORIES} is absent (set JAXINFER_SHARED)"
 )
 BOS = 1
-# One engine shape for every test, so the compiled steps are shared.
-ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]
+# One engine shape for every test, the stories_llm fixture's, so the compiled steps are shared.
+ENGINE = STORIES_CLI_FLAGS
 
 
 def _run(tmp_path, prompts: Path, out: Path, *flags: str, capsys=None) -> tuple[int, dict | None]:
@@ -102,7 +103,7 @@ def test_bad_records_become_error_records_and_the_rest_complete(tmp_path, capsys
         {"id": "b", "prompt": "Tom", "temprature": 0.5},  # unknown sampling key
         {"id": "c", "prompt": "Tom", "top_p": 2.0},
         {"id": "d", "prompt_token_ids": []},
-        {"id": "e", "prompt_token_ids": [BOS] + [300] * 300},  # longer than max_model_len
+        {"id": "e", "prompt_token_ids": [BOS] + [300] * 600},  # longer than max_model_len
         {"id": "a", "prompt": "Lily"},  # duplicate id
         {"prompt": "Lily wanted to", "max_tokens": 3},  # id = 0-based line number
         [1, 2],

@@ -15,6 +15,7 @@ from pathlib import Path
 import hf_fixtures as H
 import numpy as np
 import pytest
+from conftest import STORIES_CLI_FLAGS
 
 from jaxinfer.cli import main as cli
 from jaxinfer.errors import CheckpointError, RequestError
@@ -31,7 +32,7 @@ needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"{STORIES} is a
 NEW = 12  # tokens generated per request
 ENGINE = dict(max_model_len=64, max_num_seqs=4)  # one engine shape: LLM and CLI share compiles
 CLI_ENGINE = ["--max-model-len", "64", "--max-num-seqs", "4", "--no-progress"]
-STORIES_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]  # test_cli's
+STORIES_ENGINE = STORIES_CLI_FLAGS  # test_cli's
 LOGPROB_ATOL = 1e-4  # f32 against transformers f32 (logits agree to max_rel 1e-4, test_hf_parity)
 
 

@@ -33,7 +33,9 @@ SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
 )
 STORIES = SHARED / "models" / "stories260K"
-ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]  # test_cli's shapes
+# At most 8 rows at once, so requests wait in the queue when the run is interrupted (the sizes of
+# test_parallel_sampling's CLI runs, which then share their compiled steps).
+ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]
 LOGPROB_ATOL = 1e-5
 DOT = 426  # stories260K's "." token
 PROMPT = "Once upon a time"
@@ -62,15 +64,13 @@ def _same_logprobs(got, want, where) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    """stories260K with the CLI tests' engine sizes, so all share their compiled steps; the XLA
+def llm(stories_llm_xla):
+    """stories260K with the shared engine sizes (conftest's ``stories_llm_xla``); the XLA
     attention, whose batch-layout drift the 1e-5 bound was measured on (with the CPU decode
     kernel, the default since session 10, a resumed row's logprobs drifted up to 1.4e-5 from the
     uninterrupted run's, same tokens; the kernel's own accuracy is checked against float64 in
     test_cpu_decode_kernel, and this file's CLI tests run it)."""
-    from jaxinfer.llm import LLM
-
-    return LLM(STORIES, max_model_len=256, max_num_seqs=8, attn_impl="xla")
+    return stories_llm_xla
 
 
 def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
@@ -121,7 +121,7 @@ def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
         return ResumeState(seeds[c], tuple(r.token_ids[:k]), tuple(r.logprobs[:k]))
 
     outs = {}
-    for i in range(0, len(reqs), 8):  # 8 rows at most: the CLI tests' decode bucket
+    for i in range(0, len(reqs), 8):  # 8 rows at most: decode buckets up to 8 only
         part = reqs[i : i + 8]
         for o in llm.generate_stream(
             [PROMPT] * len(part),
