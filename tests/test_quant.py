@@ -21,6 +21,10 @@ from jaxinfer.quant.kv import dequantize_kv, quantize_kv
 from jaxinfer.quant.matmul import choose_formulation, qlinear, qmatmul_2d, quantize_rows
 
 EPS = float(jnp.finfo(jnp.float32).eps)
+# The products as the engine runs them, under jit: one compilation per case (op by op, the
+# "reduce" formulation's loop over rows alone dispatched a hundred small ones).
+_qmatmul = jax.jit(qmatmul_2d, static_argnums=(3, 4))
+_qlinear = jax.jit(qlinear, static_argnums=(2, 3))
 
 
 def _np_step(a, axis) -> np.ndarray:
@@ -48,7 +52,7 @@ def test_w8a16_equals_dequantized_matmul(rows, formulation):
     # Bound: y == x @ w_deq up to float32 summation rounding, |err| <= I * eps * (|x| @ |w_deq|).
     x, q = _case(rows)
     wd = dequantize(q)  # [O, I]
-    y = qmatmul_2d(x, q.values, q.scales, "float", formulation)
+    y = _qmatmul(x, q.values, q.scales, "float", formulation)
     ref = np.asarray(x, np.float64) @ np.asarray(wd, np.float64).T
     bound = x.shape[1] * EPS * (np.abs(np.asarray(x)) @ np.abs(np.asarray(wd)).T) + 1e-30
     assert np.all(np.abs(np.asarray(y) - ref) <= bound)
@@ -64,7 +68,7 @@ def test_w8a16_two_digit_integer_dot_bound(rows, formulation):
     if formulation is None and choose_formulation("float", rows) != "int_dot2":
         formulation = "int_dot2"  # on TPU/GPU the default is the exact "dot", tested above
     wd = np.asarray(dequantize(q), np.float64)
-    y = np.asarray(qmatmul_2d(x, q.values, q.scales, "float", formulation), np.float64)
+    y = np.asarray(_qmatmul(x, q.values, q.scales, "float", formulation), np.float64)
     s1 = _np_step(x, -1)  # [R, 1], max|x_r| / 127 computed here
     ref = np.asarray(x, np.float64) @ wd.T
     act = s1 / 254 / 2 * np.abs(wd).sum(axis=1)[None]  # s_o * sum_i |q_oi| = sum_i |w_deq_oi|
@@ -79,7 +83,7 @@ def test_w8a8_within_activation_bound(rows, formulation):
     # |y - x @ w_deq| <= s_x / 2 * s_o * sum_i |q_oi|  (+ float32 rounding of both sums).
     x, q = _case(rows)
     wd = np.asarray(dequantize(q), np.float64)
-    y = np.asarray(qmatmul_2d(x, q.values, q.scales, "int8", formulation), np.float64)
+    y = np.asarray(_qmatmul(x, q.values, q.scales, "int8", formulation), np.float64)
     sx = _np_step(x, -1)  # [R, 1], max|x_r| / 127 computed here, not quantize_rows' scale
     ref = np.asarray(x, np.float64) @ wd.T
     act = sx / 2 * np.abs(wd).sum(axis=1)[None, :]  # s_o * sum_i |q_oi| = sum_i |w_deq_oi|
@@ -100,7 +104,7 @@ def test_quantized_linear_specs_match_einsum():
     q = quantize_tensor(wq, 0, 1)
     wdeq = jnp.transpose(dequantize(q), (2, 0, 1))  # back to [D, N, H]
     np.testing.assert_allclose(
-        qlinear(x, q, "TD,DNH->TNH", "dot"),
+        _qlinear(x, q, "TD,DNH->TNH", "dot"),
         jnp.einsum("TD,DNH->TNH", x, wdeq),
         rtol=1e-5,
         atol=1e-6,
@@ -110,7 +114,7 @@ def test_quantized_linear_specs_match_einsum():
     xo = jax.random.normal(k, (5, 3, 4))
     wodeq = jnp.transpose(dequantize(qo), (1, 2, 0))
     np.testing.assert_allclose(
-        qlinear(xo, qo, "TNH,NHD->TD", "dot"),
+        _qlinear(xo, qo, "TNH,NHD->TD", "dot"),
         jnp.einsum("TNH,NHD->TD", xo, wodeq),
         rtol=1e-5,
         atol=1e-6,
