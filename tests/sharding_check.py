@@ -2,13 +2,14 @@
 tests/test_sharding.py (one process for everything that needs the 8 devices).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_check.py [--quick]
-        [--data-parallel WORK_DIR [--data-parallel-only]]
+        [--checkpoints DIR] [--data-parallel WORK_DIR [--data-parallel-only]]
 
 ``meshes``: for each model (stories260K and tiny random Hugging Face checkpoints of several
 families) and each mesh (tp x dp), whether the greedy outputs equal the one-device outputs, the
 largest logits difference relative to the largest logit (tensor parallel runs, whose steps are the
 same as on one device), and any parameter or KV-pool shard whose shape is not the expected
-``global shape / tp`` on the split axis.
+``global shape / tp`` on the split axis. The tiny checkpoints are DIR/qwen2 and DIR/gemma2 when
+``--checkpoints DIR`` holds them (so this process need not import transformers), else built here.
 
 ``data_parallel`` (with ``--data-parallel WORK_DIR``): ``jaxinfer generate --data-parallel-size 2``
 on WORK_DIR/prompts.jsonl (records written to WORK_DIR/first.jsonl, or second.jsonl with
@@ -189,6 +190,18 @@ def check_model(name, path, prompts, meshes, max_tokens):
     return rows
 
 
+def checkpoint(family: str, tmp: str) -> str:
+    """``hf_fixtures``' tiny checkpoint of ``family``: the one built under ``--checkpoints DIR``
+    (by the caller, which has transformers imported already), else built here in ``tmp``."""
+    if "--checkpoints" in sys.argv:
+        path = Path(sys.argv[sys.argv.index("--checkpoints") + 1]) / family
+        if path.is_dir():
+            return str(path)
+    from hf_fixtures import build_checkpoint
+
+    return build_checkpoint(family, os.path.join(tmp, family))
+
+
 DP_ENGINE = ["--max-model-len", "256", "--page-size", "64", "--max-num-seqs", "4", "--no-progress"]
 
 
@@ -268,8 +281,6 @@ def main() -> None:
         prompts = [tok.encode(t) for t in texts]
         meshes = [(2, 1), (4, 1), (8, 1), (2, 2)]
         out += check_model("stories260K", STORIES, prompts, meshes, max_tokens=10)
-    from hf_fixtures import build_checkpoint
-
     # qwen2: q/k/v biases (bk/bv repeated with the KV heads at tp=4 > K=2), tied embedding;
     # gemma2: untied LM head split over V, soft-caps, sandwich norms, GeGLU.
     families = {"qwen2": [(4, 1)], "gemma2": [(2, 1)]}
@@ -277,7 +288,7 @@ def main() -> None:
         families = {"qwen2": [(4, 1)]}
     with tempfile.TemporaryDirectory() as tmp:
         for fam, meshes in families.items():
-            path = build_checkpoint(fam, os.path.join(tmp, fam))
+            path = checkpoint(fam, tmp)
             prompts = [rng.integers(3, 256, n).tolist() for n in (5, 9, 3, 7)]
             out += check_model(fam, path, prompts, meshes, max_tokens=8)
     report = {"meshes": out}

@@ -179,9 +179,15 @@ def test_sharded_and_data_parallel_engines_then_the_disk_cache_in_a_second_proce
     device's, tensor-parallel logits equal within f32 tolerance, every device holds only its
     shard; the data-parallel job's outputs are run.c's; then the second process over the first's
     compilation cache."""
+    from hf_fixtures import build_checkpoint
+
     _records(tmp_path / "prompts.jsonl", stories_dir)
+    for family in ("qwen2", "gemma2"):  # built here: the subprocess then imports no transformers
+        build_checkpoint(family, str(tmp_path / "ckpts" / family))
     cache = tmp_path / "cache"
-    first = _eight_devices(tmp_path, cache, stories_dir)
+    first = _eight_devices(
+        tmp_path, cache, stories_dir, "--checkpoints", str(tmp_path / "checkpoints")
+    )
     report = first["meshes"]
     # greedy outputs == one device, on every mesh
     meshes = {(r["model"], r["tp"], r["dp"]) for r in report}
