@@ -265,19 +265,20 @@ def test_save_load_round_trip_bit_exact_and_errors(tmp_path, stories_dir):
         load_quantized(bad)
 
 
-MODES = [("int8", "auto"), ("w8a8", "auto"), (None, "int8"), ("int8", "int8"), ("w8a8", "int8")]
+# Each quantization alone on stories260K: int8 weights (w8a16), int8 weights and activations, an
+# int8 KV cache. Their combinations (int8 weights + int8 KV, w8a8 + int8 KV) run end to end on
+# the tiny families below (test_tiny_families_run_quantized); each axis has its unit bounds above.
+MODES = [("int8", "auto"), ("w8a8", "auto"), (None, "int8")]
 # Greedy-token agreement with the float model (3 reference prompts x 40 tokens), measured
 # 2026-12 on CPU: int8 weights 1.0; every mode with int8 activations or an int8 KV cache 0.908
-# (the third prompt flips a near-tie at token 29). Each floor is the measured value minus a
-# margin of 0.05 (6 of the 120 tokens), so w8a16 falling to w8a8's level fails: dropping
-# int_dot2's second activation digit gives 0.908, an int8 weight scale of max/63 gives 0.79
-# (w8a8) and 0.72 (w8a8 + int8 KV).
+# (the third prompt flips a near-tie at token 29; both combinations too). Each floor is the
+# measured value minus a margin of 0.05 (6 of the 120 tokens), so w8a16 falling to w8a8's level
+# fails: dropping int_dot2's second activation digit gives 0.908, an int8 weight scale of max/63
+# gives 0.79 (w8a8).
 MIN_AGREEMENT = {
     ("int8", "auto"): 0.95,
     ("w8a8", "auto"): 0.85,
     (None, "int8"): 0.85,
-    ("int8", "int8"): 0.85,
-    ("w8a8", "int8"): 0.85,
 }
 
 
