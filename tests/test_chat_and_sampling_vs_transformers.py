@@ -91,6 +91,7 @@ def chat_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("chat")
     build_checkpoint("llama2", str(d))
     _tokenizer_files(d)
+    # test_no_tokenizer's sizes for the same tiny Llama (shared compiled steps)
     llm = LLM(d, max_model_len=128, max_num_seqs=8, compilation_cache=False)
     return d, llm, AutoTokenizer.from_pretrained(str(d)), hf_model(str(d))
 
