@@ -1,4 +1,5 @@
-"""Shared test fixtures: the location of ../shared (real models) and a stories260K engine."""
+"""Shared test fixtures: the location of ../shared (real models) and stories260K engines of one
+size (``STORIES_ENGINE``), so tests share their compiled steps."""
 
 import json
 import os
@@ -10,6 +11,12 @@ SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
 )
 STORIES = SHARED / "models" / "stories260K"
+# The engine sizes of the ``stories_llm`` fixture (the model's 512-token context, 32 sequences):
+# an LLM of stories260K built with them (and the same attention), or a ``jaxinfer generate`` run
+# given STORIES_CLI_FLAGS, reuses every step shape that another test of this process compiled with
+# them (jax's jit cache is per process and keyed by shapes; the KV pool's page count is one).
+STORIES_ENGINE = dict(max_num_seqs=32)
+STORIES_CLI_FLAGS = ["--max-num-seqs", "32", "--no-progress"]
 
 
 def pytest_configure(config):
@@ -87,4 +94,12 @@ def stories_dir() -> Path:
 def stories_llm(stories_dir):
     from jaxinfer.llm import LLM
 
-    return LLM(stories_dir, max_num_seqs=32, compilation_cache=False)
+    return LLM(stories_dir, **STORIES_ENGINE, compilation_cache=False)
+
+
+@pytest.fixture(scope="session")
+def stories_llm_xla(stories_dir):
+    """``stories_llm`` with the XLA attention (no native CPU decode kernel)."""
+    from jaxinfer.llm import LLM
+
+    return LLM(stories_dir, **STORIES_ENGINE, attn_impl="xla", compilation_cache=False)

@@ -1,13 +1,22 @@
 """Sharded engines vs one device on 8 fake CPU devices; prints one JSON report for
-tests/test_sharding.py.
+tests/test_sharding.py (one process for everything that needs the 8 devices).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_check.py [--quick]
+        [--checkpoints DIR] [--data-parallel WORK_DIR [--data-parallel-only]]
 
-For each model (stories260K and tiny random Hugging Face checkpoints of several families) and each
-mesh (tp x dp), the report gives: whether the greedy outputs equal the one-device outputs, the
+``meshes``: for each model (stories260K and tiny random Hugging Face checkpoints of several
+families) and each mesh (tp x dp), whether the greedy outputs equal the one-device outputs, the
 largest logits difference relative to the largest logit (tensor parallel runs, whose steps are the
 same as on one device), and any parameter or KV-pool shard whose shape is not the expected
-``global shape / tp`` on the split axis.
+``global shape / tp`` on the split axis. The tiny checkpoints are DIR/qwen2 and DIR/gemma2 when
+``--checkpoints DIR`` holds them (so this process need not import transformers), else built here.
+
+``data_parallel`` (with ``--data-parallel WORK_DIR``): ``jaxinfer generate --data-parallel-size 2``
+on WORK_DIR/prompts.jsonl (records written to WORK_DIR/first.jsonl, or second.jsonl with
+``--data-parallel-only``, which runs nothing else), each replica's devices and compilations, the
+persistent compilation cache's hits in this process; then (not with ``--data-parallel-only``) the
+default sizes of an ``LLM`` given none and the refusals of quantization and speculative decoding
+on a mesh.
 """
 
 from __future__ import annotations
@@ -186,12 +195,87 @@ def check_model(name, path, prompts, meshes, max_tokens):
     return rows
 
 
+def checkpoint(family: str, tmp: str) -> str:
+    """``hf_fixtures``' tiny checkpoint of ``family``: the one built under ``--checkpoints DIR``
+    (by the caller, which has transformers imported already), else built here in ``tmp``."""
+    if "--checkpoints" in sys.argv:
+        path = Path(sys.argv[sys.argv.index("--checkpoints") + 1]) / family
+        if path.is_dir():
+            return str(path)
+    from hf_fixtures import build_checkpoint
+
+    return build_checkpoint(family, os.path.join(tmp, family))
+
+
+DP_ENGINE = ["--max-model-len", "256", "--page-size", "64", "--max-num-seqs", "4", "--no-progress"]
+
+
+def data_parallel(work: Path, only: bool, hits: list) -> dict:
+    """``jaxinfer generate --data-parallel-size 2`` in this process (see the module docstring)."""
+    from jaxinfer.cli import main as cli
+
+    report = {}
+    built = []
+    load_llm = cli._load_llm
+    cli._load_llm = lambda args: built.append(load_llm(args)) or built[-1]
+    out = work / ("second.jsonl" if only else "first.jsonl")
+    argv = ["generate", "--model", str(STORIES), "--prompts", str(work / "prompts.jsonl")]
+    argv += ["--out", str(out), "--data-parallel-size", "2", "--temperature", "0", *DP_ENGINE]
+    report["dp_rc"] = cli.main(argv)
+    cli._load_llm = load_llm
+    report["dp_records"] = [json.loads(x) for x in out.read_text().splitlines()]
+    report["dp_replicas"] = [
+        {
+            "devices": sorted(str(d) for d in e.params.embed.devices()),
+            "steps_compiled": e.num_compilations,
+        }
+        for e in built[0].engines
+    ]
+    report["cache_hits"] = len(hits)
+    if only:
+        return report
+    from jaxinfer.llm import LLM
+
+    llm = LLM(STORIES, max_model_len=64, max_num_seqs=2, compilation_cache=False)
+    report["default"] = {
+        "mesh": llm.mesh is not None,
+        "engines": len(llm.engines),
+        "tp": llm.sharding_plan.tp,
+        "embed_devices": len(llm.engine.params.embed.devices()),
+    }
+    refusals = {
+        "quant_tp": dict(tensor_parallel_size=2, quantization="int8"),
+        "quant_dp": dict(data_parallel_size=2, quantization="w8a8"),
+        "spec_tp": dict(tensor_parallel_size=2, speculative="ngram"),
+        "spec_dp": dict(data_parallel_size=2, speculative="draft-model", draft_model="self"),
+    }
+    for name, kw in refusals.items():
+        try:
+            LLM(STORIES, max_model_len=64, max_num_seqs=2, compilation_cache=False, **kw)
+            report[name] = None
+        except Exception as e:  # noqa: BLE001 - the report names the type
+            report[name] = f"{type(e).__name__}: {e}"
+    return report
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
+    work = (
+        Path(sys.argv[sys.argv.index("--data-parallel") + 1])
+        if "--data-parallel" in sys.argv
+        else None
+    )
     assert jax.device_count() == 8, jax.devices()
     from jaxinfer.llm import enable_compilation_cache
 
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None
+    )
     enable_compilation_cache()  # reruns are quick (JAXINFER_COMPILATION_CACHE=0 turns it off)
+    if work is not None and "--data-parallel-only" in sys.argv:
+        print(json.dumps({"data_parallel": data_parallel(work, True, hits)}))
+        return
     rng = np.random.default_rng(0)
     out = []
     if STORIES.is_dir():
@@ -202,8 +286,6 @@ def main() -> None:
         prompts = [tok.encode(t) for t in texts]
         meshes = [(2, 1), (4, 1), (8, 1), (2, 2)]
         out += check_model("stories260K", STORIES, prompts, meshes, max_tokens=10)
-    from hf_fixtures import build_checkpoint
-
     # qwen2: q/k/v biases (bk/bv repeated with the KV heads at tp=4 > K=2), tied embedding;
     # gemma2: untied LM head split over V, soft-caps, sandwich norms, GeGLU.
     families = {"qwen2": [(4, 1)], "gemma2": [(2, 1)]}
@@ -211,10 +293,13 @@ def main() -> None:
         families = {"qwen2": [(4, 1)]}
     with tempfile.TemporaryDirectory() as tmp:
         for fam, meshes in families.items():
-            path = build_checkpoint(fam, os.path.join(tmp, fam))
+            path = checkpoint(fam, tmp)
             prompts = [rng.integers(3, 256, n).tolist() for n in (5, 9, 3, 7)]
             out += check_model(fam, path, prompts, meshes, max_tokens=8)
-    print(json.dumps(out))
+    report = {"meshes": out}
+    if work is not None:
+        report["data_parallel"] = data_parallel(work, False, hits)
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

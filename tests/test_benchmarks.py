@@ -1,6 +1,11 @@
-"""Smoke tests of the benchmark scripts: each runs with ``--quick`` in a subprocess and emits one
-well-formed JSON summary with its expected keys (speed is never asserted here); plot_bench draws
-records written by the test, checked in its figures' data and its PNGs' pixels."""
+"""Smoke tests of the benchmark scripts: each runs with ``--quick`` and emits one well-formed JSON
+summary with its expected keys (speed is never asserted here); plot_bench draws records written by
+the test, checked in its figures' data and its PNGs' pixels.
+
+The scripts' ``main()`` run in this process (``sys.argv`` set, stdout read at the file descriptor),
+so their engines share this worker's compiled steps and no interpreter starts per script; only
+bench_serve's usage errors run as commands (their exit status; the script imports no jax before
+parsing), and bench_compile's own children measure a process's time to first token."""
 
 from __future__ import annotations
 
@@ -29,28 +34,40 @@ CASES = {
 }
 
 
-def run_script(name: str, results_dir: Path, *extra: str) -> dict:
-    p = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / f"{name}.py"),
-            "--quick",
-            "--results-dir",
-            str(results_dir),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    lines = [x for x in p.stdout.splitlines() if x.strip()]
-    assert len(lines) == 1, p.stdout  # one JSON line on stdout, nothing else
+def run_script(name: str, results_dir: Path, capfd, *extra: str) -> dict:
+    """``scripts/NAME.py --quick --results-dir RESULTS_DIR *extra`` in this process: its summary,
+    checked to be the only line on stdout (file descriptor 1, C-level writes included) and the
+    last line of its results file."""
+    import importlib
+
+    scripts = str(REPO / "scripts")
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [f"{name}.py", "--quick", "--results-dir", str(results_dir), *extra]
+    sys.path.insert(0, scripts)
+    capfd.readouterr()
+    try:
+        importlib.import_module(name).main()
+    except SystemExit as e:
+        assert e.code in (None, 0), capfd.readouterr().err[-3000:]
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    out = capfd.readouterr().out
+    lines = [x for x in out.splitlines() if x.strip()]
+    assert len(lines) == 1, out  # one JSON line on stdout, nothing else
     summary = json.loads(lines[0])
     recorded = (results_dir / f"{name}.jsonl").read_text().splitlines()
     assert json.loads(recorded[-1]) == summary
     return summary
+
+
+@pytest.fixture
+def torch_threads():
+    """Restores torch's thread count, which the transformers peers of the scripts set."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +76,8 @@ def results_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_quick_emits_json(name, results_dir):
-    s = run_script(name, results_dir)
+def test_quick_emits_json(name, results_dir, capfd, torch_threads):
+    s = run_script(name, results_dir, capfd)
     for key in CASES[name]:
         assert key in s, (key, s)
     assert s["quick"] is True
@@ -129,7 +146,7 @@ def check_prefix_cache(r: dict) -> None:
     assert cached["chat"] > 0 and cached["no_prefix"] == 0, cached
 
 
-def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
+def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capfd, torch_threads):
     """bench_peers in seconds: with only llama.cpp asked for and llama-cpp-python absent, one
     JSON line whose llama.cpp entry says why it was skipped, with host and load fields; then its
     rate and ratio arithmetic on hand-made runs (500 tokens in 100 s and in 40 s: 5 and 12.5
@@ -137,7 +154,7 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
     figures."""
     import importlib.util
 
-    s = run_script("bench_peers", results_dir, "--engines", "llama_cpp")
+    s = run_script("bench_peers", results_dir, capfd, "--engines", "llama_cpp")
     assert s["quick"] is True and s["model"] == "stories260K" and s["engines"] == {}
     assert s["cpu_model"] and len(s["loadavg_before"]) == 3 and len(s["loadavg_after"]) == 3
     assert s["workload"]["num_prompts"] == 8 and s["decode_batch1"] is None
@@ -167,7 +184,7 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_peers.py", "--engines", "jaxinfer,vllm"])
     with pytest.raises(SystemExit) as e:  # an unknown engine is refused, by name, before any run
         bench_peers.main()
-    assert e.value.code == 2 and "'vllm'" in capsys.readouterr().err
+    assert e.value.code == 2 and "'vllm'" in capfd.readouterr().err
 
 
 # Records shaped as bench_roofline.py and bench_serving.py write them (keys checked above), with
@@ -225,7 +242,7 @@ def _color_pixels(png: Path, color: str) -> int:
     return int(np.all(np.abs(img - np.asarray(matplotlib.colors.to_rgb(color))) < 0.02, -1).sum())
 
 
-def test_plot(tmp_path, monkeypatch):
+def test_plot(tmp_path, monkeypatch, capfd):
     """plot_bench on records written here: both PNGs, the lines and bars carry the records'
     numbers, and the images hold the drawn series, not only axes and legend."""
     import matplotlib
@@ -237,7 +254,7 @@ def test_plot(tmp_path, monkeypatch):
     (tmp_path / "bench_serving.jsonl").write_text(
         json.dumps({"results": []}) + "\n" + json.dumps(SERVING) + "\n"
     )
-    s = run_script("plot_bench", tmp_path)
+    s = run_script("plot_bench", tmp_path, capfd)
     pngs = [tmp_path / "throughput_vs_batch.png", tmp_path / "latency_percentiles.png"]
     assert s["written"] == [str(p) for p in pngs]
     # The first series' colour (C0: the float32 throughput line, the mean bars) covers far more

@@ -1,8 +1,10 @@
 """Chat templates render within limits (``jaxinfer/tokenizers/chat_template.py``): every nasty
 template (1/0, type errors, huge ranges, nested loops, recursion, huge strings, growing loops,
-``raise_exception``) is a clean ``ChatTemplateError`` within the time bound and without growing
+``raise_exception``, templates that break Python's compiler, ``wordwrap`` of a huge text) is a
+clean ``ChatTemplateError`` within the time bound and without growing
 memory, real templates render as transformers renders them, and in ``LLM.generate`` and
-``jaxinfer generate`` one failing request fails alone while the others complete.
+``jaxinfer generate`` one failing request fails alone while the others complete; a
+``chat_template`` in tokenizer_config.json that is not a string is refused naming the file.
 
 The outside references are transformers' own jinja environment (``_compile_jinja_template``),
 ``tracemalloc``'s peak and the wall clock.
@@ -15,11 +17,13 @@ import time
 import tracemalloc
 
 import pytest
+from conftest import STORIES_CLI_FLAGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.errors import JaxinferError, TokenizerError
 from jaxinfer.tokenizers import template_limits
+from jaxinfer.tokenizers.base import SideFiles
 from jaxinfer.tokenizers.chat_template import ChatTemplateError, render_chat_template
 
 HANG_GUARD_S = 30.0  # generous: only a hang (or a limit that never fires) passes it
@@ -528,11 +532,7 @@ def test_bad_template_record_fails_alone_in_cli(
             str(prompts),
             "--out",
             str(out),
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "8",
-            "--no-progress",
+            *STORIES_CLI_FLAGS,
             "--max-tokens",
             "8",
             "--temperature",
@@ -549,3 +549,47 @@ def test_bad_template_record_fails_alone_in_cli(
     for rid in ("good0", "good1"):
         assert written[rid].get("error") is None and written[rid]["finish_reason"] != "error"
         assert written[rid]["token_ids"]
+
+
+# ------------------------------------------- templates that break Python's compiler, huge texts
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ " + "(" * 300 + "1" + ")" * 300 + " }}",  # RecursionError in jinja's parser
+        "{% for a in b %}" * 25 + "{% endfor %}" * 25,  # SyntaxError: too many nested blocks
+        "{% if true %}" * 100 + "{% endif %}" * 100,  # IndentationError
+    ],
+)
+def test_templates_that_break_python_compile_are_the_requests_error(source):
+    t0 = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        render_chat_template(source, {"messages": [{"role": "user", "content": "hi"}]}, where="t")
+    assert time.perf_counter() - t0 < 30  # hang guard
+
+
+def test_wordwrap_of_a_huge_text_stops_at_once():
+    t0 = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="wordwrap"):
+        render_chat_template(
+            "{% for m in messages %}{{ m.content|wordwrap(1) }}{% endfor %}",
+            {"messages": [{"role": "user", "content": "x" * 3_000_000}]},
+            where="t",
+        )
+    assert time.perf_counter() - t0 < 30  # hang guard (it ran for minutes before)
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        (["{{ 1 }}"], "list of"),
+        (5, "must be a string"),
+        ({}, "must be a string"),
+    ],
+)
+def test_a_chat_template_that_is_not_a_string_names_the_file(tmp_path, value, words):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": value}))
+    with pytest.raises(TokenizerError, match=words) as e:
+        SideFiles(tmp_path)
+    assert "tokenizer_config.json" in str(e.value)

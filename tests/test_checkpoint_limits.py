@@ -5,6 +5,7 @@ Each case builds a tiny checkpoint (transformers ``save_pretrained`` of a random
 edited; a quantized stories260K) and checks the error type, that it names the file and the
 tensor/field, and (for absurd sizes) that loading allocated almost nothing (tracemalloc). All are
 host-only but the last, which constructs ``LLM`` on a tiny checkpoint and fails before the pool.
+Config floats that float32 cannot hold (overflow, underflow to 0 or to a subnormal) are refused.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jaxinfer import memory_limits
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import CheckpointWarning
 from jaxinfer.loaders.hf import config_from_hf, load_hf
-from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.config import ModelConfig, check_float
 
 MiB = 2**20
 
@@ -585,3 +586,13 @@ def test_huge_context_with_default_pool_sizing(good, tmp_path):
         LLM(path, skip_tokenizer_init=True, compilation_cache=False)
     with pytest.raises(ValueError, match=r"the KV pool does not fit in memory: .*bytes"):
         LLM(path, skip_tokenizer_init=True, kv_cache_memory_gb=1e6, compilation_cache=False)
+
+
+@pytest.mark.parametrize("value", [1e39, 1e300, 1e-300, 1e-39])
+def test_config_floats_outside_float32_are_refused(value):
+    with np.errstate(over="ignore"):
+        f32 = np.float64(value).astype(np.float32)
+    assert f32 == 0 or np.isinf(f32) or abs(f32) < np.finfo(np.float32).tiny  # the premise
+    with pytest.raises(ValueError, match="float32"):
+        check_float("rms_norm_eps", value, allow_zero=True)
+    assert check_float("rms_norm_eps", 1e-6, allow_zero=True) == 1e-6

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import STORIES_CLI_FLAGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +30,7 @@ SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
 )
 STORIES = SHARED / "models" / "stories260K"
-ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]  # = test_cli's
+ENGINE = STORIES_CLI_FLAGS  # = test_cli's
 
 
 def _jobs(tmp_path, lines: list[bytes], name="p.jsonl", **kw) -> list[jobs.Job]:

@@ -1,7 +1,7 @@
 """Issue 15, class 5: the output file of ``jaxinfer generate`` (`jaxinfer.cli.output_file`): one
-locked
-writer, regular files only (never read a device or FIFO), an unwritable path refused before the
-model loads, a failed write still prints the summary, resume reads any existing file. No model
+locked writer, regular files only (never read a device or FIFO), an unwritable path refused
+before the model loads, a failed write still prints the summary, resume reads any existing file
+(an overlong line is skipped, never held, and a partial last line is cut). No model
 is loaded (a fixture fails the test if one would be); the cross-process lock is also checked in
 test_cli.py's kill test.
 """
@@ -167,3 +167,24 @@ def test_resume_reads_any_output_file_without_failing(tmp_path):
     assert done.ids == {"a", "3"} and done.truncated
     assert len(warnings) == 4 and all("not a record with an id" in w for w in warnings)
     assert out.read_bytes().endswith(b'{"id": 3}\n')
+
+
+def test_resume_never_holds_an_overlong_output_line(tmp_path, monkeypatch):
+    import jaxinfer.cli.output_file as outfile
+
+    monkeypatch.setattr(outfile, "MAX_RECORD_BYTES", 64)
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(
+        b'{"id": "a"}\n'
+        + b'{"id": "'
+        + b"x" * 500
+        + b'"}\n'
+        + b'{"id": "b"}\n'
+        + b'{"id": "c", "te'
+    )
+    warnings = []
+    f = outfile.OutputFile.open(out)
+    done = f.read_done(warnings.append)
+    assert done.ids == {"a", "b"} and done.truncated
+    assert any("line 2" in w for w in warnings)
+    assert out.read_bytes().endswith(b'{"id": "b"}\n')  # the partial last line is cut

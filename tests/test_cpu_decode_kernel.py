@@ -157,24 +157,49 @@ def test_concurrent_builders_build_once(monkeypatch, tmp_path):
     assert sorted(os.listdir(tmp_path / "cpu_kernels")) == [".build.lock", libs[0].name]
 
 
-@pytest.mark.parametrize("attn_impl", ["auto", "xla"])
-def test_engine_reproduces_llama2c(kernel_on, stories_dir, monkeypatch, attn_impl):
-    """Every greedy_reference.json case in one batch through the paged engine (page-major f32
-    pool, the CPU default): "auto" serves the decode steps with the kernel (traced into the
-    engine's step functions), "xla" with the XLA attention (the kernel never traced)."""
-    from jaxinfer.llm import LLM
+def _decode_step_traces_the_kernel(llm, monkeypatch) -> bool:
+    """Whether the engine's forward step, traced again (jit's trace, nothing compiled) with the
+    shapes and static arguments of one of its own decode steps, calls
+    ``cpu_decode_kernel.decode_attention``: an answer that does not depend on what this process
+    compiled before (a shared engine's steps are usually compiled already)."""
+    from jaxinfer.engine.step import forward_step
+    from jaxinfer.sampling.params import SamplingParams
 
-    traced = []  # the decode regions the step functions traced with the kernel
+    eng, captured = llm.engine, []
+    forward = eng._forward
+
+    def record(*args, **kw):  # args: params, kv, batch, prev_tokens
+        if not captured and args[2].md.num_decode:
+            spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+            captured.append((jax.tree.map(spec, args), kw))
+        return forward(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(eng, "_forward", record)
+        llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=3))
+    (args, kw), traced = captured[0], []
     real = cpu_decode_kernel.decode_attention
-    monkeypatch.setattr(
-        cpu_decode_kernel, "decode_attention", lambda *a, **k: traced.append(1) or real(*a, **k)
-    )
-    llm = LLM(stories_dir, max_num_seqs=8, attn_impl=attn_impl)
+    with monkeypatch.context() as m:
+        m.setattr(
+            cpu_decode_kernel, "decode_attention", lambda *a, **k: traced.append(1) or real(*a, **k)
+        )
+        # A new function object: jit objects of one function share their traces.
+        jax.jit(lambda *a: forward_step(*a, **kw)).trace(*args)
+    return bool(traced)
+
+
+@pytest.mark.parametrize("attn_impl", ["auto", "xla"])
+def test_engine_reproduces_llama2c(kernel_on, stories_llm, stories_llm_xla, monkeypatch, attn_impl):
+    """Every greedy_reference.json case in one batch through the paged engine (page-major f32
+    pool, the CPU default; conftest's shared engines): "auto" serves the decode steps with the
+    kernel (traced into the engine's step function), "xla" with the XLA attention (the kernel
+    never traced)."""
+    llm = stories_llm if attn_impl == "auto" else stories_llm_xla
     want = "cpu_kernel" if attn_impl == "auto" else "xla"
     assert llm.engine.kv_page_major
     assert llm.engine.attn_impl == llm.engine.ecfg.attn_impl == want
     assert_reproduces_stories_reference(llm)
-    assert bool(traced) == (want == "cpu_kernel")
+    assert _decode_step_traces_the_kernel(llm, monkeypatch) == (want == "cpu_kernel")
 
 
 def test_auto_resolves_per_engine(kernel_on):

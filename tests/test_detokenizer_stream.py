@@ -549,11 +549,9 @@ def test_special_tokens_in_rendered_templates_match_transformers(tmp_path, layou
 
 
 @pytest.fixture(scope="module")
-def llm():
-    """stories260K with the CLI tests' engine sizes, so all share their compiled steps."""
-    from jaxinfer.llm import LLM
-
-    return LLM(STORIES, max_model_len=256, max_num_seqs=8)
+def llm(stories_llm):
+    """conftest's shared stories260K engine (its compiled steps are shared)."""
+    return stories_llm
 
 
 def test_engine_text_follows_the_rule(llm):

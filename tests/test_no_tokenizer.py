@@ -15,6 +15,7 @@ from pathlib import Path
 import hf_fixtures as H
 import numpy as np
 import pytest
+from conftest import STORIES_CLI_FLAGS
 
 from jaxinfer.cli import main as cli
 from jaxinfer.errors import CheckpointError, RequestError
@@ -29,9 +30,11 @@ STORIES = SHARED / "models" / "stories260K"
 needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"{STORIES} is absent")
 
 NEW = 12  # tokens generated per request
-ENGINE = dict(max_model_len=64, max_num_seqs=4)  # one engine shape: LLM and CLI share compiles
-CLI_ENGINE = ["--max-model-len", "64", "--max-num-seqs", "4", "--no-progress"]
-STORIES_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]  # test_cli's
+# One engine shape for the LLM and the CLI runs, that of test_chat_and_sampling_vs_transformers'
+# engine on the same tiny Llama, so they all share their compiled steps.
+ENGINE = dict(max_model_len=128, max_num_seqs=8)
+CLI_ENGINE = ["--max-model-len", "128", "--max-num-seqs", "8", "--no-progress"]
+STORIES_ENGINE = STORIES_CLI_FLAGS  # test_cli's
 LOGPROB_ATOL = 1e-4  # f32 against transformers f32 (logits agree to max_rel 1e-4, test_hf_parity)
 
 

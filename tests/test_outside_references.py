@@ -14,6 +14,8 @@
   ``stop_token_ids``); stop strings are judged on stories260K's own greedy text.
 - The host-side logits controls (``step_controls.logits_controls``) against masks written out
   here.
+- A vocabulary (8) smaller than the largest top-logprobs list: ``logprobs`` 0 and 8 are
+  transformers' values, 9 is that request's error.
 """
 
 from __future__ import annotations
@@ -264,3 +266,48 @@ def test_stop_string_counts_from_exactly_min_tokens(stories_llm):
         assert out.token_ids == ids[: j + 1] and out.finish_reason == "stop"
         assert out.stop_reason == text and out.text == ""
     assert outs[2].token_ids == ids and outs[2].finish_reason == "length"
+
+
+def test_logprobs_on_a_vocabulary_smaller_than_the_top_list(tmp_path):
+    """vocab 8 < MAX_LOGPROBS (20): logprobs 0 and 8 work, values from transformers."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from jaxinfer.llm import LLM
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=8,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    llm = LLM(
+        tmp_path,
+        skip_tokenizer_init=True,
+        max_model_len=16,
+        max_num_seqs=2,
+        compilation_cache=False,
+    )
+    prompt = [1, 3, 5]
+    outs = llm.generate(
+        [prompt, prompt], [SamplingParams(temperature=0, max_tokens=3, logprobs=k) for k in (0, 8)]
+    )
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    seq = prompt + outs[1].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1).numpy()
+    for out, k in zip(outs, (0, 8), strict=True):
+        assert out.error is None, out.error
+        for j, lp in enumerate(out.logprobs):
+            row = ref[len(prompt) - 1 + j]
+            assert lp.token_id == int(row.argmax()) and len(lp.top) == k
+            np.testing.assert_allclose(lp.logprob, row[lp.token_id], atol=1e-4)
+    bad = llm.generate([prompt], SamplingParams(max_tokens=2, logprobs=9))[0]
+    assert bad.finish_reason == "error" and "vocabulary size 8" in bad.error

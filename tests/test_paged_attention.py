@@ -1,5 +1,8 @@
 """Ragged paged attention (XLA reference) == dense causal attention, over random ragged batches."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,15 +131,17 @@ def test_paged_equals_dense(dtype, page_size, gqa, window, softcap, page_major):
     q = rng.standard_normal((t, n, h)).astype(np.float32)
     scale = h**-0.5
     cast = lambda x: jnp.asarray(x).astype(dtype)
-    out = ragged_paged_attention_xla(
+    attend = jax.jit(
+        functools.partial(
+            ragged_paged_attention_xla, scale=scale, softcap=softcap, page_major=page_major
+        )
+    )
+    out = attend(
         cast(q),
         cast(layout(k_pages, page_major)),
         cast(layout(v_pages, page_major)),
         md,
         jnp.int32(window),
-        scale=scale,
-        softcap=softcap,
-        page_major=page_major,
     )
     out = np.asarray(out, np.float64)
     f = lambda x: np.asarray(cast(x), np.float64)  # the reference sees the same rounded inputs
@@ -159,16 +164,18 @@ def test_long_decode_rows_walk_pages_in_chunks(window, softcap, page_major):
     k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=200)
     assert md.block_tables.shape[1] > DECODE_PAGES_PER_CHUNK
     q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    attend = jax.jit(
+        functools.partial(
+            ragged_paged_attention_xla, scale=h**-0.5, softcap=softcap, page_major=page_major
+        )
+    )
     out = np.asarray(
-        ragged_paged_attention_xla(
+        attend(
             jnp.asarray(q),
             jnp.asarray(layout(k_pages, page_major)),
             jnp.asarray(layout(v_pages, page_major)),
             md,
             jnp.int32(window),
-            scale=h**-0.5,
-            softcap=softcap,
-            page_major=page_major,
         ),
         np.float64,
     )
@@ -205,16 +212,18 @@ def test_decode_work_items_span_groups(window, softcap, gqa, page_major, monkeyp
     k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, seqs, num_pages=200)
     assert sum(-(-n // item) for n, _ in seqs) > 3 * 4  # four groups of items
     q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    attend = jax.jit(
+        functools.partial(
+            ragged_paged_attention_xla, scale=h**-0.5, softcap=softcap, page_major=page_major
+        )
+    )
     out = np.asarray(
-        ragged_paged_attention_xla(
+        attend(
             jnp.asarray(q),
             jnp.asarray(layout(k_pages, page_major)),
             jnp.asarray(layout(v_pages, page_major)),
             md,
             jnp.int32(window),
-            scale=h**-0.5,
-            softcap=softcap,
-            page_major=page_major,
         ),
         np.float64,
     )
@@ -261,7 +270,7 @@ def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
     )
     kw = dict(scale=h**-0.5, softcap=softcap)
     pm = (lambda x: None if x is None else x.swapaxes(1, 2)) if page_major else (lambda x: x)
-    out = ragged_paged_attention_xla(
+    out = jax.jit(functools.partial(ragged_paged_attention_xla, page_major=page_major, **kw))(
         q,
         pm(kp),
         pm(vp),
@@ -270,10 +279,10 @@ def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
         layer=jnp.int32(1),
         k_scales=pm(ks),
         v_scales=pm(vs),
-        page_major=page_major,
-        **kw,
     )
-    ref = ragged_paged_attention_reference(
+    ref = jax.jit(
+        functools.partial(ragged_paged_attention_reference, num_decode=md.num_decode, **kw)
+    )(
         q,
         kp,
         vp,
@@ -282,8 +291,6 @@ def test_xla_equals_kernel_reference(window, softcap, int8, page_major):
         jnp.int32(1),
         ks,
         vs,
-        num_decode=md.num_decode,
-        **kw,
     )
     live = np.concatenate([np.arange(tok, tok + ql) for tok, ql, *_ in rows])
     np.testing.assert_allclose(np.asarray(out)[live], np.asarray(ref)[live], **TOL[jnp.float32])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hf_fixtures as H
 import numpy as np
 import pytest
+from conftest import STORIES_CLI_FLAGS
 
 from jaxinfer.errors import RequestError
 from jaxinfer.llm import LLM
@@ -190,11 +191,7 @@ def test_cli_records_prompt_logprobs(tmp_path, stories_dir):
             str(prompts),
             "--out",
             str(out),
-            "--max-model-len",
-            "64",
-            "--max-num-seqs",
-            "4",
-            "--no-progress",
+            *STORIES_CLI_FLAGS,  # conftest's shared engine sizes
             "--quiet",
             "--temperature",
             "0",

@@ -7,6 +7,7 @@ prefill rows (a whole prompt ending on a page boundary, a later chunk, a short p
 pool (per-token, per-head scales) is checked against the reference on its dequantized pages.
 """
 
+import functools
 import os
 
 import jax
@@ -102,9 +103,8 @@ def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8
     )
     out = np.asarray(kernel(cast(q), kp, vp, *meta, *scales), np.float64)
     with jax.default_matmul_precision("highest"):  # on a device, an f32 reference in f32
-        ref = np.asarray(
-            ragged_paged_attention_reference(cast(q), *ref_pages, *meta, **kw), np.float64
-        )
+        reference = jax.jit(functools.partial(ragged_paged_attention_reference, **kw))
+        ref = np.asarray(reference(cast(q), *ref_pages, *meta), np.float64)
     live = np.concatenate([np.arange(tok, tok + ql) for tok, ql, *_ in rows])
     np.testing.assert_allclose(out[live], ref[live], **TOL[jnp.float32 if int8 else dtype])
     assert np.isfinite(out).all()  # padding tokens too: their K/V reach the null page

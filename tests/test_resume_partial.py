@@ -6,7 +6,8 @@ k output tokens (k = 0, 1, ..., n - 1, across a stop string and inside ``min_tok
 the same token ids, text, finish and stop reasons; logprob values may differ in the last float
 bits, since the resumed prefill computes the same logits in another batch layout (they are
 compared within 1e-5, the tolerance of ``test_async_scheduling``; bitwise equality is the
-batch-invariant mode's promise, not this one's).
+batch-invariant mode's promise, not this one's). Negative seeds resume with their low 32 bits; a
+partial file that is a FIFO or a device is never read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,9 @@ SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
 )
 STORIES = SHARED / "models" / "stories260K"
-ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]  # test_cli's shapes
+# At most 8 rows at once, so requests wait in the queue when the run is interrupted (the sizes of
+# test_parallel_sampling's CLI runs, which then share their compiled steps).
+ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--no-progress"]
 LOGPROB_ATOL = 1e-5
 DOT = 426  # stories260K's "." token
 PROMPT = "Once upon a time"
@@ -61,15 +65,13 @@ def _same_logprobs(got, want, where) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    """stories260K with the CLI tests' engine sizes, so all share their compiled steps; the XLA
+def llm(stories_llm_xla):
+    """stories260K with the shared engine sizes (conftest's ``stories_llm_xla``); the XLA
     attention, whose batch-layout drift the 1e-5 bound was measured on (with the CPU decode
     kernel, the default since session 10, a resumed row's logprobs drifted up to 1.4e-5 from the
     uninterrupted run's, same tokens; the kernel's own accuracy is checked against float64 in
     test_cpu_decode_kernel, and this file's CLI tests run it)."""
-    from jaxinfer.llm import LLM
-
-    return LLM(STORIES, max_model_len=256, max_num_seqs=8, attn_impl="xla")
+    return stories_llm_xla
 
 
 def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
@@ -120,7 +122,7 @@ def test_resume_from_k_tokens_equals_the_uninterrupted_output(llm):
         return ResumeState(seeds[c], tuple(r.token_ids[:k]), tuple(r.logprobs[:k]))
 
     outs = {}
-    for i in range(0, len(reqs), 8):  # 8 rows at most: the CLI tests' decode bucket
+    for i in range(0, len(reqs), 8):  # 8 rows at most: decode buckets up to 8 only
         part = reqs[i : i + 8]
         for o in llm.generate_stream(
             [PROMPT] * len(part),
@@ -621,3 +623,31 @@ def test_write_atomic_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no .tmp left on a full disk
     partial_mod.write_atomic(path, b"new")
     assert path.read_bytes() == b"new"
+
+
+def test_negative_seeds_resume_with_their_low_32_bits(stories_llm):
+    llm = stories_llm
+    sp = SamplingParams(temperature=0.9, max_tokens=12, seed=-2)
+    low = SamplingParams(temperature=0.9, max_tokens=12, seed=(-2) & 0xFFFFFFFF)
+    a, b = llm.generate(["Once upon a time"] * 2, [sp, low])
+    assert a.error is None and a.token_ids == b.token_ids
+    ids = llm.encode_prompt("Once upon a time")[0]
+    llm.engine.validate(ids, sp, ResumeState(-2, tuple(a.token_ids[:3])))
+    resumed = list(
+        llm.generate_stream(
+            ["Once upon a time"], sp, resume=[ResumeState(-2, tuple(a.token_ids[:3]))]
+        )
+    )[-1]
+    assert resumed.token_ids == a.token_ids
+
+
+def test_a_partial_file_that_is_a_device_or_fifo_is_not_read(tmp_path):
+    from jaxinfer.cli import partial
+
+    fifo = tmp_path / "p.partial.json"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        warnings = []
+        t0 = time.perf_counter()
+        assert partial.load(type(fifo)(path), {}, warnings.append) == {}
+        assert time.perf_counter() - t0 < 10 and "not a regular file" in warnings[0]

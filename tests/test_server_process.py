@@ -1,7 +1,8 @@
-"""`jaxinfer serve` as a process (issue 19): a port in use fails before the model loads, and
-SIGTERM drains (the listening socket closes, the running request finishes, exit status 0).
+"""`jaxinfer serve` (issue 19): a port in use fails before the model loads (in process: the exit
+status ``main`` returns), and, as a process, SIGTERM drains (the listening socket closes, the
+running request finishes, exit status 0).
 
-Subprocesses on 127.0.0.1; every wait is bounded in time."""
+A subprocess on 127.0.0.1; every wait is bounded in time."""
 
 from __future__ import annotations
 
@@ -25,15 +26,23 @@ def _serve(*args: str, **kw) -> list[str]:
     return [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(STORIES), *args]
 
 
-def test_port_in_use_is_a_clear_error_before_loading():
+def test_port_in_use_is_a_clear_error_before_loading(monkeypatch, capsys):
+    import jaxinfer.cli.llm_from_args
+    from jaxinfer.cli import main as cli
+
+    def load(args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(jaxinfer.cli.llm_from_args, "load_llm", load)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = subprocess.run(_serve("--port", str(port)), capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in r.stderr
-    assert "serving" not in r.stderr  # it stopped before loading the model
+        rc = cli.main(_serve("--port", str(port))[3:])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in err
+    assert "serving" not in err  # it stopped before loading the model
 
 
 def _free_port() -> int:

@@ -1,5 +1,10 @@
-"""Tensor/data parallel sharding: partitioning rules (in process, one device) and sharded engines ==
-one device on 8 fake CPU devices (one subprocess running tests/sharding_check.py)."""
+"""Tensor/data parallel sharding: partitioning rules and the default sizes (in process, one device),
+and on 8 fake CPU devices (one subprocess running tests/sharding_check.py, as ``XLA_FLAGS`` must be
+set before jax is imported): sharded engines == one device; ``--data-parallel-size 2`` reproduces
+llama2.c's greedy outputs; an ``LLM`` given no sizes uses one device when the weights fit;
+quantization and speculative decoding on a mesh are refused; and the persistent compilation cache
+that process wrote is hit by a second process running the same data-parallel job, which adds no
+forward step to it."""
 
 import json
 import os
@@ -11,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import stories_reference
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.models.config import ModelConfig
@@ -116,22 +122,73 @@ def test_quantized_scales_follow_output_channels():
     assert qtensor_specs(p, "lm_head", 1) == (P("model", None), P("model"))
 
 
-def _sharded_report():
+BOS = 1
+
+
+def _records(path: Path, stories: Path) -> None:
+    """llama2.c's two 64-step cases as records (BOS-prefixed ids, run.c's step count)."""
+    from jaxinfer.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(stories / "tok512.model", vocab_size=512)
+    lines = []
+    for i, c in enumerate(stories_reference()):
+        ids = tok.encode(c["prompt"])
+        if c["max_steps"] == 64:
+            lines.append(
+                {
+                    "id": str(i),
+                    "prompt_token_ids": ids,
+                    "stop_token_ids": [BOS],
+                    "max_tokens": c["max_steps"] - (len(ids) - 1),
+                }
+            )
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def _eight_devices(work: Path, cache: Path, stories: Path, *flags: str) -> dict:
+    """tests/sharding_check.py's report (its last stdout line), run with the persistent
+    compilation cache in ``cache``."""
     script = Path(__file__).with_name("sharding_check.py")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAXINFER_CACHE_DIR": str(cache),
+        "JAXINFER_COMPILATION_CACHE": "1",
+        "JAXINFER_SHARED": str(stories.parents[1]),
+    }
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900
+        [sys.executable, str(script), "--data-parallel", str(work), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_sharded_engines_equal_one_device():
-    """One test over the one subprocess report (three tests sharing a module fixture ran the
-    ~80 s subprocess once per pytest-xdist worker that got one of them): greedy outputs equal
-    one device's, tensor-parallel logits equal within f32 tolerance, every device holds only its
-    shard."""
-    report = _sharded_report()
+def _cache_files(cache: Path) -> set[str]:
+    return {str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()}
+
+
+def test_sharded_and_data_parallel_engines_then_the_disk_cache_in_a_second_process(
+    tmp_path, stories_dir
+):
+    """One test over the one subprocess report (tests sharing a module fixture ran the
+    subprocess once per pytest-xdist worker that got one of them): greedy outputs equal one
+    device's, tensor-parallel logits equal within f32 tolerance, every device holds only its
+    shard; the data-parallel job's outputs are run.c's; then the second process over the first's
+    compilation cache."""
+    from hf_fixtures import build_checkpoint
+
+    _records(tmp_path / "prompts.jsonl", stories_dir)
+    for family in ("qwen2", "gemma2"):  # built here: the subprocess then imports no transformers
+        build_checkpoint(family, str(tmp_path / "ckpts" / family))
+    cache = tmp_path / "cache"
+    first = _eight_devices(
+        tmp_path, cache, stories_dir, "--checkpoints", str(tmp_path / "checkpoints")
+    )
+    report = first["meshes"]
     # greedy outputs == one device, on every mesh
     meshes = {(r["model"], r["tp"], r["dp"]) for r in report}
     for m in [
@@ -162,3 +219,85 @@ def test_sharded_engines_equal_one_device():
     st8 = next(r for r in report if (r["model"], r["tp"], r["dp"]) == ("stories260K", 8, 1))
     assert st8["kv_heads"] == 8 and st8["ffn"] == 176  # K=4 replicated to 8, F=172 padded
     assert st8["kv_shard"][1] == 1 and st8["wq_heads_per_device"] == 1
+
+    # --data-parallel-size 2: two replicas on two devices, each ran (one prompt each), and the
+    # outputs are run.c's.
+    dp = first["data_parallel"]
+    replicas = dp["dp_replicas"]
+    assert len(replicas) == 2 and replicas[0]["devices"] != replicas[1]["devices"], replicas
+    assert all(len(r["devices"]) == 1 and r["steps_compiled"] > 0 for r in replicas), replicas
+    from jaxinfer.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(stories_dir / "tok512.model", vocab_size=512)
+    cases = stories_reference()
+    prompts = {
+        json.loads(x)["id"]: json.loads(x)["prompt_token_ids"]
+        for x in (tmp_path / "prompts.jsonl").read_text().splitlines()
+    }
+    assert dp["dp_rc"] == 0 and len(dp["dp_records"]) == len(prompts) == 2
+    for r in dp["dp_records"]:
+        assert "error" not in r, r
+        text = tok.decode(prompts[r["id"]] + r["token_ids"], skip_special_tokens=True)
+        assert text == cases[int(r["id"])]["expected"], r["id"]
+
+    # No sizes given and the weights fit one device: one device, no mesh, 8 devices present.
+    assert dp["default"] == {"mesh": False, "engines": 1, "tp": 1, "embed_devices": 1}
+
+    # Quantization and speculative decoding on a mesh are refused, saying what is unsupported.
+    for name in ("quant_tp", "quant_dp"):
+        assert dp[name] == (
+            "ValueError: quantization with tensor/data parallel is not supported yet"
+        ), dp[name]
+    for name in ("spec_tp", "spec_dp"):
+        assert dp[name] == (
+            "ValueError: speculative decoding does not support sharded engines yet"
+        ), dp[name]
+
+    # The persistent cache: the first process wrote it; a second running the same data-parallel
+    # job hits it, adds no forward-step file, and gives the same records. (The cache keeps
+    # compiles over 0.5 s: a forward step takes seconds, but the sampling step ~0.5 s, so whether
+    # the second run writes a sampling entry the first did not depends on the machine's load.)
+    written = _cache_files(cache / "xla")
+    assert any("forward" in f for f in written), written
+    second = _eight_devices(tmp_path, cache, stories_dir, "--data-parallel-only")["data_parallel"]
+    assert second["cache_hits"] >= 2, second["cache_hits"]
+    after = _cache_files(cache / "xla")
+    assert written <= after and not {f for f in after - written if "forward" in f}, after - written
+    tokens = {r["id"]: r["token_ids"] for r in dp["dp_records"]}
+    assert {r["id"]: r["token_ids"] for r in second["dp_records"]} == tokens
+
+
+class _Device:
+    """A stand-in device reporting ``bytes_limit`` as TPU/GPU devices do (CPU reports none)."""
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit}
+
+
+def test_default_parallelism_uses_all_devices_only_when_the_weights_do_not_fit():
+    from jaxinfer.models.sharding import default_parallelism
+
+    cfg = ModelConfig(
+        "llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=172,
+        num_layers=5,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    # Independent count: embedding, per layer q/k/v/o + gate/up/down + two norms, final norm.
+    per_layer = 64 * (8 + 4 + 4) * 8 + 8 * 8 * 64 + 3 * 64 * 172 + 2 * 64
+    need = (512 * 64 + 5 * per_layer + 64) * 4  # float32 bytes, tied head
+    assert cfg.num_params() * 4 == need
+    fits = [_Device(int(need / 0.9) + 64)] * 8
+    too_big = [_Device(int(need / 0.9) - 64)] * 8
+    assert default_parallelism(cfg, jnp.float32, fits) == (1, 1)
+    assert default_parallelism(cfg, jnp.float32, too_big) == (8, 1)
+    assert default_parallelism(cfg, jnp.bfloat16, too_big) == (1, 1)  # half the bytes fit
+    assert default_parallelism(cfg, jnp.float32, [_Device(None)] * 8) == (1, 1)  # CPU

@@ -9,8 +9,10 @@ import struct
 from pathlib import Path
 
 import pytest
+from conftest import stories_reference
 
 from jaxinfer.errors import TokenizerError
+from jaxinfer.sampling.params import SamplingParams
 from jaxinfer.tokenizers import (
     IncrementalDetokenizer,
     Llama2cTokenizer,
@@ -403,3 +405,15 @@ def test_missing_and_bad_files(tmp_path):
     (tmp_path / "short.bin").write_bytes(whole[:100])
     with pytest.raises(TokenizerError, match="holds 7 tokens.*truncated"):
         load_tokenizer(tmp_path / "short.bin")
+
+
+def test_a_prompt_the_tokenizer_rejects_fails_alone(stories_llm):
+    llm = stories_llm
+    case = stories_reference()[1]
+    ids = llm.tokenizer.encode(case["prompt"])
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=case["max_steps"] - (len(ids) - 1), stop_token_ids=(1,)
+    )
+    good, bad = llm.generate([case["prompt"], "Once \ud800"], sp)
+    assert llm.tokenizer.decode(ids + good.token_ids) == case["expected"]
+    assert bad.finish_reason == "error" and "cannot encode the prompt" in bad.error

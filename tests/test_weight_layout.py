@@ -62,11 +62,14 @@ def test_forward_with_out_in_projections(dtype, unroll):
     pos = jnp.asarray([0, 1, 2, 0, 1, 2], jnp.int32)
     seg = jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32)
 
+    @jax.jit  # one compilation per layout (op by op: ~120 small ones)
     def logits(p):
         h, _ = forward(p, cfg, tokens, pos, None, dense_attn_fn(cfg, seg, pos))
-        return np.asarray(compute_logits(p, cfg, h), np.float64)
+        return compute_logits(p, cfg, h)
 
-    np.testing.assert_allclose(logits(conv), logits(params), **TOL[dtype])
+    np.testing.assert_allclose(
+        np.asarray(logits(conv), np.float64), np.asarray(logits(params), np.float64), **TOL[dtype]
+    )
 
 
 def test_quantize_refuses_engine_layout():
