@@ -165,8 +165,8 @@ def _decode_step_traces_the_kernel(llm, monkeypatch) -> bool:
     from jaxinfer.engine.step import forward_step
     from jaxinfer.sampling.params import SamplingParams
 
-    eng, captured = llm.engine, []
-    forward = eng._forward
+    runner, captured = llm.engine.runner, []
+    forward = runner._forward
 
     def record(*args, **kw):  # args: params, kv, batch, prev_tokens
         if not captured and args[2].md.num_decode:
@@ -175,7 +175,7 @@ def _decode_step_traces_the_kernel(llm, monkeypatch) -> bool:
         return forward(*args, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(eng, "_forward", record)
+        m.setattr(runner, "_forward", record)
         llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=3))
     (args, kw), traced = captured[0], []
     real = cpu_decode_kernel.decode_attention
