@@ -42,7 +42,7 @@ from jaxinfer.loaders.checks import (
     check_fits,
     param_bytes,
 )
-from jaxinfer.loaders.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
+from jaxinfer.loaders.hf_moe import SUPPORTED_MODEL_TYPES, LayerSource, config_from_hf, moe_sources
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import Params, param_shapes, params_from_flat
 
@@ -109,6 +109,14 @@ def _specs(cfg: ModelConfig) -> dict[str, _Spec]:
         "layers.bv": (a + "v_proj.bias", lambda c: (KH,), _bias_like("num_kv_heads")),
         "layers.q_norm": (a + "q_norm.weight", lambda c: (H,), _same),
         "layers.k_norm": (a + "k_norm.weight", lambda c: (H,), _same),
+        **(
+            {  # OLMoE: one norm over the whole projection [N*H] -> [N, H]
+                "layers.q_norm": (a + "q_norm.weight", lambda c: (NH,), _bias_like("num_heads")),
+                "layers.k_norm": (a + "k_norm.weight", lambda c: (KH,), _bias_like("num_kv_heads")),
+            }
+            if cfg.qk_norm_flat
+            else {}
+        ),
         "layers.post_attn_norm": (
             "layers.{i}.post_attention_layernorm.weight",
             lambda c: (D,),
@@ -294,6 +302,28 @@ def _check_unused(
         )
 
 
+def _read_layers(
+    sources: list[LayerSource | None], shape, np_dtype, stored_in: dict[str, str], field: str, cfg
+) -> np.ndarray:
+    """One stacked [L, ...] field of an MoE model read layer by layer (``hf_moe.moe_sources``);
+    a layer without the weight (None) holds zeros."""
+    out = np.zeros(shape, np_dtype)
+    for i, src in enumerate(sources):
+        if src is None:
+            continue
+        xs = []
+        for name, hf_shape in zip(src.names, src.shapes, strict=True):
+            x = _read(stored_in[name], name, hf_shape, field)
+            check_finite(x, stored_in[name], name)
+            xs.append(x)
+        with np.errstate(over="ignore"):  # overflow is reported by check_cast
+            out[i] = src.combine(xs, cfg)
+        if xs[0].dtype != np_dtype:
+            check_cast(out[i], stored_in[src.names[0]], src.names[0])
+        del xs
+    return out
+
+
 def _read_config(cfg_file: str):
     if not os.path.isfile(cfg_file):
         raise CheckpointError(
@@ -356,8 +386,19 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
         )
     specs = _specs(cfg)
     shapes = param_shapes(cfg)
+    moe = moe_sources(cfg, prefix, set(info)) if cfg.is_moe else {}
+    moe = {k: v for k, v in moe.items() if k in shapes}
+    for field, sources in moe.items():  # checked from the headers like the others below
+        for src in (s for s in sources if s is not None):
+            for name, hf_shape in zip(src.names, src.shapes, strict=True):
+                if name not in info:
+                    raise CheckpointError(
+                        f"{listing}: tensor {name!r} is missing (needed for {field}, expected "
+                        f"shape {list(hf_shape)})"
+                    )
+                _check_tensor(stored_in[name], name, *info[name], hf_shape, field)
     plan: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for field in shapes:  # every tensor checked from the headers before anything is allocated
+    for field in (f for f in shapes if f not in moe):  # every tensor checked from the headers
         hf_name, hf_shape_fn, _ = specs[field]
         hf_shape = hf_shape_fn(cfg)
         full = head_name if field == "lm_head" else prefix + hf_name
@@ -375,6 +416,7 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
             _check_tensor(stored_in[name], name, *info[name], hf_shape, field)
         plan[field] = [(name, hf_shape) for name in names]
     used = {name for names in plan.values() for name, _ in names}
+    used |= {n for sources in moe.values() for src in sources if src is not None for n in src.names}
     _check_unused([n for n in info if n not in used], stored_in, raw, cfg, head_name, cfg_file)
     np_dtype = np.dtype(dtype)
     biggest_field = max(param_bytes([s], np_dtype) for s in shapes.values())
@@ -387,6 +429,11 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
     )
     flat = {}
     for field, shape in shapes.items():
+        if field in moe:
+            out = _read_layers(moe[field], shape, np_dtype, stored_in, field, cfg)
+            flat[field] = place(cfg, field, out) if place is not None else jnp.asarray(out)
+            del out
+            continue
         convert = specs[field][2]
         out = np.empty(shape, np_dtype)
         for i, (name, hf_shape) in enumerate(plan[field]):

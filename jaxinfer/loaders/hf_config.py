@@ -127,7 +127,7 @@ _ACTS = {
 MIN_FILE_DTYPE_BYTES = 2  # the narrowest stored dtype read (F16, BF16)
 
 
-class _Fields:
+class Fields:
     """Typed reads of one config dict; every error names the file and the field."""
 
     def __init__(self, c: dict, defaults: dict, where: str, family: str):
@@ -214,7 +214,7 @@ def _text_config(config: dict, where: str) -> tuple[str, dict]:
     return "gemma3_text", text
 
 
-def _rope(f: _Fields, params, field: str, max_pos: int) -> tuple[float | None, RopeScaling | None]:
+def _rope(f: Fields, params, field: str, max_pos: int) -> tuple[float | None, RopeScaling | None]:
     """(rope_theta or None, scaling) of one rope dict (``rope_scaling`` or ``rope_parameters``).
 
     llama3's ``original_max_position_embeddings`` defaults to ``max_pos``, as in transformers.
@@ -297,7 +297,7 @@ def config_from_hf(
             "such as 'model_type' and 'hidden_size'"
         )
     family, c = _text_config(config, where)
-    f = _Fields(c, _DEFAULTS[family], where, family)
+    f = Fields(c, _DEFAULTS[family], where, family)
     get, opt = f.get, f.opt
 
     def size(key):

@@ -129,6 +129,24 @@ class ModelConfig:
         layer_windows: per-layer sliding window in tokens (query at position i sees keys j with
             ``i - j < window``); 0 means global attention. Length L.
         tie_word_embeddings: LM head is the embedding matrix transposed.
+        qk_norm_flat: the q/k RMSNorm runs over the whole projection (N*H for q, K*H for k, its
+            weights [N*H] and [K*H]) instead of each head's H (OLMoE); needs ``qk_norm``.
+        num_experts: E, routed experts of a sparse (mixture-of-experts) MLP; 0 for a dense model.
+        num_experts_per_tok: top-k, experts each token is routed to (0 when dense).
+        moe_intermediate_size: I, the MLP width of one expert (0 when dense).
+        norm_topk_prob: the top-k routing weights are divided by their sum (Mixtral always;
+            Qwen-MoE and OLMoE as configured).
+        router_order: ``"softmax_topk"`` (softmax over all E router logits, then the top-k of
+            the probabilities: Mixtral, Qwen2/3-MoE, OLMoE) or ``"topk_softmax"`` (top-k of the
+            logits, then a softmax over the k chosen: gpt-oss).
+        router_bias: the router adds a bias [E] to its logits (gpt-oss).
+        shared_expert_intermediate_size: S, width of the shared expert every token of a sparse
+            layer also runs (Qwen2-MoE), 0 for none.
+        shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x . w)`` with a
+            learned ``w`` [D] (Qwen2-MoE); needs a shared expert.
+        sparse_layers: per layer, whether its MLP is the mixture of experts (True) or the dense
+            MLP of width F (False). Length L; empty means every layer sparse when
+            ``num_experts`` > 0, else every layer dense.
 
     Raises:
         ValueError: a field of the wrong type or out of range: sizes are integers (not bools) in
@@ -162,6 +180,16 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     layer_windows: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
+    qk_norm_flat: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_order: str = "softmax_topk"
+    router_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    sparse_layers: tuple[bool, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.model_type, str):
@@ -191,6 +219,10 @@ class ModelConfig:
             "post_norms",
             "embed_scale",
             "tie_word_embeddings",
+            "qk_norm_flat",
+            "norm_topk_prob",
+            "router_bias",
+            "shared_expert_gate",
         ):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -221,6 +253,56 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act={self.hidden_act!r}; supported: 'silu', 'gelu_tanh'")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """Checks and normalises the mixture-of-experts fields (see the class docstring)."""
+        for name in _MOE_INT_FIELDS:
+            object.__setattr__(self, name, check_int(name, getattr(self, name), low=0))
+        e, k = self.num_experts, self.num_experts_per_tok
+        if self.qk_norm_flat and not self.qk_norm:
+            raise ValueError("qk_norm_flat=True needs qk_norm=True")
+        if self.router_order not in ROUTER_ORDERS:
+            raise ValueError(f"router_order={self.router_order!r}; supported: {ROUTER_ORDERS}")
+        if not isinstance(self.sparse_layers, tuple | list):
+            raise ValueError(f"sparse_layers must be a tuple of bools, got {self.sparse_layers!r}")
+        sparse = tuple(self.sparse_layers) or (e > 0,) * self.num_layers
+        sparse = tuple(check_bool(f"sparse_layers[{i}]", b) for i, b in enumerate(sparse))
+        object.__setattr__(self, "sparse_layers", sparse)
+        if len(sparse) != self.num_layers:
+            raise ValueError(
+                f"sparse_layers has {len(sparse)} entries, expected num_layers={self.num_layers}"
+            )
+        if e == 0:
+            if (
+                any(sparse)
+                or k
+                or self.moe_intermediate_size
+                or self.shared_expert_intermediate_size
+            ):
+                raise ValueError(
+                    "num_experts=0 (a dense model) but sparse_layers, num_experts_per_tok, "
+                    "moe_intermediate_size or shared_expert_intermediate_size is set"
+                )
+            return
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r} with experts; supported: 'silu'")
+        if not 1 <= k <= e:
+            raise ValueError(f"num_experts_per_tok={k} must be in [1, num_experts={e}]")
+        if self.moe_intermediate_size < 1:
+            raise ValueError("moe_intermediate_size must be >= 1 with num_experts > 0")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size > 0")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer's MLP is a mixture of experts."""
+        return any(self.sparse_layers)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer's MLP is the dense one (of width F)."""
+        return not all(self.sparse_layers)
 
     @property
     def queries_per_kv(self) -> int:
@@ -239,8 +321,9 @@ class ModelConfig:
         return self.rope_local_theta is not None and any(w > 0 for w in self.layer_windows)
 
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        return num_params(
+        """Parameter count (embedding counted once when tied); a sparse layer counts its
+        experts, router and shared expert instead of the dense MLP."""
+        dense = num_params(
             self.vocab_size,
             self.hidden_size,
             self.intermediate_size,
@@ -250,6 +333,14 @@ class ModelConfig:
             self.head_dim,
             self.tie_word_embeddings,
         )
+        d, n_sparse = self.hidden_size, sum(self.sparse_layers)
+        moe = (
+            3 * d * self.moe_intermediate_size * self.num_experts
+            + d * self.num_experts
+            + 3 * d * self.shared_expert_intermediate_size
+            + d * self.shared_expert_gate
+        )
+        return dense + n_sparse * (moe - 3 * d * self.intermediate_size)
 
 
 _INT_FIELDS = (
@@ -262,6 +353,15 @@ _INT_FIELDS = (
     "head_dim",
     "max_position_embeddings",
 )
+
+
+_MOE_INT_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 
 
 def num_params(

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig, rope_inv_freq
+from jaxinfer.models.moe import moe_mlp
 from jaxinfer.models.params import LayerParams, OutInWeight, Params
 from jaxinfer.quant.matmul import qlinear, qlinear_flat
 from jaxinfer.quant.tensor import QTensor
@@ -155,32 +156,57 @@ def attention_inputs(
         v = linear(h, lp.wv, "TD,DKH->TKH")
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-    if lp.q_norm is not None:
+    if lp.q_norm is not None and cfg.qk_norm_flat:  # OLMoE: over the whole projection
+        q = rms_norm(q.reshape(q.shape[0], -1), lp.q_norm.reshape(-1), eps, off).reshape(q.shape)
+        k = rms_norm(k.reshape(k.shape[0], -1), lp.k_norm.reshape(-1), eps, off).reshape(k.shape)
+    elif lp.q_norm is not None:
         q = rms_norm(q, lp.q_norm, eps, off)
         k = rms_norm(k, lp.k_norm, eps, off)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def dense_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> jax.Array:
+    """The dense gated MLP of normed tokens h [T, D] -> [T, D] in h's dtype."""
+    if lp.w_gate_up is not None:
+        gate, up = linear_parts(h, lp.w_gate_up)
+    else:
+        gate = linear(h, lp.w_gate, "TD,DF->TF")
+        up = linear(h, lp.w_up, "TD,DF->TF")
+    return linear(_act(cfg, gate) * up, lp.w_down, "TF,FD->TD")
+
+
+def mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, layer: jax.Array | None) -> jax.Array:
+    """One layer's MLP of normed tokens h [T, D]: the dense MLP, or the mixture of experts
+    (``moe.moe_mlp``) in the layers ``cfg.sparse_layers`` marks; a model mixing both picks by
+    ``layer`` (i32[], traced under the layer scan) with ``lax.cond``."""
+    if not cfg.is_moe:
+        return dense_mlp(cfg, lp, h)
+    if not cfg.has_dense_mlp:
+        return moe_mlp(cfg, lp, h)
+    sparse = jnp.asarray(cfg.sparse_layers)[layer]
+    return jax.lax.cond(sparse, lambda h: moe_mlp(cfg, lp, h), lambda h: dense_mlp(cfg, lp, h), h)
+
+
 def attention_output_and_mlp(
-    cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array
+    cfg: ModelConfig,
+    lp: LayerParams,
+    x: jax.Array,
+    attn: jax.Array,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """The rest of one layer: x [T, D] plus the output projection of ``attn`` [T, N, H] (in x's
-    dtype), then plus the MLP of the result; returns the new residual stream [T, D]."""
+    dtype), then plus the MLP of the result (``mlp``; ``layer`` i32[] is needed by a model that
+    mixes dense and sparse layers); returns the new residual stream [T, D]."""
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
     attn = linear(attn, lp.wo, "TNH,NHD->TD")
     if lp.post_attn_norm is not None:
         attn = rms_norm(attn, lp.post_attn_norm, eps, off)
     x = x + attn
     h = rms_norm(x, lp.mlp_norm, eps, off)
-    if lp.w_gate_up is not None:
-        gate, up = linear_parts(h, lp.w_gate_up)
-    else:
-        gate = linear(h, lp.w_gate, "TD,DF->TF")
-        up = linear(h, lp.w_up, "TD,DF->TF")
-    mlp = linear(_act(cfg, gate) * up, lp.w_down, "TF,FD->TD")
+    out = mlp(cfg, lp, h, layer)
     if lp.post_mlp_norm is not None:
-        mlp = rms_norm(mlp, lp.post_mlp_norm, eps, off)
-    return x + mlp
+        out = rms_norm(out, lp.post_mlp_norm, eps, off)
+    return x + out
 
 
 def forward(
@@ -239,7 +265,7 @@ def forward(
             cos, sin = rope_g
         q, k, v = tmap(lambda x, c, s: attention_inputs(cfg, lp, x, c, s), x, cos, sin)
         attn, cache = attn_fn(q, k, v, cache, layer, window)
-        x = tmap(lambda x, a: attention_output_and_mlp(cfg, lp, x, a.astype(dtype)), x, attn)
+        x = tmap(lambda x, a: attention_output_and_mlp(cfg, lp, x, a.astype(dtype), layer), x, attn)
         return (x, cache), None
 
     unstacked = isinstance(params.layers, tuple)  # params.unstack_layers

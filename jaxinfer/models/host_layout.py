@@ -81,12 +81,18 @@ def engine_layout_on_host(params: Params, ecfg: EngineConfig) -> Params:
         new = {
             f.name: None if getattr(lp, f.name) is None else put(getattr(lp, f.name))
             for f in dataclasses.fields(lp)
-            if f.name not in moved
+            if f.name not in moved or getattr(lp, f.name) is None
         }
         if not out_in:
             return LayerParams(**new)
-        views = {n: output_first(getattr(lp, n), num_lead, k) for n, k in LAYER_PROJECTIONS.items()}
+        views = {
+            n: output_first(getattr(lp, n), num_lead, k)
+            for n, k in LAYER_PROJECTIONS.items()
+            if getattr(lp, n) is not None  # no dense MLP when every layer is sparse
+        }
         for fused, names in FUSED_PROJECTIONS.items():  # as out_in_projections: one GEMM each
+            if not all(n in views for n in names):
+                continue
             ws = [views.pop(n) for n in names]
             lead = ws[0].shape[:num_lead]
             parts = tuple(w.shape[num_lead:-1] for w in ws)

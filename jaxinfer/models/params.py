@@ -25,11 +25,20 @@ class LayerParams:
         attn_norm: [L, D] RMSNorm before attention.
         wq: [L, D, N, H]; wk, wv: [L, D, K, H]; wo: [L, N, H, D].
         bq: [L, N, H] | None; bk, bv: [L, K, H] | None (Qwen2 q/k/v bias).
-        q_norm, k_norm: [L, H] | None (Qwen3, Gemma 3).
+        q_norm, k_norm: [L, H] | None (Qwen3, Gemma 3); [L, N, H] and [L, K, H] when the norm
+            runs over the whole projection (``qk_norm_flat``, OLMoE).
         post_attn_norm: [L, D] | None (Gemma 2/3, applied to the attention output).
         mlp_norm: [L, D] RMSNorm before the MLP.
         post_mlp_norm: [L, D] | None (Gemma 2/3).
-        w_gate, w_up: [L, D, F]; w_down: [L, F, D].
+        w_gate, w_up: [L, D, F]; w_down: [L, F, D]: the dense MLP (None when every layer is
+            sparse; zeros in the sparse layers of a model that mixes both).
+        router: [L, D, E] | None, the mixture-of-experts router (zeros in dense layers).
+        router_bias: [L, E] | None (``router_bias``).
+        expert_gate_up: [L, E, D, 2I] | None, each expert's gate (first I columns) and up
+            (last I) projections; expert_down: [L, E, I, D] | None.
+        shared_w_gate, shared_w_up: [L, D, S] | None; shared_w_down: [L, S, D] | None: the shared
+            expert (Qwen2-MoE).
+        shared_expert_gate: [L, D] | None, the shared expert's sigmoid gate weight.
         wqkv: ``OutInWeight`` [L, (N + 2K) H, D] | None: wq, wk, wv fused output-first (then
             those three are None); w_gate_up: ``OutInWeight`` [L, 2F, D] | None, likewise
             (``out_in_projections``).
@@ -53,6 +62,14 @@ class LayerParams:
     post_mlp_norm: jax.Array | None = None
     wqkv: OutInWeight | None = None
     w_gate_up: OutInWeight | None = None
+    router: jax.Array | None = None
+    router_bias: jax.Array | None = None
+    expert_gate_up: jax.Array | None = None
+    expert_down: jax.Array | None = None
+    shared_w_gate: jax.Array | None = None
+    shared_w_up: jax.Array | None = None
+    shared_w_down: jax.Array | None = None
+    shared_expert_gate: jax.Array | None = None
 
 
 # Projection weights of a layer and the number of their input (contracted) axes (after any
@@ -140,15 +157,39 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "layers.wv": (L, D, K, H),
         "layers.wo": (L, N, H, D),
         "layers.mlp_norm": (L, D),
-        "layers.w_gate": (L, D, F),
-        "layers.w_up": (L, D, F),
-        "layers.w_down": (L, F, D),
     }
+    if cfg.has_dense_mlp:
+        shapes.update(
+            {"layers.w_gate": (L, D, F), "layers.w_up": (L, D, F), "layers.w_down": (L, F, D)}
+        )
+    if cfg.is_moe:
+        E, In, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        shapes.update(
+            {
+                "layers.router": (L, D, E),
+                "layers.expert_gate_up": (L, E, D, 2 * In),
+                "layers.expert_down": (L, E, In, D),
+            }
+        )
+        if cfg.router_bias:
+            shapes["layers.router_bias"] = (L, E)
+        if S:
+            shapes.update(
+                {
+                    "layers.shared_w_gate": (L, D, S),
+                    "layers.shared_w_up": (L, D, S),
+                    "layers.shared_w_down": (L, S, D),
+                }
+            )
+        if cfg.shared_expert_gate:
+            shapes["layers.shared_expert_gate"] = (L, D)
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (D, V)
     if cfg.attention_bias:
         shapes.update({"layers.bq": (L, N, H), "layers.bk": (L, K, H), "layers.bv": (L, K, H)})
-    if cfg.qk_norm:
+    if cfg.qk_norm_flat:
+        shapes.update({"layers.q_norm": (L, N, H), "layers.k_norm": (L, K, H)})
+    elif cfg.qk_norm:
         shapes.update({"layers.q_norm": (L, H), "layers.k_norm": (L, H)})
     if cfg.post_norms:
         shapes.update({"layers.post_attn_norm": (L, D), "layers.post_mlp_norm": (L, D)})
@@ -158,6 +199,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def params_from_flat(flat: dict[str, jax.Array]) -> Params:
     """Builds Params from a ``param_shapes``-keyed dict (missing optional keys become None)."""
     layer_kwargs = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("layers.")}
+    for name in ("w_gate", "w_up", "w_down"):  # absent when every layer is sparse
+        layer_kwargs.setdefault(name, None)
     return Params(
         embed=flat["embed"],
         layers=LayerParams(**layer_kwargs),

@@ -333,6 +333,12 @@ class ShardedPlacer:
         if tp is None and dp is None:
             tp, dp = default_parallelism(cfg, dtype, self.devices)
         tp, dp = tp or 1, dp or 1
+        if cfg.is_moe and tp * dp > 1:
+            raise ShardingError(
+                f"tensor_parallel_size={tp}, data_parallel_size={dp}: mixture-of-experts models "
+                f"({cfg.model_type!r}, num_experts={cfg.num_experts}) run on one device only; "
+                "tensor, data and expert parallel are not supported for them yet"
+            )
         self.plan = plan_sharding(cfg, tp)
         if tp * dp > 1:
             self.mesh = make_mesh(tp, dp, self.devices)

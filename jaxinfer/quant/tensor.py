@@ -159,6 +159,12 @@ def quantize(
             to its output-first CPU layout (quantize the loaded params, before the engine).
     """
     act = _act(mode)
+    first = params.layers[0] if isinstance(params.layers, tuple) else params.layers
+    if first.router is not None:
+        raise ValueError(
+            "int8 weights are not supported for mixture-of-experts models yet (the experts and "
+            "router stay float); run them unquantized"
+        )
     if is_quantized(params):
         raise ValueError("params are already quantized")
     if any(

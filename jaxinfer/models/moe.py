@@ -1,0 +1,137 @@
+"""The mixture-of-experts MLP: routing, tokens sorted by expert, grouped matmuls, weighted combine.
+
+One sparse layer, for a flat token axis T:
+
+1. ``route``: router logits ``h @ router`` (accumulated in float32, rounded to the activation
+   dtype as transformers' ``F.linear`` does, then float32), plus the router bias when the family
+   has one; softmax then top-k (Mixtral, Qwen2/3-MoE, OLMoE) or top-k then softmax (gpt-oss);
+   the k weights divided by their sum with ``norm_topk_prob``. Ties in the top-k go to the lower
+   expert index (``jax.lax.top_k``, as ``torch.topk``; ``tests/test_moe_routing.py``).
+2. ``expert_mlp``: the T*k (token, expert) pairs are flattened, sorted by expert with a stable
+   argsort (a token's pairs keep their order within each expert's group), the per-expert group
+   sizes counted (``bincount``), and each expert's SwiGLU computed on its contiguous rows as two
+   grouped matmuls (``grouped_matmul``: gate and up fused in one, then down). Dropless: every
+   pair is computed, no capacity factor. The rows are put back in pair order by the inverse
+   permutation and each token's k outputs summed, weighted by their routing weights in float32.
+3. Qwen2-MoE adds a shared expert (a dense SwiGLU of width S) every token runs, scaled by
+   ``sigmoid(h . w)``.
+
+Sources: transformers' modeling_mixtral / modeling_qwen2_moe / modeling_qwen3_moe /
+modeling_olmoe (``*TopKRouter``, ``*Experts``, ``*SparseMoeBlock``); the sort-by-expert grouped
+matmul is MegaBlocks' dropless formulation (Gale et al., 2022).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.params import LayerParams
+
+GROUPED_MATMUL_IMPLS = ("xla",)
+
+
+def grouped_matmul(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "xla"
+) -> jax.Array:
+    """Rows of ``lhs`` [M, K], in consecutive groups, each times its group's ``rhs`` [G, K, N]:
+    out[m] = lhs[m] @ rhs[g(m)] where rows ``sum(group_sizes[:g]) .. sum(group_sizes[:g+1])``
+    belong to group g. Accumulated in float32, returned [M, N] in ``lhs``' dtype.
+
+    Args:
+        lhs: [M, K] rows sorted by group.
+        rhs: [G, K, N] one weight per group.
+        group_sizes: i32[G], rows of each group (zeros allowed); sum(group_sizes) == M.
+        impl: ``"xla"``: ``jax.lax.ragged_dot``. The one place a grouped-matmul kernel plugs in
+            (``kernels_pallas.grouped_matmul.gmm`` takes the same arguments).
+
+    Raises:
+        ValueError: an ``impl`` not in ``GROUPED_MATMUL_IMPLS``.
+    """
+    if impl == "xla":
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        return out.astype(lhs.dtype)
+    raise ValueError(f"grouped matmul impl={impl!r}; supported: {GROUPED_MATMUL_IMPLS}")
+
+
+def route(
+    cfg: ModelConfig, router: jax.Array, router_bias: jax.Array | None, h: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Routing of tokens h [T, D] with router weights [D, E] (and bias [E] or None).
+
+    Returns:
+        (weights f32[T, k], experts i32[T, k]): each token's k experts, in descending order of
+        router probability (ties: lower expert index first), and their routing weights.
+    """
+    logits = jnp.einsum("TD,DE->TE", h, router, preferred_element_type=jnp.float32)
+    logits = logits.astype(h.dtype).astype(jnp.float32)  # as transformers: F.linear, then .float()
+    if router_bias is not None:
+        logits = logits + router_bias.astype(jnp.float32)
+    k = cfg.num_experts_per_tok
+    if cfg.router_order == "softmax_topk":
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    else:  # "topk_softmax"
+        top, experts = jax.lax.top_k(logits, k)
+        weights = jax.nn.softmax(top, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def _silu_glu(gate_up: jax.Array) -> jax.Array:
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def expert_mlp(
+    cfg: ModelConfig,
+    expert_gate_up: jax.Array,
+    expert_down: jax.Array,
+    h: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    impl: str = "xla",
+) -> jax.Array:
+    """The routed experts' SwiGLU outputs of tokens h [T, D], weighted and summed: [T, D] in h's
+    dtype.
+
+    Args:
+        expert_gate_up: [E, D, 2I]; expert_down: [E, I, D].
+        h: [T, D] normed residual stream.
+        weights: f32[T, k]; experts: i32[T, k] (``route``).
+        impl: the grouped matmul's (``grouped_matmul``).
+    """
+    t, k = experts.shape
+    flat = experts.reshape(-1)  # [T*k] pair p = (token p // k, slot p % k)
+    order = jnp.argsort(flat, stable=True)  # sorted row -> pair
+    group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    rows = h[order // k]  # [T*k, D] sorted by expert
+    act = _silu_glu(grouped_matmul(rows, expert_gate_up, group_sizes, impl))
+    out = grouped_matmul(act, expert_down, group_sizes, impl)  # [T*k, D] sorted
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    pairs = out[inverse].reshape(t, k, -1)  # back in pair order
+    y = jnp.einsum("TKD,TK->TD", pairs.astype(jnp.float32), weights)
+    return y.astype(h.dtype)
+
+
+def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "xla") -> jax.Array:
+    """One sparse layer's MLP of normed tokens h [T, D] -> [T, D] in h's dtype: the routed
+    experts plus, when the family has one, the (gated) shared expert. ``lp`` holds one layer's
+    weights (no L axis)."""
+    weights, experts = route(cfg, lp.router, lp.router_bias, h)
+    y = expert_mlp(cfg, lp.expert_gate_up, lp.expert_down, h, weights, experts, impl)
+    if lp.shared_w_gate is not None:
+        f32 = jnp.float32
+
+        def proj(x, w, spec):
+            return jnp.einsum(spec, x, w, preferred_element_type=f32).astype(h.dtype)
+
+        gate = proj(h, lp.shared_w_gate, "TD,DS->TS")
+        up = proj(h, lp.shared_w_up, "TD,DS->TS")
+        shared = proj(jax.nn.silu(gate) * up, lp.shared_w_down, "TS,SD->TD")
+        if lp.shared_expert_gate is not None:
+            g = proj(h, lp.shared_expert_gate, "TD,D->T")
+            shared = jax.nn.sigmoid(g)[:, None] * shared
+        y = y + shared
+    return y
