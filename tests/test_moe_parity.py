@@ -1,0 +1,122 @@
+"""Mixture-of-experts families against transformers on tiny random checkpoints
+(``moe_fixtures``: Mixtral, Qwen2-MoE with a gated shared expert and a dense middle layer,
+Qwen3-MoE with a dense first layer, OLMoE with its whole-projection q/k norm).
+
+Through the paged engine (``LLM``): three prompts of 13, 6 and 19 tokens in one batch, KV pages of
+8 tokens and an 8-token step budget, so prompts are prefilled in chunks beside decoding rows
+(mixed prefill/decode steps); greedy tokens must equal transformers' greedy ``generate``, the
+logprob of every prompt position (``prompt_logprobs``) and of every generated token must equal
+``log_softmax`` of transformers' f32 logits within 1e-4 (the f32 tolerance of
+``test_family_engine_parity``). The cache-less forward is checked on a 2 x 24 batch at
+``test_hf_parity``'s f32 bound (max_rel 1e-4), and a checkpoint rewritten in transformers 5's
+fused expert layout loads to the same weights.
+"""
+
+from __future__ import annotations
+
+import hf_fixtures as H
+import jax.numpy as jnp
+import moe_fixtures as M
+import numpy as np
+import pytest
+
+from jaxinfer.llm import LLM
+from jaxinfer.loaders.hf import load_hf
+from jaxinfer.models.dense import dense_logits
+from jaxinfer.sampling.sampler import SamplingParams
+
+FAMILIES = list(M.CASES)
+F32_MAX_REL = 1e-4  # as test_hf_parity
+LOGPROB_ATOL = 1e-4  # as test_family_engine_parity
+PROMPT_LENS = (13, 6, 19)
+NEW = 10
+ENGINE = dict(
+    max_model_len=32,
+    page_size=8,
+    max_num_seqs=3,
+    max_num_batched_tokens=8,
+    compilation_cache=False,
+    skip_tokenizer_init=True,
+)
+
+
+def _prompts() -> list[list[int]]:
+    ids = H.random_ids(sum(PROMPT_LENS), seed=7)
+    out, at = [], 0
+    for n in PROMPT_LENS:
+        out.append(ids[at : at + n])
+        at += n
+    return out
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(name, checkpoint path, transformers f32 model), built once per family."""
+    name = request.param
+    path = M.build_checkpoint(name, str(tmp_path_factory.mktemp("moe") / name))
+    return name, path, H.hf_model(path, "float32")
+
+
+def test_forward_logits_equal_transformers(family, tmp_path):
+    name, path, model = family
+    tokens = H.sample_tokens()
+    ref = H.hf_logits(model, tokens)
+    cfg, params = load_hf(path)
+    assert cfg.is_moe and cfg.model_type == name
+    got = np.asarray(dense_logits(params, cfg, jnp.asarray(tokens)))
+    err = H.errors(got, ref)
+    assert np.abs(ref).max() > 1.0 and ref.std() > 0.3
+    assert err["max_rel"] <= F32_MAX_REL, (name, err)
+    # the same model stored with fused experts (transformers 5's in-memory layout)
+    cfg_f, params_f = load_hf(M.fused_copy(path, str(tmp_path / "fused")))
+    assert cfg_f == cfg
+    np.testing.assert_array_equal(
+        np.asarray(dense_logits(params_f, cfg_f, jnp.asarray(tokens))), got
+    )
+
+
+def test_engine_greedy_and_logprobs_equal_transformers(family):
+    import torch
+
+    name, path, model = family
+    prompts = _prompts()
+    ref_ids, ref_lp = [], []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([p], dtype=torch.long),
+                attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                pad_token_id=0,
+            )
+        seq = out[0].tolist()
+        ref_ids.append(seq[len(p) :])
+        ref_lp.append(H.log_softmax(H.hf_logits(model, [seq])[0]))  # f64[S, V]
+    for ids in ref_ids:
+        assert len(set(ids)) >= 4, (name, ids)  # a varied continuation
+
+    llm = LLM(path, **ENGINE)
+    cfg = llm.engine.cfg
+    assert cfg.is_moe and min(PROMPT_LENS) < ENGINE["max_num_batched_tokens"] < max(PROMPT_LENS)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    outs = llm.generate(prompts, sp)
+    for i, (out, p, want, lp) in enumerate(zip(outs, prompts, ref_ids, ref_lp, strict=True)):
+        assert out.error is None, (name, out.error)
+        assert out.token_ids == want, (name, i)
+        got_prompt = [e.logprob for e in out.prompt_logprobs[1:]]
+        np.testing.assert_allclose(
+            got_prompt,
+            lp[np.arange(len(p) - 1), p[1:]],
+            rtol=0,
+            atol=LOGPROB_ATOL,
+            err_msg=f"{name} prompt {i}",
+        )
+        got_new = [e.logprob for e in out.logprobs]
+        pos = np.arange(len(p) - 1, len(p) - 1 + NEW)
+        np.testing.assert_allclose(
+            got_new, lp[pos, want], rtol=0, atol=LOGPROB_ATOL, err_msg=f"{name} output {i}"
+        )
