@@ -1279,6 +1279,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_moe_parity.py",),
         "forward and olmoe",
     ),
+    M(
+        "moe_tiled_group_first_row_dropped",
+        "jaxinfer/models/moe.py",
+        "owned = ((r >= starts[g]) & (r < ends[g]))[:, None]",
+        "owned = ((r > starts[g]) & (r < ends[g]))[:, None]",
+        ("tests/test_moe_routing.py",),
+        "grouped_matmul",
+    ),
+    M(
+        "moe_tiled_first_tile_only",
+        "jaxinfer/models/moe.py",
+        "t = first[g] + v - (visit_ends[g] - visits[g])  # its tile",
+        "t = first[g]  # its tile",
+        ("tests/test_moe_routing.py",),
+        "grouped_matmul",
+    ),
 ]
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.moe import grouped_matmul, moe_mlp, route
+from jaxinfer.models.moe import GROUPED_MATMUL_IMPLS, grouped_matmul, moe_mlp, route
 from jaxinfer.models.params import LayerParams
 
 T, D, E, I, S = 16, 8, 4, 6, 5
@@ -119,19 +119,20 @@ def _layer(w: dict, shared: bool = False, bias: bool = False) -> LayerParams:
     )
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _run(cfg, lp, h):
-    return moe_mlp(cfg, lp, h), route(cfg, lp.router, lp.router_bias, h)[1]
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _run(cfg, lp, h, impl):
+    return moe_mlp(cfg, lp, h, impl), route(cfg, lp.router, lp.router_bias, h)[1]
 
 
 def check(cfg: ModelConfig, w: dict, shared: bool = False, bias: bool = False):
-    """Runs the MoE MLP (jitted) and compares outputs and chosen experts with the reference;
-    returns the chosen experts."""
+    """Runs the MoE MLP (jitted, each grouped-matmul impl) and compares outputs and chosen experts
+    with the reference; returns the chosen experts."""
     ref, ref_idx = reference(cfg, w, shared, bias)
-    got, idx = _run(cfg, _layer(w, shared, bias), jnp.asarray(w["h"]))
-    np.testing.assert_array_equal(np.asarray(idx), ref_idx)
-    err = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
-    assert err <= REL, err
+    for impl in ("xla", "xla_tiled"):
+        got, idx = _run(cfg, _layer(w, shared, bias), jnp.asarray(w["h"]), impl)
+        np.testing.assert_array_equal(np.asarray(idx), ref_idx)
+        err = np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max()
+        assert err <= REL, (impl, err)
     return ref_idx
 
 
@@ -184,17 +185,41 @@ def test_topk_then_softmax_with_router_bias():
     check(cfg, _weights(5), bias=True)
 
 
-def test_grouped_matmul_with_empty_groups():
+@pytest.mark.parametrize("impl", ["xla", "xla_tiled"])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [3, 0, 5, 0, 1, 0],  # empty groups first, middle and last; M < one tile
+        [32, 0, 32, 64],  # group ends on tile edges (tiles of 32)
+        [31, 2, 0, 40, 27],  # groups straddling tile edges, one spanning three tiles
+        [0, 100, 0],  # one group over 4 tiles, M not a multiple of the tile
+        [0, 0, 0],  # no rows at all
+    ],
+)
+def test_grouped_matmul(impl, sizes):
+    """Both XLA formulations against the per-row product in float64."""
     rng = np.random.default_rng(6)
-    sizes = np.array([3, 0, 5, 0, 1, 0], np.int32)  # empty groups first, middle and last
-    lhs = rng.normal(size=(sizes.sum(), 4)).astype(np.float32)
-    rhs = rng.normal(size=(len(sizes), 4, 3)).astype(np.float32)
-    got = np.asarray(grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes)))
+    sizes = np.array(sizes, np.int32)
+    lhs = rng.normal(size=(sizes.sum(), 8)).astype(np.float32)
+    rhs = rng.normal(size=(len(sizes), 8, 5)).astype(np.float32)
+    got = np.asarray(
+        jax.jit(grouped_matmul, static_argnums=3)(
+            jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), impl
+        )
+    )
     group = np.repeat(np.arange(len(sizes)), sizes)
     ref = np.einsum("mk,mkn->mn", lhs.astype(np.float64), rhs[group].astype(np.float64))
-    np.testing.assert_allclose(got, ref, rtol=0, atol=REL * np.abs(ref).max())
-    with pytest.raises(ValueError, match="supported: \\('xla',\\)"):
-        grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), impl="nope")
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=0, atol=REL * max(1.0, np.abs(ref).max(initial=0.0)))
+
+
+def test_grouped_matmul_impl_checked():
+    assert GROUPED_MATMUL_IMPLS == ("auto", "xla", "xla_tiled")
+    x = jnp.zeros((2, 3))
+    with pytest.raises(
+        ValueError, match="impl='nope'; supported: \\('auto', 'xla', 'xla_tiled'\\)"
+    ):
+        grouped_matmul(x, jnp.zeros((1, 3, 4)), jnp.array([2], jnp.int32), impl="nope")
 
 
 def test_config_checks():

@@ -29,11 +29,27 @@ import jax.numpy as jnp
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import LayerParams
 
-GROUPED_MATMUL_IMPLS = ("xla",)
+GROUPED_MATMUL_IMPLS = ("auto", "xla", "xla_tiled")
+TILE_ROWS = 32  # rows of one tile of "xla_tiled"
+
+
+def resolve_grouped_matmul_impl(impl: str, backend: str | None = None) -> str:
+    """The grouped matmul ``impl`` runs on ``backend`` (default: jax's): "auto" is "xla_tiled"
+    on CPU (where XLA expands ``ragged_dot`` over every group, docs/models.md) and "xla"
+    elsewhere.
+
+    Raises:
+        ValueError: an ``impl`` not in ``GROUPED_MATMUL_IMPLS``.
+    """
+    if impl not in GROUPED_MATMUL_IMPLS:
+        raise ValueError(f"grouped matmul impl={impl!r}; supported: {GROUPED_MATMUL_IMPLS}")
+    if impl != "auto":
+        return impl
+    return "xla_tiled" if (backend or jax.default_backend()) == "cpu" else "xla"
 
 
 def grouped_matmul(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "xla"
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "auto"
 ) -> jax.Array:
     """Rows of ``lhs`` [M, K], in consecutive groups, each times its group's ``rhs`` [G, K, N]:
     out[m] = lhs[m] @ rhs[g(m)] where rows ``sum(group_sizes[:g]) .. sum(group_sizes[:g+1])``
@@ -43,16 +59,58 @@ def grouped_matmul(
         lhs: [M, K] rows sorted by group.
         rhs: [G, K, N] one weight per group.
         group_sizes: i32[G], rows of each group (zeros allowed); sum(group_sizes) == M.
-        impl: ``"xla"``: ``jax.lax.ragged_dot``. The one place a grouped-matmul kernel plugs in
-            (``kernels_pallas.grouped_matmul.gmm`` takes the same arguments).
+        impl: ``"xla"``: ``jax.lax.ragged_dot``; ``"xla_tiled"``: ``grouped_matmul_tiled``;
+            ``"auto"``: ``resolve_grouped_matmul_impl``. The one place a grouped-matmul kernel
+            plugs in (``kernels_pallas.grouped_matmul.gmm`` takes the same arguments).
 
     Raises:
         ValueError: an ``impl`` not in ``GROUPED_MATMUL_IMPLS``.
     """
+    impl = resolve_grouped_matmul_impl(impl)
     if impl == "xla":
         out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
         return out.astype(lhs.dtype)
-    raise ValueError(f"grouped matmul impl={impl!r}; supported: {GROUPED_MATMUL_IMPLS}")
+    return grouped_matmul_tiled(lhs, rhs, group_sizes)
+
+
+def grouped_matmul_tiled(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int = TILE_ROWS
+) -> jax.Array:
+    """``grouped_matmul`` as a loop over (row tile, group) visits, MegaBlox's schedule in XLA:
+    the rows are cut in tiles of ``tile``; each non-empty group visits the tiles its rows touch
+    and adds ``lhs[tile] @ rhs[g]`` to the rows it owns. At most ``ceil(M / tile) + G - 1``
+    visits (a tile shared by two groups is computed twice), each one small dense matmul, and an
+    empty group costs nothing; ``ragged_dot``'s CPU expansion costs every group on every row.
+
+    Args and result as ``grouped_matmul``.
+    """
+    m, k = lhs.shape
+    n = rhs.shape[-1]
+    tiles = max(1, -(-m // tile))
+    lhs_p = jnp.pad(lhs, ((0, tiles * tile - m), (0, 0)))
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile
+    visits = jnp.where(sizes > 0, (ends - 1) // tile - first + 1, 0)  # tiles per group
+    visit_ends = jnp.cumsum(visits)
+    rows = jnp.arange(tile, dtype=jnp.int32)
+
+    def body(carry):
+        v, out = carry
+        g = jnp.searchsorted(visit_ends, v, side="right")  # the group of visit v
+        t = first[g] + v - (visit_ends[g] - visits[g])  # its tile
+        x = jax.lax.dynamic_slice(lhs_p, (t * tile, 0), (tile, k))
+        y = jnp.dot(x, rhs[g], preferred_element_type=jnp.float32)
+        r = t * tile + rows
+        owned = ((r >= starts[g]) & (r < ends[g]))[:, None]
+        cur = jax.lax.dynamic_slice(out, (t * tile, 0), (tile, n))
+        out = jax.lax.dynamic_update_slice(out, jnp.where(owned, y, cur), (t * tile, 0))
+        return v + 1, out
+
+    out = jnp.zeros((tiles * tile, n), jnp.float32)
+    _, out = jax.lax.while_loop(lambda c: c[0] < visit_ends[-1], body, (jnp.int32(0), out))
+    return out[:m].astype(lhs.dtype)
 
 
 def route(
@@ -91,7 +149,7 @@ def expert_mlp(
     h: jax.Array,
     weights: jax.Array,
     experts: jax.Array,
-    impl: str = "xla",
+    impl: str = "auto",
 ) -> jax.Array:
     """The routed experts' SwiGLU outputs of tokens h [T, D], weighted and summed: [T, D] in h's
     dtype.
@@ -115,7 +173,7 @@ def expert_mlp(
     return y.astype(h.dtype)
 
 
-def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "xla") -> jax.Array:
+def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "auto") -> jax.Array:
     """One sparse layer's MLP of normed tokens h [T, D] -> [T, D] in h's dtype: the routed
     experts plus, when the family has one, the (gated) shared expert. ``lp`` holds one layer's
     weights (no L axis)."""
