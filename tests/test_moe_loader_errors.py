@@ -109,6 +109,17 @@ def test_wrong_expert_count_in_config(mixtral, tmp_path, no_reads):
         load_hf(path)
 
 
+def test_expert_count_beyond_the_files(mixtral, tmp_path, no_reads):
+    """An expert count the weight files cannot hold is refused from the config alone."""
+    path = _edited(
+        mixtral, tmp_path / "bad", edit_config=lambda c: c.update(num_local_experts=4000)
+    )
+    with pytest.raises(
+        CheckpointError, match="config.json: the config's sizes \\(num_local_experts=4000"
+    ):
+        load_hf(path)
+
+
 def test_fused_expert_shape(mixtral, tmp_path, no_reads):
     path = M.fused_copy(mixtral, str(tmp_path / "fused"))
     file = os.path.join(path, "model.safetensors")

@@ -8,8 +8,9 @@ Through the paged engine (``LLM``): three prompts of 13, 6 and 19 tokens in one 
 logprob of every prompt position (``prompt_logprobs``) and of every generated token must equal
 ``log_softmax`` of transformers' f32 logits within 1e-4 (the f32 tolerance of
 ``test_family_engine_parity``). The cache-less forward is checked on a 2 x 24 batch at
-``test_hf_parity``'s f32 bound (max_rel 1e-4), and a checkpoint rewritten in transformers 5's
-fused expert layout loads to the same weights.
+``test_hf_parity``'s f32 bound (max_rel 1e-4); a prompt sharing two KV pages with an earlier one
+reads them from the prefix cache and still decodes transformers' tokens; and a checkpoint
+rewritten in transformers 5's fused expert layout loads to the same weights.
 """
 
 from __future__ import annotations
@@ -120,3 +121,21 @@ def test_engine_greedy_and_logprobs_equal_transformers(family):
         np.testing.assert_allclose(
             got_new, lp[pos, want], rtol=0, atol=LOGPROB_ATOL, err_msg=f"{name} output {i}"
         )
+
+    # Prefix caching (on by default): a prompt sharing the longest prompt's first two full pages
+    # reads their KV from the cache, and its greedy tokens still equal transformers'.
+    shared = prompts[2][:16] + H.random_ids(3, seed=8)
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor([shared], dtype=torch.long),
+            attention_mask=torch.ones((1, len(shared)), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            pad_token_id=0,
+        )[0, len(shared) :].tolist()
+    (out,) = llm.generate(
+        [shared], SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    )
+    assert out.metrics.num_cached_tokens == 16, out.metrics
+    assert out.token_ids == ref, name

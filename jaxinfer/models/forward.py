@@ -175,14 +175,19 @@ def dense_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> jax.Array:
     return linear(_act(cfg, gate) * up, lp.w_down, "TF,FD->TD")
 
 
-def mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, layer: jax.Array | None) -> jax.Array:
+def mlp(
+    cfg: ModelConfig, lp: LayerParams, h: jax.Array, layer: int | jax.Array | None
+) -> jax.Array:
     """One layer's MLP of normed tokens h [T, D]: the dense MLP, or the mixture of experts
     (``moe.moe_mlp``) in the layers ``cfg.sparse_layers`` marks; a model mixing both picks by
-    ``layer`` (i32[], traced under the layer scan) with ``lax.cond``."""
+    ``layer``: statically for a Python int (the unrolled layer loop), with ``lax.cond`` for an
+    i32[] (traced under the layer scan)."""
     if not cfg.is_moe:
         return dense_mlp(cfg, lp, h)
     if not cfg.has_dense_mlp:
         return moe_mlp(cfg, lp, h)
+    if isinstance(layer, int):
+        return moe_mlp(cfg, lp, h) if cfg.sparse_layers[layer] else dense_mlp(cfg, lp, h)
     sparse = jnp.asarray(cfg.sparse_layers)[layer]
     return jax.lax.cond(sparse, lambda h: moe_mlp(cfg, lp, h), lambda h: dense_mlp(cfg, lp, h), h)
 
@@ -192,7 +197,7 @@ def attention_output_and_mlp(
     lp: LayerParams,
     x: jax.Array,
     attn: jax.Array,
-    layer: jax.Array | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """The rest of one layer: x [T, D] plus the output projection of ``attn`` [T, N, H] (in x's
     dtype), then plus the MLP of the result (``mlp``; ``layer`` i32[] is needed by a model that
@@ -253,9 +258,10 @@ def forward(
     windows = jnp.asarray(np.asarray(cfg.layer_windows, np.int32))
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
 
-    def layer_fn(carry, xs):
+    def layer_fn(carry, xs, static_layer: int | None = None):
         x, cache = carry
         lp, layer, window = xs
+        mlp_layer = layer if static_layer is None else static_layer  # unrolled: known per layer
         lp: LayerParams
         if cfg.has_local_rope:
             is_local = window > 0
@@ -265,7 +271,9 @@ def forward(
             cos, sin = rope_g
         q, k, v = tmap(lambda x, c, s: attention_inputs(cfg, lp, x, c, s), x, cos, sin)
         attn, cache = attn_fn(q, k, v, cache, layer, window)
-        x = tmap(lambda x, a: attention_output_and_mlp(cfg, lp, x, a.astype(dtype), layer), x, attn)
+        x = tmap(
+            lambda x, a: attention_output_and_mlp(cfg, lp, x, a.astype(dtype), mlp_layer), x, attn
+        )
         return (x, cache), None
 
     unstacked = isinstance(params.layers, tuple)  # params.unstack_layers
@@ -274,7 +282,7 @@ def forward(
         params.scan_from_tokens is None or tokens.shape[0] < params.scan_from_tokens
     ):  # unrolled loop
         for i, lp in enumerate(params.layers):
-            (x, cache), _ = layer_fn((x, cache), (lp, jnp.int32(i), windows[i]))
+            (x, cache), _ = layer_fn((x, cache), (lp, jnp.int32(i), windows[i]), i)
     elif unstacked:  # a scan over the separate buffers: each step picks its layer's weights
         branches = [lambda lp=lp: lp for lp in params.layers]
 
