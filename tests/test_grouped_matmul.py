@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.grouped_matmul import (
+    VERIFIED_BACKENDS,
     BlockSizes,
     check_supported,
     gmm,
@@ -126,6 +127,9 @@ def test_ragged_dot_is_the_all_local_contract():
 
 def test_auto_is_xla_on_cpu_and_kernels_need_their_platform():
     assert resolve_backend("auto", platform="cpu") == "xla"
+    for platform in ("tpu", "gpu"):  # a kernel only once its device check passed
+        want = platform if platform in VERIFIED_BACKENDS else "xla"
+        assert resolve_backend("auto", platform=platform) == want
     assert resolve_backend("tpu", interpret=True, platform="cpu") == "tpu"
     with pytest.raises(ValueError, match=r"backend='tpu' cannot run on jax backend 'cpu'.*'xla'"):
         resolve_backend("tpu", platform="cpu")
