@@ -1,5 +1,6 @@
 """Grouped matmul (mixture-of-experts expert matmuls): each kernel in interpret mode, the XLA
-path (``jax.lax.ragged_dot``) and the pure-jnp reference == a numpy loop of per-group matmuls.
+paths (``jax.lax.ragged_dot``, the tiled loop) and the pure-jnp reference == a numpy loop of
+per-group matmuls.
 
 The numpy loop (float64, on the inputs as rounded to the test dtype) is the outside reference:
 group e's rows ``[sum(sizes[:e]), sum(sizes[:e + 1]))`` times ``rhs[e - offset]`` when e is a
@@ -35,6 +36,7 @@ SHAPES = {
     "tpu": (45, 136, 136, BlockSizes(16, 128, 128)),
     "gpu": (45, 40, 40, BlockSizes(16, 16, 16)),
     "xla": (45, 40, 40, None),
+    "xla_tiled": (45, 40, 40, BlockSizes(8, 8, 8)),
     "reference": (45, 40, 40, None),
 }
 # (name, group_sizes, E_local, group_offset): sizes sum to at most T = 45.
@@ -84,8 +86,7 @@ def run_case(impl, case, dtype):
         call = lambda a, b, s, o: gmm_reference(a, b, s, o)  # noqa: E731
     else:
         kw = dict(block_sizes=bs, interpret=interpret)
-        backend = "xla" if impl == "xla" else impl
-        call = lambda a, b, s, o: gmm(a, b, s, o, backend=backend, **kw)  # noqa: E731
+        call = lambda a, b, s, o: gmm(a, b, s, o, backend=impl, **kw)  # noqa: E731
     sizes_j = jnp.asarray(sizes, jnp.int32)
     if traced:
         out = jax.jit(call)(lhs, rhs, sizes_j, jnp.int32(off))
@@ -99,7 +100,7 @@ def run_case(impl, case, dtype):
     return out
 
 
-IMPLS = ("tpu", "gpu", "xla", "reference")
+IMPLS = ("tpu", "gpu", "xla", "xla_tiled", "reference")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -113,20 +114,28 @@ def test_gmm_equals_numpy_loop_bf16(impl):
     run_case(impl, "ragged", jnp.bfloat16)
 
 
-def test_ragged_dot_is_the_all_local_contract():
+@pytest.mark.parametrize("backend", ["auto", "tpu"])
+def test_ragged_dot_is_the_all_local_contract(backend):
     """``gmm`` with every group local equals ``jax.lax.ragged_dot`` itself (the semantics the MoE
-    model relies on), rows past the total included."""
+    model relies on), rows past the total included: "auto" with its default tiling (on CPU the
+    tiled XLA loop) and the TPU kernel (interpreted)."""
     rng = np.random.default_rng(1)
     lhs = jnp.asarray(rng.standard_normal((45, 40)), jnp.float32)
     rhs = jnp.asarray(rng.standard_normal((7, 40, 24)), jnp.float32)
     sizes = jnp.asarray(CASES["ragged"][0], jnp.int32)
     want = jax.lax.ragged_dot(lhs, rhs, sizes, precision=jax.lax.Precision.HIGHEST)
-    got = gmm(lhs, rhs, sizes, backend="tpu", interpret=True, block_sizes=BlockSizes(16, 40, 24))
+    if backend == "auto":
+        got = gmm(lhs, rhs, sizes)
+    else:
+        got = gmm(
+            lhs, rhs, sizes, backend="tpu", interpret=True, block_sizes=BlockSizes(16, 40, 24)
+        )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL[jnp.float32])
 
 
 def test_auto_is_xla_on_cpu_and_kernels_need_their_platform():
-    assert resolve_backend("auto", platform="cpu") == "xla"
+    # CPU: the tiled loop (XLA:CPU's ragged_dot multiplies every row by every group's weights)
+    assert resolve_backend("auto", platform="cpu") == "xla_tiled"
     for platform in ("tpu", "gpu"):  # a kernel only once its device check passed
         want = platform if platform in VERIFIED_BACKENDS else "xla"
         assert resolve_backend("auto", platform=platform) == want

@@ -10,8 +10,9 @@ contracted width, F the output width (an up projection's model width and MLP wid
 projection swaps them).
 
 Variants: ``tpu.py`` (Mosaic, tile -> group table as scalar prefetch), ``gpu.py`` (Triton, one
-program per group row tile), ``xla.py`` (``jax.lax.ragged_dot``); ``reference.py`` is the pure-jnp
-reference; ``block_sizes.py`` the tiling.
+program per group row tile), ``xla.py`` (``jax.lax.ragged_dot``, and a loop over per-group row
+tiles, CPU's "auto"); ``reference.py`` is the pure-jnp reference; ``metadata.py`` the group
+bounds and tile tables; ``block_sizes.py`` the tiling.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ import jax.numpy as jnp
 from kernels_pallas.grouped_matmul.block_sizes import BlockSizes, default_block_sizes
 from kernels_pallas.grouped_matmul.reference import gmm_reference
 
-BACKENDS = ("auto", "xla", "reference", "tpu", "gpu")
+BACKENDS = ("auto", "xla", "xla_tiled", "reference", "tpu", "gpu")
 KERNEL_BACKENDS = ("tpu", "gpu")
 # Backends whose kernel has passed a device check un-interpreted (none yet: no TPU or GPU has run
-# them); "auto" picks the kernel only there and XLA's ragged_dot elsewhere, the CPU included.
-# Add a backend after its device check passes.
+# them); "auto" picks the kernel only there. Add a backend after its device check passes.
 VERIFIED_BACKENDS: tuple[str, ...] = ()
+# "auto" elsewhere: on CPU the tiled XLA loop (XLA:CPU expands ragged_dot to a dense matmul over
+# every group: docs/kernels.md has the figures), on other platforms ragged_dot.
+AUTO_CPU = "xla_tiled"
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 __all__ = [
     "BACKENDS",
+    "AUTO_CPU",
     "KERNEL_BACKENDS",
     "VERIFIED_BACKENDS",
     "BlockSizes",
@@ -45,11 +49,11 @@ __all__ = [
 
 def resolve_backend(backend: str, *, interpret: bool = False, platform: str | None = None) -> str:
     """The implementation ``gmm`` runs for ``backend`` on ``platform`` (default: jax's backend):
-    "xla", "reference", "tpu" or "gpu".
+    "xla", "xla_tiled", "reference", "tpu" or "gpu".
 
-    "auto": the platform's kernel where verified (``VERIFIED_BACKENDS``), else "xla"
-    (``jax.lax.ragged_dot``; always so on CPU). "tpu" / "gpu": that kernel, on its own platform,
-    or on any platform with ``interpret=True``.
+    "auto": the platform's kernel where verified (``VERIFIED_BACKENDS``), else "xla_tiled" on
+    CPU (``AUTO_CPU``) and "xla" (``jax.lax.ragged_dot``) elsewhere. "tpu" / "gpu": that
+    kernel, on its own platform, or on any platform with ``interpret=True``.
 
     Raises:
         ValueError: an unknown backend; a kernel asked on another platform without
@@ -66,11 +70,13 @@ def resolve_backend(backend: str, *, interpret: bool = False, platform: str | No
             f"(got backend={backend!r})"
         )
     if backend == "auto":
-        return platform if platform in VERIFIED_BACKENDS else "xla"
+        if platform in VERIFIED_BACKENDS:
+            return platform
+        return AUTO_CPU if platform == "cpu" else "xla"
     if backend in KERNEL_BACKENDS and not interpret and platform != backend:
         raise ValueError(
             f"grouped matmul backend={backend!r} cannot run on jax backend {platform!r}; "
-            f"here run backend='auto', 'xla' or 'reference'"
+            f"here run backend='auto', 'xla', 'xla_tiled' or 'reference'"
             + (f", or '{platform}'" if platform in KERNEL_BACKENDS else "")
             + f", or backend={backend!r} with interpret=True (tests)"
         )
@@ -157,10 +163,12 @@ def gmm(
             ``[group_offset, group_offset + E_local)`` give 0. An int is checked against
             ``0..E - E_local``; a traced value is taken as given (a value outside gives
             unspecified rows).
-        block_sizes: kernel tiling; None for ``default_block_sizes``.
-        backend: "auto" (``resolve_backend``: XLA's ``ragged_dot`` unless the platform's kernel
-            is verified), "xla", "reference" (``gmm_reference``), "tpu" or "gpu" (the Pallas
-            kernels).
+        block_sizes: kernel tiling; None for ``default_block_sizes``. "xla_tiled" reads only
+            ``block_t`` (default ``default_tiled_block_t``).
+        backend: "auto" (``resolve_backend``: the platform's kernel where verified, else the
+            tiled XLA loop on CPU and ``ragged_dot`` elsewhere), "xla" (``jax.lax.ragged_dot``),
+            "xla_tiled" (a loop over per-group row tiles), "reference" (``gmm_reference``),
+            "tpu" or "gpu" (the Pallas kernels).
         interpret: run the kernel's semantics on CPU (TPU: ``pltpu.InterpretParams``); only with
             backend "tpu" or "gpu".
         preferred_element_type: output dtype (default: ``lhs.dtype``); the kernels accumulate
@@ -186,6 +194,14 @@ def gmm(
 
         return gmm_xla(lhs, rhs, group_sizes, group_offset, preferred_element_type=out_dtype)
     t, d = lhs.shape
+    if impl == "xla_tiled":
+        from kernels_pallas.grouped_matmul.xla import default_tiled_block_t, gmm_xla_tiled
+
+        bt = block_sizes.block_t if block_sizes else default_tiled_block_t(t, rhs.shape[0])
+        offset = jnp.asarray(group_offset, jnp.int32)
+        return gmm_xla_tiled(
+            lhs, rhs, group_sizes, offset, block_t=bt, preferred_element_type=out_dtype
+        )
     bs = check_supported(impl, t, d, rhs.shape[2], block_sizes)
     offset = jnp.asarray(group_offset, jnp.int32)
     kw = dict(block_sizes=bs, preferred_element_type=out_dtype, interpret=interpret)

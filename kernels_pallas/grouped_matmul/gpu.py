@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.grouped_matmul.block_sizes import BlockSizes
-from kernels_pallas.grouped_matmul.metadata import local_group_bounds
+from kernels_pallas.grouped_matmul.metadata import local_group_bounds, tile_table
 
 
 def _pow2(x: int) -> bool:
@@ -46,34 +46,6 @@ def check_supported(t: int, d: int, f: int, block_sizes: BlockSizes) -> None:
         problems.append(f"T={t}, D={d}, F={f} (supported: < 2**31 elements, int32 offsets)")
     if problems:
         raise ValueError("pallas_gpu grouped matmul cannot run " + "; ".join(problems))
-
-
-def tile_table(
-    bounds: jax.Array,  # i32[E_local + 1]
-    *,
-    num_tiles: int,
-    block_t: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The row tiles of the GPU kernel: local group e's rows ``[bounds[e], bounds[e + 1])`` in
-    ``ceil(size / block_t)`` tiles, tile j starting at ``bounds[e] + j * block_t``.
-
-    Returns:
-        first_row: i32[num_tiles] first row of each tile.
-        row_end: i32[num_tiles] end of the tile's group's rows (its rows are those below it);
-            equal to ``first_row`` for tiles past the real count (nothing to do).
-        group_ids: i32[num_tiles] local group of each tile.
-    """
-    e_local = bounds.shape[0] - 1
-    lo, hi = bounds[:-1], bounds[1:]
-    tiles = (hi - lo + block_t - 1) // block_t  # i32[E_local]
-    ends = jnp.cumsum(tiles)
-    i = jnp.arange(num_tiles, dtype=jnp.int32)
-    group_ids = jnp.minimum(jnp.searchsorted(ends, i, side="right"), e_local - 1).astype(jnp.int32)
-    first_row = lo[group_ids] + (i - (ends - tiles)[group_ids]) * block_t
-    real = i < ends[-1]
-    first_row = jnp.where(real, first_row, 0).astype(jnp.int32)
-    row_end = jnp.where(real, hi[group_ids], 0).astype(jnp.int32)
-    return first_row, row_end, group_ids
 
 
 def _kernel(
@@ -132,7 +104,7 @@ def gmm_gpu(
     rhs_p = jnp.pad(rhs, ((0, 0), (0, dp - d), (0, fp - f))) if (dp, fp) != (d, f) else rhs
     bounds = local_group_bounds(group_sizes, group_offset, e_local, t)
     num_tiles = pl.cdiv(t, bt) + e_local
-    first_row, row_end, group_ids = tile_table(bounds, num_tiles=num_tiles, block_t=bt)
+    first_row, row_end, group_ids, _ = tile_table(bounds, num_tiles=num_tiles, block_t=bt)
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
     kernel = functools.partial(
         _kernel, block_t=bt, block_d=bd, block_f=bf, num_d_tiles=dp // bd, precision=precision
