@@ -6,16 +6,17 @@ expert matmul. One JSON line on stdout.
     python scripts/bench_grouped_matmul.py --dtype bfloat16 --repeats 3
     python scripts/bench_grouped_matmul.py --quick         # tiny shape, seconds
 
-Shape (defaults, Qwen3-MoE-like, scaled down): 512 tokens of hidden size D=1024, 32 experts with
-MLP width F=512, top-4 routing, so T = 512 * 4 = 2048 token copies sorted by expert. The router is
-random (uniform logits, seeded); ``group_sizes`` are the tokens per expert. Two projections: the
+Shape (defaults, Qwen3-MoE-like, scaled down): hidden size D=1024, 32 experts with MLP width
+F=512, top-4 routing; ``--tokens 512,8``: a prefill-sized batch of 512 tokens (T = 512 * 4 = 2048
+token copies sorted by expert) and a decode-sized one of 8 tokens (T = 32). The router is random
+(Gaussian logits, seeded); ``group_sizes`` are the token copies per expert. Two projections: the
 up projection ``[T, D] x [E, D, F]`` and the down projection ``[T, F] x [E, F, D]``.
 
 Formulations (each jitted, outputs checked against ragged_dot's, max abs difference reported):
 
 - ``ragged_dot``: ``jax.lax.ragged_dot(lhs, rhs, group_sizes)``.
-- ``gmm_auto``: ``kernels_pallas.grouped_matmul.gmm(..., backend="auto")`` (ragged_dot on CPU:
-  the wrapper's cost).
+- ``gmm_auto``: ``kernels_pallas.grouped_matmul.gmm(..., backend="auto")``, which on CPU is the
+  tiled XLA loop (``backend="xla_tiled"``, default tiling; ``auto_backend`` in the JSON).
 - ``dense_masked``: every expert on every row (``einsum("TD,EDF->TEF")``, E times the useful
   FLOPs), then each row's own expert selected.
 - ``gather``: each row's expert matrix gathered (``rhs[group_of_row]``) and a batched
@@ -30,6 +31,7 @@ commit, the load average before and after.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import subprocess
@@ -41,6 +43,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 
 def cpu_name() -> str:
@@ -85,7 +88,7 @@ def formulations(gather_chunk: int):
     def gather(lhs, rhs, group_sizes):
         t, d = lhs.shape
         g = group_of_row(group_sizes, t)
-        c = gather_chunk
+        c = math.gcd(gather_chunk, t)
 
         def chunk(args):
             x, gi = args
@@ -107,7 +110,7 @@ def formulations(gather_chunk: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--tokens", default="512,8", help="comma list of batch sizes in tokens")
     ap.add_argument("--hidden", type=int, default=1024, help="D, the model width")
     ap.add_argument("--moe-intermediate", type=int, default=512, help="F, each expert's MLP width")
     ap.add_argument("--experts", type=int, default=32)
@@ -117,55 +120,69 @@ def main():
     ap.add_argument("--gather-chunk", type=int, default=64, help="rows per gather step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny shape: a smoke test")
+    ap.add_argument(
+        "--results-dir",
+        default=os.environ.get("JAXINFER_RESULTS_DIR", str(REPO / "results")),
+        help="where bench_grouped_matmul.jsonl is appended (default: results/ in the repo)",
+    )
     args = ap.parse_args()
     if args.quick:
-        args.tokens, args.hidden, args.moe_intermediate, args.experts = 32, 64, 32, 8
+        args.tokens, args.hidden, args.moe_intermediate, args.experts = "32,4", 64, 32, 8
         args.repeats, args.gather_chunk = 2, 16
 
     import jax
     import jax.numpy as jnp
 
+    from kernels_pallas.grouped_matmul import resolve_backend
+
     load_before = os.getloadavg()
     rng = np.random.default_rng(args.seed)
-    n, d, f, e, k = args.tokens, args.hidden, args.moe_intermediate, args.experts, args.top_k
-    t = n * k
-    logits = rng.standard_normal((n, e))
-    chosen = np.argsort(-logits, axis=1)[:, :k].reshape(-1)  # expert of each token copy
-    group_sizes = np.bincount(chosen, minlength=e).astype(np.int32)
+    d, f, e, k = args.hidden, args.moe_intermediate, args.experts, args.top_k
     dtype = jnp.dtype(args.dtype)
-    x = jnp.asarray(rng.standard_normal((t, d)) / np.sqrt(d), dtype)
     w_up = jnp.asarray(rng.standard_normal((e, d, f)) / np.sqrt(d), dtype)
     w_down = jnp.asarray(rng.standard_normal((e, f, d)) / np.sqrt(f), dtype)
-    h = jnp.asarray(rng.standard_normal((t, f)) / np.sqrt(f), dtype)
-    gs = jnp.asarray(group_sizes)
     fns = formulations(args.gather_chunk)
-    results = {}
-    for proj, lhs, rhs in (("up", x, w_up), ("down", h, w_down)):
-        want = np.asarray(fns["ragged_dot"](lhs, rhs, gs).astype(jnp.float32))
-        useful = 2 * t * lhs.shape[1] * rhs.shape[2]
-        for name, fn in fns.items():
-            out = fn(lhs, rhs, gs)
-            jax.block_until_ready(out)  # warm-up (compilation)
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(lhs, rhs, gs))
-                times.append(time.perf_counter() - t0)
-            med = float(np.median(times))
-            results[f"{proj}/{name}"] = {
-                "ms_median": round(med * 1e3, 2),
-                "ms_min": round(min(times) * 1e3, 2),
-                "useful_gflop_s": round(useful / med / 1e9, 2),
-                "max_abs_diff_vs_ragged_dot": float(
-                    np.abs(np.asarray(out.astype(jnp.float32)) - want).max()
-                ),
-            }
-            print(f"{proj}/{name}: {results[f'{proj}/{name}']}", file=sys.stderr, flush=True)
-        base = results[f"{proj}/ragged_dot"]["ms_median"]
-        for name in fns:
-            results[f"{proj}/{name}"]["x_ragged_dot"] = round(
-                results[f"{proj}/{name}"]["ms_median"] / base, 2
-            )
+    results, sizes_seen = {}, {}
+    for n in [int(v) for v in args.tokens.split(",")]:
+        t = n * k
+        logits = rng.standard_normal((n, e))
+        chosen = np.argsort(-logits, axis=1)[:, :k].reshape(-1)  # expert of each token copy
+        group_sizes = np.bincount(chosen, minlength=e).astype(np.int32)
+        sizes_seen[f"tokens{n}"] = dict(
+            rows=t,
+            min=int(group_sizes.min()),
+            max=int(group_sizes.max()),
+            empty=int((group_sizes == 0).sum()),
+        )
+        x = jnp.asarray(rng.standard_normal((t, d)) / np.sqrt(d), dtype)
+        h = jnp.asarray(rng.standard_normal((t, f)) / np.sqrt(f), dtype)
+        gs = jnp.asarray(group_sizes)
+        for proj, lhs, rhs in (("up", x, w_up), ("down", h, w_down)):
+            key = f"tokens{n}/{proj}"
+            want = np.asarray(fns["ragged_dot"](lhs, rhs, gs).astype(jnp.float32))
+            useful = 2 * t * lhs.shape[1] * rhs.shape[2]
+            for name, fn in fns.items():
+                out = fn(lhs, rhs, gs)
+                jax.block_until_ready(out)  # warm-up (compilation)
+                times = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(lhs, rhs, gs))
+                    times.append(time.perf_counter() - t0)
+                med = float(np.median(times))
+                r = results[f"{key}/{name}"] = {
+                    "ms_median": round(med * 1e3, 2),
+                    "ms_min": round(min(times) * 1e3, 2),
+                    "useful_gflop_s": round(useful / med / 1e9, 2),
+                    "max_abs_diff_vs_ragged_dot": float(
+                        np.abs(np.asarray(out.astype(jnp.float32)) - want).max()
+                    ),
+                }
+                print(f"{key}/{name}: {r}", file=sys.stderr, flush=True)
+            base = results[f"{key}/ragged_dot"]["ms_median"]
+            for name in fns:
+                r = results[f"{key}/{name}"]
+                r["x_ragged_dot"] = round(r["ms_median"] / base, 3)
     summary = {
         "script": "bench_grouped_matmul",
         "cpu": cpu_name(),
@@ -174,17 +191,19 @@ def main():
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "shape": dict(tokens=n, hidden=d, moe_intermediate=f, experts=e, top_k=k, rows=t),
+        "shape": dict(hidden=d, moe_intermediate=f, experts=e, top_k=k),
+        "group_sizes": sizes_seen,
+        "auto_backend": resolve_backend("auto"),
+        "quick": args.quick,
         "dtype": args.dtype,
         "repeats": args.repeats,
-        "group_sizes_min_max": [int(group_sizes.min()), int(group_sizes.max())],
         "loadavg_before": [round(v, 2) for v in load_before],
         "loadavg_after": [round(v, 2) for v in os.getloadavg()],
         "results": results,
     }
-    import json
+    from benchlib import emit
 
-    print(json.dumps(summary), flush=True)
+    emit(summary, "bench_grouped_matmul", args.results_dir)
 
 
 if __name__ == "__main__":
