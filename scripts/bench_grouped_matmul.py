@@ -24,8 +24,9 @@ Formulations (each jitted, outputs checked against ragged_dot's, max abs differe
   would be 4 GiB in f32).
 
 Per formulation: wall ms per call (median and min over ``--repeats`` calls after one warm-up
-call), and GFLOP/s of useful work (``2 * T * D * F``). Host: the CPU model (/proc/cpuinfo), the
-commit, the load average before and after.
+call), the process's CPU ms per call (median; all threads, steadier than wall on a shared
+machine), and GFLOP/s of useful work (``2 * T * D * F``) at the median wall time. Host: the CPU
+model (/proc/cpuinfo), the commit, the load average before and after.
 """
 
 from __future__ import annotations
@@ -164,15 +165,17 @@ def main():
             for name, fn in fns.items():
                 out = fn(lhs, rhs, gs)
                 jax.block_until_ready(out)  # warm-up (compilation)
-                times = []
+                times, cpu = [], []
                 for _ in range(args.repeats):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     jax.block_until_ready(fn(lhs, rhs, gs))
                     times.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
                 med = float(np.median(times))
                 r = results[f"{key}/{name}"] = {
                     "ms_median": round(med * 1e3, 2),
                     "ms_min": round(min(times) * 1e3, 2),
+                    "cpu_ms_median": round(float(np.median(cpu)) * 1e3, 2),
                     "useful_gflop_s": round(useful / med / 1e9, 2),
                     "max_abs_diff_vs_ragged_dot": float(
                         np.abs(np.asarray(out.astype(jnp.float32)) - want).max()
