@@ -118,7 +118,7 @@ def test_gmm_equals_numpy_loop_bf16(impl):
 def test_ragged_dot_is_the_all_local_contract(backend):
     """``gmm`` with every group local equals ``jax.lax.ragged_dot`` itself (the semantics the MoE
     model relies on), rows past the total included: "auto" with its default tiling (on CPU the
-    tiled XLA loop) and the TPU kernel (interpreted)."""
+    tiled XLA loop) and the TPU kernel (interpreted, or compiled in a TPU device check)."""
     rng = np.random.default_rng(1)
     lhs = jnp.asarray(rng.standard_normal((45, 40)), jnp.float32)
     rhs = jnp.asarray(rng.standard_normal((7, 40, 24)), jnp.float32)
@@ -127,9 +127,8 @@ def test_ragged_dot_is_the_all_local_contract(backend):
     if backend == "auto":
         got = gmm(lhs, rhs, sizes)
     else:
-        got = gmm(
-            lhs, rhs, sizes, backend="tpu", interpret=True, block_sizes=BlockSizes(16, 40, 24)
-        )
+        bs = BlockSizes(16, 40, 24)
+        got = gmm(lhs, rhs, sizes, backend="tpu", interpret=interpret_for("tpu"), block_sizes=bs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL[jnp.float32])
 
 
