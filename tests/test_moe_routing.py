@@ -214,11 +214,9 @@ def test_grouped_matmul(impl, sizes):
 
 
 def test_grouped_matmul_impl_checked():
-    assert GROUPED_MATMUL_IMPLS == ("auto", "xla", "xla_tiled")
+    assert {"auto", "xla", "xla_tiled"} <= set(GROUPED_MATMUL_IMPLS)
     x = jnp.zeros((2, 3))
-    with pytest.raises(
-        ValueError, match="impl='nope'; supported: \\('auto', 'xla', 'xla_tiled'\\)"
-    ):
+    with pytest.raises(ValueError, match="backend='nope' is not available"):
         grouped_matmul(x, jnp.zeros((1, 3, 4)), jnp.array([2], jnp.int32), impl="nope")
 
 

@@ -10,7 +10,8 @@ One sparse layer, for a flat token axis T:
 2. ``expert_mlp``: the T*k (token, expert) pairs are flattened, sorted by expert with a stable
    argsort (a token's pairs keep their order within each expert's group), the per-expert group
    sizes counted (``bincount``), and each expert's SwiGLU computed on its contiguous rows as two
-   grouped matmuls (``grouped_matmul``: gate and up fused in one, then down). Dropless: every
+   grouped matmuls (``grouped_matmul``, over ``kernels_pallas.grouped_matmul.gmm``: gate and up
+   fused in one, then down). Dropless: every
    pair is computed, no capacity factor. The rows are put back in pair order by the inverse
    permutation and each token's k outputs summed, weighted by their routing weights in float32.
 3. Qwen2-MoE adds a shared expert (a dense SwiGLU of width S) every token runs, scaled by
@@ -28,24 +29,9 @@ import jax.numpy as jnp
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import LayerParams
+from kernels_pallas.grouped_matmul import BACKENDS, gmm
 
-GROUPED_MATMUL_IMPLS = ("auto", "xla", "xla_tiled")
-TILE_ROWS = 32  # rows of one tile of "xla_tiled"
-
-
-def resolve_grouped_matmul_impl(impl: str, backend: str | None = None) -> str:
-    """The grouped matmul ``impl`` runs on ``backend`` (default: jax's): "auto" is "xla_tiled"
-    on CPU (where XLA expands ``ragged_dot`` over every group, docs/models.md) and "xla"
-    elsewhere.
-
-    Raises:
-        ValueError: an ``impl`` not in ``GROUPED_MATMUL_IMPLS``.
-    """
-    if impl not in GROUPED_MATMUL_IMPLS:
-        raise ValueError(f"grouped matmul impl={impl!r}; supported: {GROUPED_MATMUL_IMPLS}")
-    if impl != "auto":
-        return impl
-    return "xla_tiled" if (backend or jax.default_backend()) == "cpu" else "xla"
+GROUPED_MATMUL_IMPLS = BACKENDS  # "auto", "xla", "xla_tiled", "reference", "tpu", "gpu"
 
 
 def grouped_matmul(
@@ -55,62 +41,23 @@ def grouped_matmul(
     out[m] = lhs[m] @ rhs[g(m)] where rows ``sum(group_sizes[:g]) .. sum(group_sizes[:g+1])``
     belong to group g. Accumulated in float32, returned [M, N] in ``lhs``' dtype.
 
+    The one place the expert matmuls are dispatched: ``kernels_pallas.grouped_matmul.gmm`` with
+    ``backend=impl`` ("auto": the platform's Pallas kernel where verified, else the tiled XLA
+    loop on CPU, where XLA expands ``ragged_dot`` over every group, and ``jax.lax.ragged_dot``
+    elsewhere; "xla": ``ragged_dot``; "xla_tiled"; "reference"; "tpu" / "gpu": the kernels).
+
     Args:
         lhs: [M, K] rows sorted by group.
-        rhs: [G, K, N] one weight per group.
+        rhs: [G, K, N] one weight per group, ``lhs``' dtype.
         group_sizes: i32[G], rows of each group (zeros allowed); sum(group_sizes) == M.
-        impl: ``"xla"``: ``jax.lax.ragged_dot``; ``"xla_tiled"``: ``grouped_matmul_tiled``;
-            ``"auto"``: ``resolve_grouped_matmul_impl``. The one place a grouped-matmul kernel
-            plugs in (``kernels_pallas.grouped_matmul.gmm`` takes the same arguments).
+        impl: one of ``GROUPED_MATMUL_IMPLS``.
 
     Raises:
-        ValueError: an ``impl`` not in ``GROUPED_MATMUL_IMPLS``.
+        ValueError: as ``gmm``: an unknown ``impl``, a kernel on another platform, shapes or
+            dtypes it does not take.
     """
-    impl = resolve_grouped_matmul_impl(impl)
-    if impl == "xla":
-        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-        return out.astype(lhs.dtype)
-    return grouped_matmul_tiled(lhs, rhs, group_sizes)
-
-
-def grouped_matmul_tiled(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int = TILE_ROWS
-) -> jax.Array:
-    """``grouped_matmul`` as a loop over (row tile, group) visits, MegaBlox's schedule in XLA:
-    the rows are cut in tiles of ``tile``; each non-empty group visits the tiles its rows touch
-    and adds ``lhs[tile] @ rhs[g]`` to the rows it owns. At most ``ceil(M / tile) + G - 1``
-    visits (a tile shared by two groups is computed twice), each one small dense matmul, and an
-    empty group costs nothing; ``ragged_dot``'s CPU expansion costs every group on every row.
-
-    Args and result as ``grouped_matmul``.
-    """
-    m, k = lhs.shape
-    n = rhs.shape[-1]
-    tiles = max(1, -(-m // tile))
-    lhs_p = jnp.pad(lhs, ((0, tiles * tile - m), (0, 0)))
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    first = starts // tile
-    visits = jnp.where(sizes > 0, (ends - 1) // tile - first + 1, 0)  # tiles per group
-    visit_ends = jnp.cumsum(visits)
-    rows = jnp.arange(tile, dtype=jnp.int32)
-
-    def body(carry):
-        v, out = carry
-        g = jnp.searchsorted(visit_ends, v, side="right")  # the group of visit v
-        t = first[g] + v - (visit_ends[g] - visits[g])  # its tile
-        x = jax.lax.dynamic_slice(lhs_p, (t * tile, 0), (tile, k))
-        y = jnp.dot(x, rhs[g], preferred_element_type=jnp.float32)
-        r = t * tile + rows
-        owned = ((r >= starts[g]) & (r < ends[g]))[:, None]
-        cur = jax.lax.dynamic_slice(out, (t * tile, 0), (tile, n))
-        out = jax.lax.dynamic_update_slice(out, jnp.where(owned, y, cur), (t * tile, 0))
-        return v + 1, out
-
-    out = jnp.zeros((tiles * tile, n), jnp.float32)
-    _, out = jax.lax.while_loop(lambda c: c[0] < visit_ends[-1], body, (jnp.int32(0), out))
-    return out[:m].astype(lhs.dtype)
+    out = gmm(lhs, rhs, group_sizes, backend=impl, preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
 
 
 def route(
