@@ -1352,6 +1352,14 @@ MUTATIONS: list[Mutation] = [
         (GMM,),
         "auto",
     ),
+    M(
+        "moe_fused_gate_up_reshaped_not_transposed",
+        "jaxinfer/loaders/hf_moe.py",
+        "return np.swapaxes(xs[0], 1, 2)",
+        "return xs[0].reshape(np.swapaxes(xs[0], 1, 2).shape)",
+        ("tests/test_moe_parity.py",),
+        "forward_logits_equal and mixtral",
+    ),
 ]
 
 

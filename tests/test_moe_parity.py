@@ -10,7 +10,9 @@ logprob of every prompt position (``prompt_logprobs``) and of every generated to
 ``test_family_engine_parity``). The cache-less forward is checked on a 2 x 24 batch at
 ``test_hf_parity``'s f32 bound (max_rel 1e-4); a prompt sharing two KV pages with an earlier one
 reads them from the prefix cache and still decodes transformers' tokens; and a checkpoint
-rewritten in transformers 5's fused expert layout loads to the same weights.
+rewritten in transformers 5's fused expert layout loads to the same weights. bfloat16 logits are
+held to ``test_hf_parity``'s bf16 bounds, and n-gram speculative decoding (drafts accepted) gives
+transformers' greedy tokens.
 """
 
 from __future__ import annotations
@@ -76,6 +78,24 @@ def test_forward_logits_equal_transformers(family, tmp_path):
     )
 
 
+BF16_VS_HF_ERROR = 2.0  # as test_hf_parity: x transformers' own bf16 max error
+BF16_RMS_RATIO = 1.25
+
+
+def test_forward_logits_bf16(family):
+    """bfloat16 weights, against transformers in bfloat16, at test_hf_parity's bounds (stated
+    against transformers' own bf16 error on the same model and tokens)."""
+    name, path, _ = family
+    tokens = H.sample_tokens()
+    ref32 = H.hf_logits(H.hf_model(path, "float32"), tokens)
+    ref16 = H.hf_logits(H.hf_model(path, "bfloat16"), tokens)
+    got16, _, params = H.jax_logits(path, "bfloat16", tokens)
+    assert params.layers.expert_down.dtype == jnp.bfloat16
+    err, e_hf, e_jax = H.errors(got16, ref16, ref32), H.errors(ref16, ref32), H.errors(got16, ref32)
+    assert err["max_rel"] <= BF16_VS_HF_ERROR * e_hf["max_rel"], (name, err, e_hf)
+    assert e_jax["rms_rel"] <= BF16_RMS_RATIO * e_hf["rms_rel"], (name, e_jax, e_hf)
+
+
 def test_engine_greedy_and_logprobs_equal_transformers(family):
     import torch
 
@@ -139,3 +159,33 @@ def test_engine_greedy_and_logprobs_equal_transformers(family):
     )
     assert out.metrics.num_cached_tokens == 16, out.metrics
     assert out.token_ids == ref, name
+
+
+def _generate(model, prompt: list[int]) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt], dtype=torch.long),
+            attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_speculative_ngram_equals_transformers(tmp_path):
+    """n-gram speculative decoding on an MoE model (Qwen3-MoE, dense and sparse layers): the
+    verify rounds run k + 1 tokens a row through the experts; greedy tokens equal transformers'.
+    Prompts repeat a phrase so the drafter proposes tokens."""
+    path = M.build_checkpoint("qwen3_moe", str(tmp_path / "qwen3_moe"))
+    model = H.hf_model(path, "float32")
+    a, b = H.random_ids(5, seed=9), H.random_ids(4, seed=10)
+    prompts = [a + a + a[:3], b + b + b + b[:2]]
+    llm = LLM(path, speculative="ngram", num_speculative_tokens=3, **ENGINE)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    for out, p in zip(outs, prompts, strict=True):
+        assert out.error is None and out.token_ids == _generate(model, p)
+    assert any(o.metrics.acceptance_rate is not None for o in outs)  # rounds ran with drafts

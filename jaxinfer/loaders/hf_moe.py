@@ -253,7 +253,7 @@ def _stack_down(xs, cfg):  # E downs [D, I] -> [E, I, D]
 
 
 def _fused_gate_up(xs, cfg):  # [E, 2I, D] -> [E, D, 2I]
-    return xs[0].transpose(0, 2, 1)
+    return np.swapaxes(xs[0], 1, 2)
 
 
 def _fused_down(xs, cfg):  # [E, D, I] -> [E, I, D]
