@@ -1360,6 +1360,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_moe_parity.py",),
         "forward_logits_equal and mixtral",
     ),
+    M(
+        "moe_scan_layer_kind_inverted",
+        "jaxinfer/models/forward.py",
+        "return jax.lax.cond(sparse, lambda h: moe_mlp(",
+        "return jax.lax.cond(~sparse, lambda h: moe_mlp(",
+        ("tests/test_moe_parity.py",),
+        "speculative",
+    ),
 ]
 
 

@@ -179,12 +179,18 @@ def _generate(model, prompt: list[int]) -> list[int]:
 def test_speculative_ngram_equals_transformers(tmp_path):
     """n-gram speculative decoding on an MoE model (Qwen3-MoE, dense and sparse layers): the
     verify rounds run k + 1 tokens a row through the experts; greedy tokens equal transformers'.
-    Prompts repeat a phrase so the drafter proposes tokens."""
+    Prompts repeat a phrase so the drafter proposes tokens. Steps of 8 tokens and more run the
+    layer scan (``scan_layers_from_tokens``), where a mixed model picks each layer's MLP with
+    ``lax.cond``."""
     path = M.build_checkpoint("qwen3_moe", str(tmp_path / "qwen3_moe"))
     model = H.hf_model(path, "float32")
     a, b = H.random_ids(5, seed=9), H.random_ids(4, seed=10)
     prompts = [a + a + a[:3], b + b + b + b[:2]]
-    llm = LLM(path, speculative="ngram", num_speculative_tokens=3, **ENGINE)
+    # steps of >= 8 tokens (the prefill chunks) run the layers as a scan picking each layer's
+    # buffers (lax.switch) and its MLP with lax.cond; shorter ones unrolled
+    llm = LLM(
+        path, speculative="ngram", num_speculative_tokens=3, scan_layers_from_tokens=8, **ENGINE
+    )
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
     for out, p in zip(outs, prompts, strict=True):
         assert out.error is None and out.token_ids == _generate(model, p)
