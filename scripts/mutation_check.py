@@ -1227,8 +1227,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "moe_unsort_by_sort_order",
         "jaxinfer/models/moe.py",
-        "pairs = out[inverse].reshape(t, k, -1)",
-        "pairs = out[order].reshape(t, k, -1)",
+        "pairs = out[inverse].reshape(t, a, -1)",
+        "pairs = out[order].reshape(t, a, -1)",
         ("tests/test_moe_routing.py",),
         "random_routing",
     ),

@@ -132,7 +132,7 @@ class ModelConfig:
         qk_norm_flat: the q/k RMSNorm runs over the whole projection (N*H for q, K*H for k, its
             weights [N*H] and [K*H]) instead of each head's H (OLMoE); needs ``qk_norm``.
         num_experts: E, routed experts of a sparse (mixture-of-experts) MLP; 0 for a dense model.
-        num_experts_per_tok: top-k, experts each token is routed to (0 when dense).
+        num_experts_per_tok: A (top-k), experts each token is routed to (0 when dense).
         moe_intermediate_size: I, the MLP width of one expert (0 when dense).
         norm_topk_prob: the top-k routing weights are divided by their sum (Mixtral always;
             Qwen-MoE and OLMoE as configured).
@@ -140,7 +140,7 @@ class ModelConfig:
             the probabilities: Mixtral, Qwen2/3-MoE, OLMoE) or ``"topk_softmax"`` (top-k of the
             logits, then a softmax over the k chosen: gpt-oss).
         router_bias: the router adds a bias [E] to its logits (gpt-oss).
-        shared_expert_intermediate_size: S, width of the shared expert every token of a sparse
+        shared_expert_intermediate_size: U, width of the shared expert every token of a sparse
             layer also runs (Qwen2-MoE), 0 for none.
         shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x . w)`` with a
             learned ``w`` [D] (Qwen2-MoE); needs a shared expert.

@@ -36,7 +36,7 @@ class LayerParams:
         router_bias: [L, E] | None (``router_bias``).
         expert_gate_up: [L, E, D, 2I] | None, each expert's gate (first I columns) and up
             (last I) projections; expert_down: [L, E, I, D] | None.
-        shared_w_gate, shared_w_up: [L, D, S] | None; shared_w_down: [L, S, D] | None: the shared
+        shared_w_gate, shared_w_up: [L, D, U] | None; shared_w_down: [L, U, D] | None: the shared
             expert (Qwen2-MoE).
         shared_expert_gate: [L, D] | None, the shared expert's sigmoid gate weight.
         wqkv: ``OutInWeight`` [L, (N + 2K) H, D] | None: wq, wk, wv fused output-first (then
@@ -163,7 +163,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             {"layers.w_gate": (L, D, F), "layers.w_up": (L, D, F), "layers.w_down": (L, F, D)}
         )
     if cfg.is_moe:
-        E, In, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        E, In, U = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         shapes.update(
             {
                 "layers.router": (L, D, E),
@@ -173,12 +173,12 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         )
         if cfg.router_bias:
             shapes["layers.router_bias"] = (L, E)
-        if S:
+        if U:
             shapes.update(
                 {
-                    "layers.shared_w_gate": (L, D, S),
-                    "layers.shared_w_up": (L, D, S),
-                    "layers.shared_w_down": (L, S, D),
+                    "layers.shared_w_gate": (L, D, U),
+                    "layers.shared_w_up": (L, D, U),
+                    "layers.shared_w_down": (L, U, D),
                 }
             )
         if cfg.shared_expert_gate:
