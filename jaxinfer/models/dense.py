@@ -47,6 +47,8 @@ def flash_unsupported(cfg: ModelConfig, dtype) -> str | None:
         return f"{jnp.dtype(dtype).name} activations (it takes float32 or bfloat16)"
     if cfg.head_dim % 8:
         return f"head_dim={cfg.head_dim} (it needs a multiple of 8)"
+    if cfg.attention_sinks:
+        return "attention sinks (ModelConfig.attention_sinks, gpt-oss)"
     return None
 
 
@@ -157,8 +159,10 @@ def flash_attn_fn(
         x = x.reshape(batch, seq_len, *x.shape[1:]).transpose(0, 2, 1, 3)
         return jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - seq_len), (0, 0)))
 
-    def attn(q, k, v, cache, layer, window):
+    def attn(q, k, v, cache, layer, window, sinks=None):
         del layer
+        if sinks is not None:  # resolve_dense_attn_impl refuses such models first
+            raise ValueError("the FlashAttention kernel does not add attention sinks")
         args = (rows(q), rows(k), rows(v))
         if len(windows) == 1:
             out = kernel(windows[0], *args)
