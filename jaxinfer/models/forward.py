@@ -166,18 +166,24 @@ def attention_inputs(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def attention_output(cfg: ModelConfig, lp: LayerParams, attn: jax.Array) -> jax.Array:
+    """One layer's attention output [T, D] (in ``attn``'s dtype) of ``attn`` [T, N, H]: the
+    output projection, its bias (gpt-oss) and the post-attention norm (Gemma 2/3)."""
+    out = linear(attn, lp.wo, "TNH,NHD->TD")
+    if lp.bo is not None:
+        out = out + lp.bo
+    if lp.post_attn_norm is not None:
+        out = rms_norm(out, lp.post_attn_norm, cfg.rms_norm_eps, cfg.norm_weight_offset)
+    return out
+
+
 def attention_output_and_mlp(
     cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array
 ) -> jax.Array:
     """The rest of one layer: x [T, D] plus the output projection of ``attn`` [T, N, H] (in x's
     dtype), then plus the MLP of the result; returns the new residual stream [T, D]."""
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
-    attn = linear(attn, lp.wo, "TNH,NHD->TD")
-    if lp.bo is not None:
-        attn = attn + lp.bo
-    if lp.post_attn_norm is not None:
-        attn = rms_norm(attn, lp.post_attn_norm, eps, off)
-    x = x + attn
+    x = x + attention_output(cfg, lp, attn)
     h = rms_norm(x, lp.mlp_norm, eps, off)
     if lp.w_gate_up is not None:
         gate, up = linear_parts(h, lp.w_gate_up)

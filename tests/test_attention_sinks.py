@@ -1,0 +1,222 @@
+"""Attention sinks (gpt-oss: one learned logit per query head joins the softmax's max and
+denominator, then is dropped) in every attention path that adds them == a numpy float64
+reference written here: the dense XLA attention, the paged XLA attention (decode rows in one
+pass and split-KV, prefill blocks; head-major and page-major pools), the native CPU decode
+kernel and the batch-invariant attention. The Pallas kernels refuse a model with sinks by name,
+and "auto" never picks them for one."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_paged_attention import TOL, layout, make_batch
+
+from jaxinfer.models import attn_dispatch, cpu_decode_kernel
+from jaxinfer.models.attention import dense_attention
+from jaxinfer.models.batch_invariant import tiled_attention
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.dense import resolve_dense_attn_impl
+from jaxinfer.models.kv_cache import KVCache
+from jaxinfer.models.paged_attention import paged_attn_fn, ragged_paged_attention_xla
+
+
+def sink_reference(q, k, v, q_pos, scale, window, sinks):
+    """Numpy float64 attention of one sequence with sinks: q [Tq, N, H] at positions q_pos,
+    k/v [S, K, H], sinks [N]. The sink is a last column of the logits, softmaxed with the others
+    and dropped (transformers' gpt_oss ``eager_attention_forward``)."""
+    n, kh = q.shape[1], k.shape[1]
+    k, v = np.repeat(k, n // kh, axis=1), np.repeat(v, n // kh, axis=1)
+    s = np.einsum("tnh,snh->nts", q, k) * scale
+    kv_pos = np.arange(k.shape[0])
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    if window:
+        mask &= q_pos[:, None] - kv_pos[None, :] < window
+    s = np.where(mask[None], s, -np.inf)
+    col = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (*s.shape[:2], 1))
+    s = np.concatenate([s, col], axis=-1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("nts,snh->tnh", p[..., :-1], v)
+
+
+def _seqs(z):
+    # decode rows (one page, a page + 1, a table wider than a split-KV chunk), prefill chunks
+    return [(1, 1), (z + 1, 1), (z * 13 + 3, 1), (2 * z, 2 * z), (z + 3, 5)]
+
+
+def _check_rows(out, q, rows, scale, window, sinks, tol):
+    for tok, ql, pos, fk, fv in rows:
+        ref = sink_reference(
+            q[tok : tok + ql].astype(np.float64),
+            fk.astype(np.float64),
+            fv.astype(np.float64),
+            pos,
+            scale,
+            window,
+            sinks,
+        )
+        np.testing.assert_allclose(np.asarray(out[tok : tok + ql], np.float64), ref, **tol)
+
+
+MATRIX = [
+    (jnp.float32, 4, 1, 0, False),
+    (jnp.float32, 8, 2, 5, False),
+    (jnp.float32, 4, 4, 0, True),
+    (jnp.float32, 8, 2, 9, True),
+    (jnp.bfloat16, 8, 2, 0, False),
+]
+
+
+@pytest.mark.parametrize("dtype,page_size,gqa,window,page_major", MATRIX)
+def test_paged_xla_with_sinks(dtype, page_size, gqa, window, page_major):
+    rng = np.random.default_rng(page_size * 100 + gqa * 10 + window)
+    kh, h = 2, 16
+    k_pages, v_pages, md, rows, t = make_batch(rng, page_size, kh, h, _seqs(page_size))
+    q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    sinks = (2.0 * rng.standard_normal(kh * gqa)).astype(np.float32)  # decisive against scores
+    cast = lambda x: jnp.asarray(x).astype(dtype)
+    attend = jax.jit(
+        functools.partial(ragged_paged_attention_xla, scale=h**-0.5, page_major=page_major)
+    )
+    out = attend(
+        cast(q),
+        cast(layout(k_pages, page_major)),
+        cast(layout(v_pages, page_major)),
+        md,
+        jnp.int32(window),
+        sinks=jnp.asarray(sinks),
+    )
+    f = lambda x: np.asarray(cast(x).astype(jnp.float32))
+    _check_rows(
+        out,
+        f(q),
+        [(a, b, c, f(d), f(e)) for a, b, c, d, e in rows],
+        h**-0.5,
+        window,
+        f(sinks),
+        TOL[dtype],
+    )
+
+
+@pytest.mark.parametrize("gqa,window", [(1, 0), (2, 5)])
+def test_cpu_kernel_with_sinks(gqa, window):
+    cpu_decode_kernel.load()
+    rng = np.random.default_rng(7 + gqa)
+    z, kh, h = 4, 2, 16
+    k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, _seqs(z), num_pages=48)
+    q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    sinks = (2.0 * rng.standard_normal(kh * gqa)).astype(np.float32)
+    fn = jax.jit(
+        lambda q, kp, vp, md, sinks: ragged_paged_attention_xla(
+            q,
+            kp,
+            vp,
+            md,
+            jnp.int32(window),
+            scale=h**-0.5,
+            page_major=True,
+            decode_kernel=True,
+            sinks=sinks,
+        )
+    )
+    args = (q, layout(k_pages, True), layout(v_pages, True), md, jnp.asarray(sinks))
+    assert "jaxinfer_cpu_decode_attention" in fn.lower(*args).as_text()
+    _check_rows(fn(*args), q, rows, h**-0.5, window, sinks, TOL[jnp.float32])
+
+
+def test_batch_invariant_attention_with_sinks():
+    rng = np.random.default_rng(3)
+    z, kh, h, gqa, window = 4, 2, 16, 2, 6
+    k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, _seqs(z))
+    q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    sinks = (2.0 * rng.standard_normal(kh * gqa)).astype(np.float32)
+    cache = KVCache(jnp.asarray(k_pages)[None], jnp.asarray(v_pages)[None])
+    out = tiled_attention(
+        jnp.asarray(q),
+        cache,
+        md,
+        jnp.int32(0),
+        jnp.int32(window),
+        scale=h**-0.5,
+        softcap=None,
+        sinks=jnp.asarray(sinks),
+    )
+    _check_rows(out, q, rows, h**-0.5, window, sinks, TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_dense_attention_with_sinks(window):
+    rng = np.random.default_rng(11)
+    kh, g, h = 2, 2, 8
+    lens = [5, 9, 1]
+    t = sum(lens)
+    q = rng.standard_normal((t, kh * g, h)).astype(np.float32)
+    k = rng.standard_normal((t, kh, h)).astype(np.float32)
+    v = rng.standard_normal((t, kh, h)).astype(np.float32)
+    sinks = (2.0 * rng.standard_normal(kh * g)).astype(np.float32)
+    seg = np.repeat(np.arange(len(lens)), lens).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    out = dense_attention(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(seg),
+        jnp.asarray(pos),
+        jnp.int32(window),
+        scale=h**-0.5,
+        sinks=jnp.asarray(sinks),
+    )
+    start = 0
+    for n in lens:
+        sl = slice(start, start + n)
+        ref = sink_reference(q[sl], k[sl], v[sl], np.arange(n), h**-0.5, window, sinks)
+        np.testing.assert_allclose(np.asarray(out[sl]), ref, **TOL[jnp.float32])
+        start += n
+
+
+CFG = ModelConfig(
+    model_type="gpt_oss",
+    vocab_size=32,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    attention_sinks=True,
+)
+
+
+def test_pallas_refuses_sinks_and_auto_avoids_it(monkeypatch):
+    with pytest.raises(ValueError, match="do not add attention sinks"):
+        attn_dispatch.check_attn_impl(CFG, "pallas_tpu_interpret", 16, 64, 4)
+    plain = dataclasses.replace(CFG, attention_sinks=False)
+    assert attn_dispatch.check_attn_impl(plain, "pallas_tpu_interpret", 16, 64, 4)
+    rng = np.random.default_rng(0)
+    _, _, md, _, t = make_batch(rng, 4, 2, 16, [(3, 1)])
+    attn = paged_attn_fn(CFG, md, "pallas_gpu_interpret")
+    cache = KVCache(jnp.zeros((2, 2, 64, 4, 16)), jnp.zeros((2, 2, 64, 4, 16)))
+    kv = jnp.zeros((t, 2, 16))
+    with pytest.raises(ValueError, match="do not add attention sinks"):
+        attn(jnp.zeros((t, 4, 16)), kv, kv, cache, jnp.int32(0), jnp.int32(0), jnp.zeros(4))
+    # "auto" where the kernel were verified: the XLA attention for a model with sinks
+    monkeypatch.setattr(attn_dispatch, "KERNEL_VERIFIED_BACKENDS", ("tpu",))
+    impl, why = attn_dispatch.engine_attn_impl(
+        "auto", page_major=False, kv_dtype=np.float32, backend="tpu", attention_sinks=True
+    )
+    assert impl == "xla" and "sinks" in why
+    assert (
+        attn_dispatch.engine_attn_impl(
+            "auto", page_major=False, kv_dtype=np.float32, backend="tpu"
+        )[0]
+        == "pallas_tpu"
+    )
+    # the dense forward: FlashAttention refused by name, "auto" is XLA
+    with pytest.raises(ValueError, match="attention sinks"):
+        resolve_dense_attn_impl("pallas_tpu_interpret", CFG, jnp.float32)
+    assert resolve_dense_attn_impl("auto", CFG, jnp.float32, backend="cpu") == "xla"
