@@ -2,8 +2,9 @@
 denominator, then is dropped) in every attention path that adds them == a numpy float64
 reference written here: the dense XLA attention, the paged XLA attention (decode rows in one
 pass and split-KV, prefill blocks; head-major and page-major pools), the native CPU decode
-kernel and the batch-invariant attention. The Pallas kernels refuse a model with sinks by name,
-and "auto" never picks them for one."""
+kernel, the batch-invariant attention, the Pallas kernels' reference and the engine's wiring of
+the Pallas ragged paged attention kernels (interpret mode; the kernels themselves against their
+reference in test_ragged_paged_attention.py). The FlashAttention kernel refuses them by name."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import numpy as np
 import pytest
 from test_paged_attention import TOL, layout, make_batch
 
-from jaxinfer.models import attn_dispatch, cpu_decode_kernel
+from jaxinfer.models import cpu_decode_kernel
 from jaxinfer.models.attention import dense_attention
 from jaxinfer.models.batch_invariant import tiled_attention
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import resolve_dense_attn_impl
 from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.models.paged_attention import paged_attn_fn, ragged_paged_attention_xla
+from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
 
 
 def sink_reference(q, k, v, q_pos, scale, window, sinks):
@@ -192,31 +194,59 @@ CFG = ModelConfig(
 )
 
 
-def test_pallas_refuses_sinks_and_auto_avoids_it(monkeypatch):
-    with pytest.raises(ValueError, match="do not add attention sinks"):
-        attn_dispatch.check_attn_impl(CFG, "pallas_tpu_interpret", 16, 64, 4)
-    plain = dataclasses.replace(CFG, attention_sinks=False)
-    assert attn_dispatch.check_attn_impl(plain, "pallas_tpu_interpret", 16, 64, 4)
-    rng = np.random.default_rng(0)
-    _, _, md, _, t = make_batch(rng, 4, 2, 16, [(3, 1)])
-    attn = paged_attn_fn(CFG, md, "pallas_gpu_interpret")
-    cache = KVCache(jnp.zeros((2, 2, 64, 4, 16)), jnp.zeros((2, 2, 64, 4, 16)))
-    kv = jnp.zeros((t, 2, 16))
-    with pytest.raises(ValueError, match="do not add attention sinks"):
-        attn(jnp.zeros((t, 4, 16)), kv, kv, cache, jnp.int32(0), jnp.int32(0), jnp.zeros(4))
-    # "auto" where the kernel were verified: the XLA attention for a model with sinks
-    monkeypatch.setattr(attn_dispatch, "KERNEL_VERIFIED_BACKENDS", ("tpu",))
-    impl, why = attn_dispatch.engine_attn_impl(
-        "auto", page_major=False, kv_dtype=np.float32, backend="tpu", attention_sinks=True
+def test_kernel_reference_with_sinks():
+    """The Pallas kernels' reference (kernels_pallas/ragged_paged_attention/reference.py), which
+    the kernels are tested against, with sinks == the numpy reference here."""
+    rng = np.random.default_rng(5)
+    z, kh, h, gqa, window = 4, 2, 16, 2, 7
+    k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, _seqs(z))
+    q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    sinks = (2.0 * rng.standard_normal(kh * gqa)).astype(np.float32)
+    with jax.default_matmul_precision("highest"):
+        out = ragged_paged_attention_reference(
+            jnp.asarray(q),
+            jnp.asarray(k_pages),
+            jnp.asarray(v_pages),
+            md.kv_lens,
+            md.block_tables,
+            md.cu_q_lens,
+            jnp.int32(window),
+            jnp.int32(0),
+            num_decode=md.num_decode,
+            scale=h**-0.5,
+            sinks=jnp.asarray(sinks),
+        )
+    _check_rows(out, q, rows, h**-0.5, window, sinks, TOL[jnp.float32])
+
+
+def test_engine_attention_fn_passes_sinks_to_the_kernels():
+    """``paged_attn_fn`` with a Pallas implementation: this layer's sinks reach the kernel (the
+    GPU kernel interpreted; the TPU one takes the same argument, and both kernels are checked
+    with sinks in test_ragged_paged_attention.py)."""
+    impl = "pallas_gpu_interpret"
+    rng = np.random.default_rng(9)
+    z, kh, h, gqa = 8, 2, 64, 2
+    k_pages, v_pages, md, rows, t = make_batch(rng, z, kh, h, [(3, 1), (2 * z + 1, 1), (9, 9)])
+    q = rng.standard_normal((t, kh * gqa, h)).astype(np.float32)
+    sinks = (2.0 * rng.standard_normal(kh * gqa)).astype(np.float32)
+    cfg = dataclasses.replace(
+        CFG, num_heads=kh * gqa, num_kv_heads=kh, head_dim=h, num_layers=1, layer_windows=(0,)
     )
-    assert impl == "xla" and "sinks" in why
-    assert (
-        attn_dispatch.engine_attn_impl(
-            "auto", page_major=False, kv_dtype=np.float32, backend="tpu"
-        )[0]
-        == "pallas_tpu"
-    )
-    # the dense forward: FlashAttention refused by name, "auto" is XLA
+    cache = KVCache(jnp.asarray(k_pages)[None], jnp.asarray(v_pages)[None])
+    # the K/V already at each token's slot: writing them back leaves the pool as it is
+    page, off = md.slot_mapping // z, md.slot_mapping % z
+    k = cache.k_pages[0][:, page, off].transpose(1, 0, 2)
+    v = cache.v_pages[0][:, page, off].transpose(1, 0, 2)
+    attn = paged_attn_fn(cfg, md, impl)
+    out, _ = attn(jnp.asarray(q), k, v, cache, jnp.int32(0), jnp.int32(0), jnp.asarray(sinks))
+    _check_rows(out, q, rows, h**-0.5, 0, sinks, TOL[jnp.float32])
+
+
+def test_flash_attention_refuses_sinks():
+    """The dense forward's FlashAttention kernel does not add sinks: refused by name, and
+    "auto" runs the XLA attention for such a model."""
     with pytest.raises(ValueError, match="attention sinks"):
         resolve_dense_attn_impl("pallas_tpu_interpret", CFG, jnp.float32)
     assert resolve_dense_attn_impl("auto", CFG, jnp.float32, backend="cpu") == "xla"
+    monkey = dataclasses.replace(CFG, attention_sinks=False)
+    assert resolve_dense_attn_impl("pallas_gpu_interpret", monkey, jnp.float32)

@@ -205,8 +205,6 @@ def resolve(
                 "head-major"
             )
     impl = resolve_attn_impl(args.attn_impl, backend, what=spell("attn_impl"))
-    if cfg.attention_sinks and args.attn_impl == "auto" and impl not in XLA_IMPLS:
-        impl = "xla"  # the Pallas kernels do not add attention sinks (engine_attn_impl says so)
     kv_dtype = jnp.dtype(np.int8 if args.kv_cache_dtype == "int8" else param_dtype)
     cpu = backend == "cpu"
     max_model_len = args.max_model_len or context
@@ -260,7 +258,6 @@ def resolve(
         mesh=mesh,
         batch_invariant=args.batch_invariant,
         backend=backend,
-        attention_sinks=cfg.attention_sinks,
     )
     need = max_pages + 1
     if num_pages < need:

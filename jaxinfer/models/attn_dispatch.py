@@ -83,7 +83,6 @@ def engine_attn_impl(
     mesh=None,
     batch_invariant: bool = False,
     backend: str | None = None,
-    attention_sinks: bool = False,
 ) -> tuple[str, str]:
     """(implementation, why) an engine runs for ``attn_impl``, given its KV pool (``page_major``,
     ``kv_dtype``), ``mesh`` (None: one device) and ``batch_invariant``; the engine passes the
@@ -94,9 +93,8 @@ def engine_attn_impl(
     ``batch_invariant`` once the kernel builds and loads, else "xla": for another pool, a mesh or
     ``batch_invariant`` by rule (logged at INFO); for a failed build or load with a WARNING on
     the ``jaxinfer.models.attn_dispatch`` logger (once per process: the failure is remembered),
-    naming the reason; ``attn_impl="xla"`` chooses XLA without it. "auto" for a model with
-    ``attention_sinks`` never picks a Pallas kernel (they do not add sinks): "xla" there. Other
-    backends and other ``attn_impl`` values: ``resolve_attn_impl``.
+    naming the reason; ``attn_impl="xla"`` chooses XLA without it. Other backends and other
+    ``attn_impl`` values: ``resolve_attn_impl``.
 
     Raises:
         ValueError: as ``resolve_attn_impl``; an explicit "cpu_kernel" for a pool or mesh the
@@ -105,12 +103,6 @@ def engine_attn_impl(
     """
     impl = resolve_attn_impl(attn_impl, backend)
     backend = backend or jax.default_backend()
-    if attn_impl == "auto" and attention_sinks and impl not in XLA_IMPLS:
-        why = (
-            "attn_impl='auto': the XLA attention, as the Pallas kernels do not add attention sinks"
-        )
-        log.info("%s", why)
-        return "xla", why
     if impl == "cpu_kernel":
         cpu_decode_kernel.check_engine(impl, page_major, kv_dtype, mesh)
         return impl, "attn_impl='cpu_kernel' asked"
@@ -149,15 +141,8 @@ def engine_attn_impl(
 def check_attn_impl(cfg, attn_impl: str, page_size: int, num_pages: int, max_pages: int) -> str:
     """Resolves ``attn_impl`` and checks the kernel can tile this model and pool (at engine
     construction, not mid-step). Returns the resolved name. Raises ValueError naming the
-    unsupported combination and what is supported (a Pallas kernel for a model with attention
-    sinks among them)."""
+    unsupported combination and what is supported."""
     impl = resolve_attn_impl(attn_impl)
-    if impl not in XLA_IMPLS and cfg.attention_sinks:
-        raise ValueError(
-            f"{impl!r}: the Pallas ragged paged attention kernels do not add attention sinks "
-            "(ModelConfig.attention_sinks, gpt-oss); use 'xla' or 'auto' (on CPU also "
-            "'cpu_kernel')"
-        )
     if impl not in XLA_IMPLS:
         from kernels_pallas.ragged_paged_attention import check_supported
 

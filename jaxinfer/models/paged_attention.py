@@ -199,8 +199,6 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
                 sinks=sinks,
             )
         else:
-            if sinks is not None:
-                raise ValueError(sinks_unsupported_message(attn_impl))
             if cache.page_major:
                 raise ValueError(
                     f"attn_impl={attn_impl!r} reads the head-major KV pool "
@@ -224,19 +222,11 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
                 softcap=cfg.attn_logit_softcap,
                 backend="tpu" if impl.startswith("pallas_tpu") else "gpu",
                 interpret=impl.endswith("_interpret"),
+                sinks=sinks,
             )
         return out, cache
 
     return attn
-
-
-def sinks_unsupported_message(attn_impl: str) -> str:
-    """The refusal of a Pallas ``attn_impl`` for a model with attention sinks."""
-    return (
-        f"attn_impl={attn_impl!r}: the Pallas ragged paged attention kernels do not add attention "
-        "sinks (ModelConfig.attention_sinks, gpt-oss); use attn_impl='xla' or 'auto' (on CPU "
-        "also 'cpu_kernel')"
-    )
 
 
 def prefill_query_block(num_tokens: int, num_rows: int) -> int:
