@@ -1284,6 +1284,38 @@ MUTATIONS: list[Mutation] = [
         "SCALE_BIAS = 128",
         ("tests/test_mxfp4.py",),
     ),
+    M(
+        "forward_drops_layer_sinks",
+        "jaxinfer/models/forward.py",
+        "attn, cache = attn_fn(q, k, v, cache, layer, window, lp.sinks)",
+        "attn, cache = attn_fn(q, k, v, cache, layer, window, None)",
+        ("tests/test_gpt_oss_attention.py",),
+        "whole_model",
+    ),
+    M(
+        "rpa_gpu_kernel_sink_dropped",
+        "kernels_pallas/ragged_paged_attention/gpu.py",
+        "l = alpha * l + jnp.exp(sinks - m_new)",
+        "l = alpha * l",
+        ("tests/test_ragged_paged_attention.py",),
+        "attention_sinks and gpu",
+    ),
+    M(
+        "rpa_tpu_kernel_sink_dropped",
+        "kernels_pallas/ragged_paged_attention/tpu.py",
+        "l = alpha * l + jnp.exp(sink - m_new)",
+        "l = alpha * l",
+        ("tests/test_ragged_paged_attention.py",),
+        "attention_sinks and tpu",
+    ),
+    M(
+        "rpa_reference_sink_dropped",
+        "kernels_pallas/ragged_paged_attention/reference.py",
+        "denom = denom + jnp.exp(sink - s_max)",
+        "denom = denom",
+        ("tests/test_attention_sinks.py",),
+        "kernel_reference",
+    ),
 ]
 
 

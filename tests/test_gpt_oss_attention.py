@@ -7,6 +7,9 @@ transformers' own ``GptOssConfig.to_dict()``."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -175,3 +178,68 @@ def test_paged_prefill_then_decode_equals_transformers(model, layer, impl, page_
     dec = _md([S - 1], S, 1)
     out, _ = paged_attn_fn(cfg, dec, impl)(q[-1:], k[-1:], v[-1:], cache, lay, window, lp.sinks)
     np.testing.assert_allclose(attention_output(cfg, lp, out), ref[-1:], **TOL)
+
+
+class _TupleMLP(torch.nn.Module):
+    """transformers' LlamaMLP (SwiGLU) in place of gpt-oss's expert layer, returning the
+    (hidden, router scores) pair GptOssDecoderLayer unpacks."""
+
+    def __init__(self, hf):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        self.mlp = LlamaMLP(hf)
+
+    def forward(self, x):
+        return self.mlp(x), None
+
+
+F32_MAX_REL = 1e-4  # float32 logits against transformers' float32 (test_hf_parity's bound)
+
+
+def test_whole_model_with_a_dense_mlp_equals_transformers(model):
+    """GptOssForCausalLM with its expert layers replaced by a dense SwiGLU MLP on both sides: the
+    logits of every position == ours (``dense_logits``, the XLA attention), so the forward
+    passes each layer's sinks, window, biases and YaRN tables through."""
+    from jaxinfer.models.dense import dense_logits
+    from jaxinfer.models.params import Params
+
+    hf, cfg, *_ = model
+    hf.mlp_bias = False
+    hf.hidden_act = "silu"
+    torch.manual_seed(1)
+    lm = gpt_oss.GptOssForCausalLM(hf).float().eval()
+    for layer in lm.model.layers:
+        layer.mlp = _TupleMLP(hf)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.3)
+        for layer in lm.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    tokens = np.random.default_rng(0).integers(0, hf.vocab_size, (1, S))
+    with torch.no_grad():
+        ref = lm(torch.from_numpy(tokens)).logits[0].numpy()
+
+    t = lambda p: jnp.asarray(p.detach().numpy())  # noqa: E731
+    layers = []
+    for layer in lm.model.layers:
+        lp = _layer_params((hf, cfg, [(layer.self_attn, layer.input_layernorm)]), 0)
+        mlp = layer.mlp.mlp
+        layers.append(
+            dataclasses.replace(
+                lp,
+                mlp_norm=t(layer.post_attention_layernorm.weight),
+                w_gate=t(mlp.gate_proj.weight).T,
+                w_up=t(mlp.up_proj.weight).T,
+                w_down=t(mlp.down_proj.weight).T,
+            )
+        )
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    params = Params(
+        embed=t(lm.model.embed_tokens.weight),
+        layers=stacked,
+        final_norm=t(lm.model.norm.weight),
+        lm_head=t(lm.lm_head.weight).T,
+    )
+    ours = np.asarray(dense_logits(params, cfg, jnp.asarray(tokens, jnp.int32), "xla"))[0]
+    assert np.abs(ours - ref).max() / np.abs(ref).max() <= F32_MAX_REL
