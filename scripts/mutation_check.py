@@ -1316,6 +1316,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_attention_sinks.py",),
         "kernel_reference",
     ),
+    M(
+        "flash_sink_dropped_from_denominator",
+        "kernels_pallas/flash_attention/common.py",
+        "return m_next, alpha * l + jnp.exp(sinks - m_next), _col(alpha) * acc",
+        "return m_next, alpha * l, _col(alpha) * acc",
+        ("tests/test_flash_attention.py",),
+        "sinks",
+    ),
+    M(
+        "flash_sink_gradient_sign",
+        "kernels_pallas/flash_attention/kernel.py",
+        "dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)",
+        "dsinks = jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)",
+        ("tests/test_flash_attention.py",),
+        "sinks",
+    ),
 ]
 
 

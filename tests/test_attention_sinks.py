@@ -4,7 +4,9 @@ reference written here: the dense XLA attention, the paged XLA attention (decode
 pass and split-KV, prefill blocks; head-major and page-major pools), the native CPU decode
 kernel, the batch-invariant attention, the Pallas kernels' reference and the engine's wiring of
 the Pallas ragged paged attention kernels (interpret mode; the kernels themselves against their
-reference in test_ragged_paged_attention.py). The FlashAttention kernel refuses them by name."""
+reference in test_ragged_paged_attention.py), the FlashAttention kernels' reference and the dense
+forward through the FlashAttention kernel (the kernels against their reference, gradients
+included, in test_flash_attention.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ from jaxinfer.models import cpu_decode_kernel
 from jaxinfer.models.attention import dense_attention
 from jaxinfer.models.batch_invariant import tiled_attention
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.dense import resolve_dense_attn_impl
+from jaxinfer.models.dense import dense_logits
 from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.models.paged_attention import paged_attn_fn, ragged_paged_attention_xla
+from jaxinfer.models.params import init_random
+from kernels_pallas.flash_attention import mha_reference
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
 
 
@@ -242,11 +246,42 @@ def test_engine_attention_fn_passes_sinks_to_the_kernels():
     _check_rows(out, q, rows, h**-0.5, 0, sinks, TOL[jnp.float32])
 
 
-def test_flash_attention_refuses_sinks():
-    """The dense forward's FlashAttention kernel does not add sinks: refused by name, and
-    "auto" runs the XLA attention for such a model."""
-    with pytest.raises(ValueError, match="attention sinks"):
-        resolve_dense_attn_impl("pallas_tpu_interpret", CFG, jnp.float32)
-    assert resolve_dense_attn_impl("auto", CFG, jnp.float32, backend="cpu") == "xla"
-    monkey = dataclasses.replace(CFG, attention_sinks=False)
-    assert resolve_dense_attn_impl("pallas_gpu_interpret", monkey, jnp.float32)
+def test_flash_reference_with_sinks():
+    """The FlashAttention kernels' reference (kernels_pallas/flash_attention/reference.py), which
+    the kernels are tested against, with sinks == the numpy reference here."""
+    rng = np.random.default_rng(6)
+    kh, g, h, t, window = 2, 2, 8, 12, 5
+    q = rng.standard_normal((1, kh * g, t, h)).astype(np.float32)
+    k = rng.standard_normal((1, kh, t, h)).astype(np.float32)
+    v = rng.standard_normal((1, kh, t, h)).astype(np.float32)
+    sinks = (2.0 * rng.standard_normal(kh * g)).astype(np.float32)
+    with jax.default_matmul_precision("highest"):
+        out = mha_reference(
+            *(jnp.asarray(x) for x in (q, k, v)),
+            sm_scale=h**-0.5,
+            sliding_window=window,
+            sinks=jnp.asarray(sinks),
+        )
+    ref = sink_reference(
+        q[0].transpose(1, 0, 2),
+        k[0].transpose(1, 0, 2),
+        v[0].transpose(1, 0, 2),
+        np.arange(t),
+        h**-0.5,
+        window,
+        sinks,
+    )
+    np.testing.assert_allclose(np.asarray(out)[0].transpose(1, 0, 2), ref, **TOL[jnp.float32])
+
+
+def test_dense_forward_flash_kernel_with_sinks():
+    """``dense_logits`` of a tiny random model with sinks (a sliding and a full layer): the
+    FlashAttention kernel (interpreted) == the XLA attention."""
+    cfg = dataclasses.replace(CFG, layer_windows=(5, 0), head_dim=16)
+    params = init_random(cfg, jax.random.PRNGKey(0), scale=0.3)
+    sinks = 2.0 * jax.random.normal(jax.random.PRNGKey(1), params.layers.sinks.shape)
+    params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, sinks=sinks))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 11)), jnp.int32)
+    xla = dense_logits(params, cfg, tokens, "xla")
+    flash = dense_logits(params, cfg, tokens, "pallas_gpu_interpret")
+    np.testing.assert_allclose(np.asarray(flash), np.asarray(xla), **TOL[jnp.float32])

@@ -47,8 +47,6 @@ def flash_unsupported(cfg: ModelConfig, dtype) -> str | None:
         return f"{jnp.dtype(dtype).name} activations (it takes float32 or bfloat16)"
     if cfg.head_dim % 8:
         return f"head_dim={cfg.head_dim} (it needs a multiple of 8)"
-    if cfg.attention_sinks:
-        return "attention sinks (ModelConfig.attention_sinks, gpt-oss)"
     return None
 
 
@@ -118,7 +116,8 @@ def flash_attn_fn(
     The forward's flat token axis T = B * S is laid out as rows [B, N, S, H] and padded after the
     live tokens to the kernel's tile (causal masking keeps the padding invisible). Causal, sliding
     windows (a ``lax.switch`` over the model's distinct windows, as the layers' window is traced
-    under ``lax.scan``), the attention soft-cap, ``cfg.attn_scale`` and GQA/MQA go to the kernel.
+    under ``lax.scan``), the attention soft-cap, ``cfg.attn_scale``, GQA/MQA and the layer's
+    attention sinks (gpt-oss) go to the kernel.
 
     Args:
         cfg: the model.
@@ -140,7 +139,7 @@ def flash_attn_fn(
         ids = jnp.pad(segment_ids, ((0, 0), (0, s_pad - seq_len)), constant_values=-1)
     windows = sorted(set(cfg.layer_windows))
 
-    def kernel(window, q, k, v):
+    def kernel(window, q, k, v, sinks):
         return flash_attention(
             q,
             k,
@@ -153,6 +152,7 @@ def flash_attn_fn(
             block_sizes=BlockSizes(block_q=block, block_k=block),
             backend=backend,
             interpret=interpret,
+            sinks=sinks,
         )
 
     def rows(x):  # [B * S, heads, H] -> [B, heads, S_pad, H]
@@ -161,9 +161,7 @@ def flash_attn_fn(
 
     def attn(q, k, v, cache, layer, window, sinks=None):
         del layer
-        if sinks is not None:  # resolve_dense_attn_impl refuses such models first
-            raise ValueError("the FlashAttention kernel does not add attention sinks")
-        args = (rows(q), rows(k), rows(v))
+        args = (rows(q), rows(k), rows(v), sinks)
         if len(windows) == 1:
             out = kernel(windows[0], *args)
         else:
