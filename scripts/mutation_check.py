@@ -1056,6 +1056,22 @@ MUTATIONS: list[Mutation] = [
         "unknown_keyword",
     ),
     M(
+        "bytes_prompt_read_as_token_ids",
+        "jaxinfer/engine/inputs.py",
+        "elif isinstance(prompts, bytes | bytearray) or not isinstance(prompts, Iterable):",
+        "elif not isinstance(prompts, Iterable):",
+        ("tests/test_llm_args.py",),
+        "wrong_type",
+    ),
+    M(
+        "chat_string_read_as_conversations",
+        "jaxinfer/engine/inputs.py",
+        "    if not isinstance(messages, list | tuple):\n",
+        "    if not isinstance(messages, list | tuple | str):\n",
+        ("tests/test_llm_args.py",),
+        "wrong_type",
+    ),
+    M(
         "output_setting_dropped",
         "jaxinfer/args.py",
         '"{attn_impl} or tensor/data parallelism",\n        Switch(),\n'

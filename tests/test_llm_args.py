@@ -190,3 +190,33 @@ def test_cli_kv_pages_beyond_memory_is_one_line_and_exit_2(stories_dir, tmp_path
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("jaxinfer: error: invalid engine setting: the KV")
     assert "10240000000000 bytes" in err[0] and "host memory available" in err[0]
+
+
+BAD_PROMPTS = [
+    ("generate", {"a": 1}, ValueError, r"prompts\[0\] is a dict with keys \['a'\]: a prompt dict"),
+    ("generate", 5, TypeError, r"prompts has type int; accepted: a prompt \(a string, a list of"),
+    ("generate", None, TypeError, r"prompts has type None; accepted: a prompt"),
+    ("generate", b"Once", TypeError, r"prompts has type bytes; accepted"),
+    ("generate", [True, 2], TypeError, r"prompts\[0\] has type bool; accepted"),
+    ("generate", [1, "a"], TypeError, r"prompts\[0\] has type int; accepted"),
+    ("generate", ["a", None], TypeError, r"prompts\[1\] has type None; accepted"),
+    ("generate", {"prompt": 5}, TypeError, r"prompts\[0\]\['prompt'\] must be a string, not int"),
+    ("generate", {"prompt_token_ids": "ab"}, TypeError, r"\['prompt_token_ids'\] must be a list"),
+    ("chat", [], ValueError, r"chat\(\) takes a conversation .*: got an empty list"),
+    ("chat", "hello", TypeError, r"chat\(\) takes a conversation .*use generate\(\) .*got str"),
+    ("chat", [[]], ValueError, r"conversation 0 is empty"),
+    ("chat", [["hi"]], TypeError, r"messages\[0\]\[0\] has type str"),
+]
+
+
+def test_prompts_of_the_wrong_type_raise_and_the_llm_stays_usable(stories_llm):
+    """Prompts of a shape the Python API does not take (vLLM's: a string, token ids, a prompt
+    dict, a list of these; chat: a conversation or a list of them) raise at once with what is
+    accepted, before any request is queued; then the LLM still reproduces llama2.c's greedy
+    outputs."""
+    from conftest import assert_reproduces_stories_reference
+
+    for method, prompts, error, match in BAD_PROMPTS:
+        with pytest.raises(error, match=match):
+            getattr(stories_llm, method)(prompts)
+    assert_reproduces_stories_reference(stories_llm)
