@@ -1072,6 +1072,22 @@ MUTATIONS: list[Mutation] = [
         "wrong_type",
     ),
     M(
+        "page_size_beyond_max_model_len_accepted",
+        "jaxinfer/args.py",
+        "            if self.page_size > self.max_model_len:",
+        "            if self.page_size > 2 * self.max_model_len:",
+        (EA,),
+        "errors_name_the_argument",
+    ),
+    M(
+        "default_kv_pool_floor_beyond_budget",
+        "jaxinfer/engine/config.py",
+        "    return int(min(wanted, budget // page_bytes))",
+        "    return int(max(2, min(wanted, budget // page_bytes)))",
+        (EA,),
+        "budget_below_one_sequence",
+    ),
+    M(
         "output_setting_dropped",
         "jaxinfer/args.py",
         '"{attn_impl} or tensor/data parallelism",\n        Switch(),\n'

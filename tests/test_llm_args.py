@@ -130,16 +130,19 @@ def test_kv_pool_beyond_memory_is_refused_with_bytes(stories_dir):
     assert peak_alloc_bytes(build) < 64 * MiB
 
 
-def test_huge_page_size_pool_beyond_memory(stories_dir):
-    """page_size 2**30: the default sizing keeps its floor of 2 pages, 2**31 tokens = 2.7 TB."""
+def test_huge_page_size_is_refused_before_the_pool(stories_dir):
+    """page_size 2**30 on stories260K (512-token context): refused as larger than max_model_len
+    before any pool is sized (the default sizing once kept a floor of 2 such pages, 2.7 TB)."""
     from jaxinfer.llm import LLM
 
-    with pytest.raises(
-        ValueError,
-        match=r"2 pages x 1073741824 tokens x 1280 bytes a token .*"
-        r"= 2748779069440 bytes .*host memory available",
-    ):
-        LLM(stories_dir, page_size=2**30, compilation_cache=False)
+    def build():
+        with pytest.raises(
+            ValueError,
+            match=r"^page_size=1073741824 is larger than max_model_len \(512 tokens when not",
+        ):
+            LLM(stories_dir, page_size=2**30, compilation_cache=False)
+
+    assert peak_alloc_bytes(build) < 64 * MiB
 
 
 def test_kv_pool_slots_beyond_int32(stories_dir, monkeypatch):
