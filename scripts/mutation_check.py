@@ -1088,6 +1088,22 @@ MUTATIONS: list[Mutation] = [
         "budget_below_one_sequence",
     ),
     M(
+        "empty_out_read_as_the_current_directory",
+        "jaxinfer/cli/main.py",
+        "        if not str(getattr(args, flag)).strip():",
+        "        if False:",
+        ("tests/test_cli_outputs.py",),
+        "empty_or_missing",
+    ),
+    M(
+        "out_not_creatable_retried_as_replaced",
+        "jaxinfer/cli/output_file.py",
+        "0o666), True\n                except FileExistsError:",
+        "0o666), True\n                except (FileExistsError, FileNotFoundError):",
+        ("tests/test_cli_outputs.py",),
+        "empty_or_missing",
+    ),
+    M(
         "output_setting_dropped",
         "jaxinfer/args.py",
         '"{attn_impl} or tensor/data parallelism",\n        Switch(),\n'

@@ -117,7 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument(
         "--prompts",
         required=True,
-        type=Path,
         metavar="FILE",
         help=(
             "prompts file: JSONL ({'id', 'prompt'|'messages'|'prompt_token_ids', sampling "
@@ -130,7 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument(
         "--out",
         required=True,
-        type=Path,
         metavar="FILE",
         help="output JSONL file (a regular file); appended to, ids already present are "
         "skipped; locked while a run writes it, so a second run on it is refused",
@@ -294,6 +292,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"--checkpoint-interval must be a number of seconds >= 0, got "
             f"{args.checkpoint_interval}"
         )
+    for flag in ("prompts", "out"):  # "" would be Path("."): the current directory
+        if not str(getattr(args, flag)).strip():
+            raise UsageError(f"--{flag} is empty: give the path of a file")
+        setattr(args, flag, Path(getattr(args, flag)))
     if not args.prompts.is_file():
         raise UsageError(f"prompts file {args.prompts} does not exist or is not a file")
     if not Path(args.model).exists():
