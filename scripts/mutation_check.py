@@ -1104,6 +1104,22 @@ MUTATIONS: list[Mutation] = [
         "empty_or_missing",
     ),
     M(
+        "swallowed_interrupt_not_delivered_again",
+        "jaxinfer/cli/interrupts.py",
+        "            timer.start()",
+        "            pass",
+        ("tests/test_cli.py",),
+        "swallowed_by_a_gc_callback",
+    ),
+    M(
+        "interrupt_raised_while_importing",
+        "jaxinfer/__main__.py",
+        "        if self.count > 1:",
+        "        if self.count > 0:",
+        ("tests/test_cli.py",),
+        "ctrl_c_while_importing",
+    ),
+    M(
         "output_setting_dropped",
         "jaxinfer/args.py",
         '"{attn_impl} or tensor/data parallelism",\n        Switch(),\n'

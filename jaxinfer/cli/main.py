@@ -35,6 +35,7 @@ from jaxinfer.cli.generate import check_terminated as _check_terminated  # noqa:
 from jaxinfer.cli.generate import error_record as _error_record  # noqa: F401 - tests
 from jaxinfer.cli.generate import interrupt_status as _interrupt_status
 from jaxinfer.cli.generate import sigterm_as_interrupt as _sigterm_as_interrupt
+from jaxinfer.cli.interrupts import interrupts_not_swallowed
 from jaxinfer.cli.llm_from_args import engine_args
 from jaxinfer.cli.llm_from_args import load_llm as _load_llm
 from jaxinfer.cli.output_file import Done, OutputFile
@@ -341,31 +342,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return int(e.code or 0)
     try:
-        if args.command == "generate":
-            with _sigterm_as_interrupt():
-                return cmd_generate(args)
-        if args.command == "train-draft-heads":
-            from jaxinfer.speculative.train_heads import cmd_train_draft_heads
-
-            return cmd_train_draft_heads(args)
-        if args.command == "serve":
-            from jaxinfer.server.command import cmd_serve
-
-            return cmd_serve(args)
-        if args.command == "quantize":
-            from jaxinfer.quant.command import cmd_quantize
-
-            try:
-                return cmd_quantize(args)
-            except (JaxinferError, OSError, ValueError) as e:
-                raise UsageError(f"cannot quantize {args.model}: {e}") from None
-        parser.error(f"unknown command {args.command!r}")
+        with interrupts_not_swallowed():  # a Ctrl-C lost in jax's gc callback comes back
+            return _run_command(parser, args)
     except UsageError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except KeyboardInterrupt as e:  # before any output was opened (loading, compiling)
         print("jaxinfer: interrupted before writing anything", file=sys.stderr, flush=True)
         return _interrupt_status(e)
+
+
+def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        with _sigterm_as_interrupt():
+            return cmd_generate(args)
+    if args.command == "train-draft-heads":
+        from jaxinfer.speculative.train_heads import cmd_train_draft_heads
+
+        return cmd_train_draft_heads(args)
+    if args.command == "serve":
+        from jaxinfer.server.command import cmd_serve
+
+        return cmd_serve(args)
+    if args.command == "quantize":
+        from jaxinfer.quant.command import cmd_quantize
+
+        try:
+            return cmd_quantize(args)
+        except (JaxinferError, OSError, ValueError) as e:
+            raise UsageError(f"cannot quantize {args.model}: {e}") from None
+    parser.error(f"unknown command {args.command!r}")
     return 0
 
 
