@@ -8,18 +8,14 @@ before jax loads (``jaxinfer.__main__``). ``from jaxinfer import LLM`` works as 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
-from jaxinfer.version import package_version
-
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
     from jaxinfer.args import EngineArgs
     from jaxinfer.llm import LLM
     from jaxinfer.loaders import LoadedModel, load
     from jaxinfer.outputs import CompletionOutput, RequestOutput
     from jaxinfer.sampling.params import SamplingParams
-
-__version__ = package_version()
 
 _PUBLIC = {
     "LLM": "jaxinfer.llm",
@@ -44,6 +40,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name == "__version__":  # importlib.metadata is slow to import: on first use too
+        from jaxinfer.version import package_version
+
+        globals()[name] = package_version()
+        return globals()[name]
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value
@@ -52,4 +53,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+    return sorted({*globals(), *_PUBLIC, "__version__"})

@@ -14,17 +14,18 @@ import sys
 
 def run() -> int:
     """Runs the command line (``jaxinfer.cli.main.main``); returns its exit status."""
-    from jaxinfer.cli.interrupts import EXIT_INTERRUPTED, interrupts_not_swallowed
-
+    held = _HeldInterrupts()
     try:
-        with interrupts_not_swallowed(), _HeldInterrupts() as held:
+        with held:  # before any other import
+            from jaxinfer.cli.interrupts import EXIT_INTERRUPTED, interrupts_not_swallowed
             from jaxinfer.cli.main import main
         if held:
             raise KeyboardInterrupt
-        status = main()
+        with interrupts_not_swallowed():
+            status = main()
     except KeyboardInterrupt:  # while importing; main() handles its own
         print("jaxinfer: interrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return 130  # jaxinfer.cli.interrupts.EXIT_INTERRUPTED, which may not be imported yet
     if status in (EXIT_INTERRUPTED, 128 + signal.SIGTERM):
         # Interrupted (its files closed, its message printed): leave without the interpreter's
         # teardown, which could crash (SIGSEGV) under a compile that was still running.
