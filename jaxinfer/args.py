@@ -165,7 +165,7 @@ class EngineArgs:
         default_text="every sequence at full length, within {kv_cache_memory_gb}",
     )
     kv_cache_memory_gb: float = option(
-        2.0, "memory budget of the default KV pool, GiB per device", Gib()
+        2.0, "memory budget of the default KV pool, in GiB (2**30 bytes) per device", Gib()
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -205,7 +205,11 @@ class EngineArgs:
         changes_outputs=True,
     )
     seed: int = option(
-        0, "engine seed: draws the seeds of requests that have none", Int(0, high=SEED_MAX)
+        0,
+        "engine seed: seeds the RNG that draws a sampling seed for each request without one "
+        "of its own (SamplingParams.seed, which generate's --sampling-seed sets); the same "
+        "engine seed and requests give the same draws",
+        Int(0, high=SEED_MAX),
     )
     reuse_compiled_buckets: bool = option(
         True,

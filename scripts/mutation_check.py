@@ -1120,6 +1120,22 @@ MUTATIONS: list[Mutation] = [
         "ctrl_c_while_importing",
     ),
     M(
+        "text_file_read_as_llama2c_checkpoint",
+        "jaxinfer/loaders/detect.py",
+        'if p.suffix != ".bin":',
+        "if False:",
+        ("tests/test_llama2c.py",),
+        "load_unrecognised",
+    ),
+    M(
+        "generate_usage_lists_every_flag",
+        "jaxinfer/cli/main.py",
+        '        usage="%(prog)s --model PATH --prompts FILE --out FILE [options]",\n',
+        "",
+        ("tests/test_cli.py",),
+        "usage_lines",
+    ),
+    M(
         "output_setting_dropped",
         "jaxinfer/args.py",
         '"{attn_impl} or tensor/data parallelism",\n        Switch(),\n'

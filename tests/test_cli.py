@@ -278,6 +278,34 @@ def test_help_lists_every_flag_with_its_default(capsys):
     assert "bfloat16" in text and "--temperature 0 for greedy" in text
 
 
+def test_usage_lines_are_short_and_help_says_what_logprobs_and_the_seeds_are(capsys):
+    """Each command's usage line names its required flags and "[options]" (argparse's own listed
+    every flag: 35 lines for generate); the help of --logprobs, --seed / --sampling-seed and
+    --kv-cache-memory-gb says what they are (issue 29's new-user trial)."""
+    for command, required in [
+        ("generate", "--model PATH --prompts FILE --out FILE"),
+        ("serve", "--model PATH"),
+        ("quantize", "--model PATH --out DIR"),
+        ("train-draft-heads", "--model PATH --out DIR"),
+    ]:
+        assert cli.main([command, "--help"]) == 0
+        usage = capsys.readouterr().out.split("\n\n")[0]
+        assert usage == f"usage: jaxinfer {command} {required} [options]", usage
+    assert cli.main(["generate", "--prompts", "p.jsonl"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "usage: jaxinfer generate --model PATH --prompts FILE --out FILE [options]",
+        "jaxinfer generate: error: the following arguments are required: --out, --model",
+    ]
+    assert cli.main(["generate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--logprobs N number of top logprobs returned per generated token" in text
+    assert "--sampling-seed SEED sampling seed (SamplingParams.seed" in text
+    assert "drawn from the engine's RNG, which --seed seeds" in text
+    assert "--seed N engine seed: seeds the RNG that draws a sampling seed" in text
+    assert "which generate's --sampling-seed sets" in text
+    assert "default KV pool, in GiB (2**30 bytes) per device" in text
+
+
 def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
     prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     cases = [

@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser(
         "generate",
         formatter_class=fmt,
+        usage="%(prog)s --model PATH --prompts FILE --out FILE [options]",
         help="generate completions for a file of prompts into a JSONL file",
         description=(
             "Generate a completion for every prompt in --prompts and write one JSONL record per "
@@ -205,7 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprobs",
         type=int,
         default=d["logprobs"],
-        help="also return the n most likely tokens' logprobs per token",
+        metavar="N",
+        help="number of top logprobs returned per generated token (0..20, vLLM's logprobs): "
+        "the N most likely tokens' logprobs plus the sampled token's; 0 = the sampled token's "
+        "only (default: none)",
     )
     s.add_argument(
         "--n",
@@ -226,8 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--sampling-seed",
         type=int,
         default=d["seed"],
-        help="per-request seed of prompts without their own 'seed', reduced modulo 2**32 "
-        "(default: drawn from the engine seed)",
+        metavar="SEED",
+        help="sampling seed (SamplingParams.seed, reduced modulo 2**32) of every prompt without "
+        "its own 'seed'; without it, each such prompt gets a seed drawn from the engine's RNG, "
+        "which --seed seeds (default: drawn)",
     )
 
     o = g.add_argument_group("display")
