@@ -1,8 +1,9 @@
 """Device check of the Pallas kernels on a GPU or TPU: un-interpreted kernel tests, then timings.
 
 1. Runs the kernel tests compiled for this device (``JAXINFER_KERNEL_DEVICE=<backend>`` makes
-   tests/test_ragged_paged_attention.py run its cases for this backend with interpret=False, and
-   the FlashAttention tests' device path) in a pytest subprocess.
+   tests/test_ragged_paged_attention.py and tests/test_grouped_matmul.py run their cases for this
+   backend with interpret=False, and the FlashAttention tests' device path) in pytest
+   subprocesses.
 2. Times, for a few realistic shapes (Llama-3-8B heads: N=32, K=8, H=128, bf16, page size 16),
    our ragged paged attention kernel, the XLA reference (``ragged_paged_attention_xla``), jax's
    shipped Pallas ops (``jax.experimental.pallas.ops``: TPU ``paged_attention`` /
@@ -20,7 +21,7 @@ differences of the output and of dq, dk, dv). Every timing entry carries ``hbm_t
 ``PEAK_BF16_TFLOP_S``): the H200's figures, so fractions are meaningful on an H200 only.
 
 Prints one JSON object: {"device", "tests": {...}, "timings": [...], "flash_fwd_bwd": {...}}.
-Designed to finish in under 8 minutes (tests capped at 270 s; each timing a few iterations).
+Designed to finish in under 8 minutes (tests capped at 315 s; each timing a few iterations).
 Usage: ``python scripts/device_check_kernels.py [--skip-tests] [--iters N] [--quick]``;
 ``--cpu-smoke`` runs the same code paths on CPU in seconds (kernels interpreted, tiny shapes, no
 tests, torch SDPA's math backend; figures meaningless) to check the script before a device run.
@@ -39,13 +40,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_TIMEOUT_S = 270
+GMM_TEST_TIMEOUT_S = 45  # tests/test_grouped_matmul.py's cases of one backend, compiled
 PEAK_HBM_TB_S = 4.8  # H200 HBM3e
 PEAK_BF16_TFLOP_S = 790.0  # H200 dense bf16, measured (the issue's figure)
 
 
 def run_tests(backend: str) -> list[dict]:
     """Kernel tests compiled for ``backend``, in subprocesses (before this process takes the
-    device): ours whole, FlashAttention's device tests (``-k device``) when that folder exists."""
+    device): ours whole, FlashAttention's device tests (``-k device``) when that folder exists,
+    the grouped matmul's cases of this backend (``-k <backend>``)."""
     env = {
         **os.environ,
         "JAXINFER_KERNEL_DEVICE": backend,
@@ -55,6 +58,7 @@ def run_tests(backend: str) -> list[dict]:
     fa = "tests/test_flash_attention.py"
     if (ROOT / fa).exists():
         runs.append(([fa, "-k", "device"], TEST_TIMEOUT_S - 200))
+    runs.append((["tests/test_grouped_matmul.py", "-k", backend], GMM_TEST_TIMEOUT_S))
     results = []
     for files, timeout in runs:
         cmd = [

@@ -78,6 +78,7 @@ EA = "tests/test_engine_args.py"
 CTO = "tests/test_chat_template_option.py"
 LOOP = "tests/test_engine_loop.py"
 KV = "tests/test_kv_manager.py"
+GMM = "tests/test_grouped_matmul.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M(
@@ -1293,6 +1294,87 @@ MUTATIONS: list[Mutation] = [
         "",
         ("tests/test_quant.py",),
         "warn_of_nothing",
+    ),
+    # ---- grouped matmul (kernels_pallas/grouped_matmul: MoE expert matmuls)
+    M(
+        "gmm_tpu_visits_miss_last_tile",
+        "kernels_pallas/grouped_matmul/tpu.py",
+        "tiles = jnp.where(hi > lo, (hi - 1) // block_t - first_tile + 1, 0)",
+        "tiles = jnp.where(hi > lo, (hi - 1) // block_t - first_tile, 0)",
+        (GMM,),
+        "tpu",
+    ),
+    M(
+        "gmm_tpu_straddling_tile_unmasked",
+        "kernels_pallas/grouped_matmul/tpu.py",
+        "mine = (row >= lo) & (row < hi)",
+        "mine = row < hi",
+        (GMM,),
+        "tpu",
+    ),
+    M(
+        "gmm_tpu_d_edge_unmasked",
+        "kernels_pallas/grouped_matmul/tpu.py",
+        "if d % block_d:",
+        "if False:",
+        (GMM,),
+        "tpu",
+    ),
+    M(
+        "gmm_group_offset_ignored",
+        "kernels_pallas/grouped_matmul/metadata.py",
+        "idx = group_offset + jnp.arange(num_local + 1, dtype=jnp.int32)",
+        "idx = jnp.arange(num_local + 1, dtype=jnp.int32)",
+        (GMM,),
+        "local",
+    ),
+    M(
+        "gmm_tile_table_rounded_down",
+        "kernels_pallas/grouped_matmul/metadata.py",
+        "tiles = (hi - lo + block_t - 1) // block_t",
+        "tiles = (hi - lo) // block_t",
+        (GMM,),
+        "gpu or xla_tiled",
+    ),
+    M(
+        "gmm_gpu_store_unmasked",
+        "kernels_pallas/grouped_matmul/gpu.py",
+        "mask=jnp.broadcast_to(mine[:, None], acc.shape),",
+        "mask=None,",
+        (GMM,),
+        "gpu",
+    ),
+    M(
+        "gmm_xla_local_rows_not_rolled_back",
+        "kernels_pallas/grouped_matmul/xla.py",
+        "out = jnp.roll(out, first, axis=0)",
+        "out = out",
+        (GMM,),
+        "xla",
+    ),
+    M(
+        "gmm_xla_tiled_row_mask_dropped",
+        "kernels_pallas/grouped_matmul/xla.py",
+        "jnp.where(mine, y.astype(out.dtype), old)",
+        "y.astype(out.dtype)",
+        (GMM,),
+        "xla_tiled",
+    ),
+    M(
+        "gmm_xla_tiled_loop_misses_last_tile",
+        "kernels_pallas/grouped_matmul/xla.py",
+        "jax.lax.fori_loop(0, num_real, tile,",
+        "jax.lax.fori_loop(0, num_real - 1, tile,",
+        (GMM,),
+        "xla_tiled",
+    ),
+    M(
+        "gmm_auto_picks_unverified_kernel",
+        "kernels_pallas/grouped_matmul/__init__.py",
+        "if platform in VERIFIED_BACKENDS:",
+        "if platform in KERNEL_BACKENDS:",
+        (GMM,),
+        "auto",
     ),
 ]
 

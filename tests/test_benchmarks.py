@@ -31,6 +31,7 @@ CASES = {
     "bench_kv_memory": ["paged", "contiguous", "budget_tokens", "concurrency_ratio"],
     "bench_compile": ["results"],
     "bench_prefix_cache": ["results", "cpu", "loadavg_start", "repeats"],
+    "bench_grouped_matmul": ["results", "cpu", "commit", "auto_backend"],
 }
 
 
