@@ -261,9 +261,13 @@ def make_mesh(tp: int, dp: int = 1, devices: Sequence[jax.Device] | None = None)
     if dp < 1 or tp < 1:
         raise ShardingError(f"tensor_parallel_size={tp} and data_parallel_size={dp} must be >= 1")
     if dp * tp > len(devices):
+        kinds = sorted({d.platform for d in devices})
         raise ShardingError(
             f"tensor_parallel_size={tp} x data_parallel_size={dp} = {dp * tp} devices, but only "
-            f"{len(devices)} are available"
+            f"{len(devices)} are available ({len(devices)} {'/'.join(kinds)} device(s)); "
+            "to try tensor/data parallelism on CPU, start the process with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * tp} (that many CPU "
+            "devices)"
         )
     procs = sorted({d.process_index for d in devices})
     if len(procs) > 1:
