@@ -24,7 +24,10 @@ class LayerParams:
     Attributes:
         attn_norm: [L, D] RMSNorm before attention.
         wq: [L, D, N, H]; wk, wv: [L, D, K, H]; wo: [L, N, H, D].
-        bq: [L, N, H] | None; bk, bv: [L, K, H] | None (Qwen2 q/k/v bias).
+        bq: [L, N, H] | None; bk, bv: [L, K, H] | None (Qwen2 and gpt-oss q/k/v bias).
+        bo: [L, D] | None (gpt-oss o_proj bias, ``ModelConfig.attention_out_bias``).
+        sinks: [L, N] | None (gpt-oss per-head attention-sink logits,
+            ``ModelConfig.attention_sinks``).
         q_norm, k_norm: [L, H] | None (Qwen3, Gemma 3); [L, N, H] and [L, K, H] when the norm
             runs over the whole projection (``qk_norm_flat``, OLMoE).
         post_attn_norm: [L, D] | None (Gemma 2/3, applied to the attention output).
@@ -56,6 +59,8 @@ class LayerParams:
     bq: jax.Array | None = None
     bk: jax.Array | None = None
     bv: jax.Array | None = None
+    bo: jax.Array | None = None
+    sinks: jax.Array | None = None
     q_norm: jax.Array | None = None
     k_norm: jax.Array | None = None
     post_attn_norm: jax.Array | None = None
@@ -187,6 +192,10 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head"] = (D, V)
     if cfg.attention_bias:
         shapes.update({"layers.bq": (L, N, H), "layers.bk": (L, K, H), "layers.bv": (L, K, H)})
+    if cfg.attention_out_bias:
+        shapes["layers.bo"] = (L, D)
+    if cfg.attention_sinks:
+        shapes["layers.sinks"] = (L, N)
     if cfg.qk_norm_flat:
         shapes.update({"layers.q_norm": (L, N, H), "layers.k_norm": (L, K, H)})
     elif cfg.qk_norm:
