@@ -59,7 +59,7 @@ def model():
         ),
     )
     hf._attn_implementation = "eager"
-    cfg, _ = gpt_oss_config_from_hf(hf.to_dict(), "gpt_oss/config.json")
+    cfg = gpt_oss_config_from_hf(hf.to_dict(), "gpt_oss/config.json")
     torch.manual_seed(0)
     layers = []
     for i in range(2):
@@ -205,6 +205,16 @@ def test_whole_model_with_a_dense_mlp_equals_transformers(model):
     from jaxinfer.models.params import Params
 
     hf, cfg, *_ = model
+    cfg = dataclasses.replace(  # gpt-oss's attention with a dense MLP
+        cfg,
+        num_experts=0,
+        num_experts_per_tok=0,
+        moe_intermediate_size=0,
+        sparse_layers=(),
+        router_bias=False,
+        expert_bias=False,
+        expert_glu="silu",
+    )
     hf.mlp_bias = False
     hf.hidden_act = "silu"
     torch.manual_seed(1)

@@ -1,21 +1,18 @@
 """gpt-oss configs (jaxinfer/loaders/hf_gpt_oss.py) and YaRN RoPE (models/config.py): the inverse
 frequencies and attention factor == transformers' ``_compute_yarn_parameters`` called directly;
 the shipped config.json layout and transformers' own ``GptOssConfig.to_dict()`` map to the same
-ModelConfig and MoE fields; bad fields are named; a gpt-oss checkpoint is refused until the MoE
-layer exists."""
+ModelConfig (MoE fields included); bad fields are named; the size check counts MXFP4 experts at
+17/32 of a byte a weight."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
 import pytest
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders import load
-from jaxinfer.loaders.hf_config import config_from_hf
-from jaxinfer.loaders.hf_gpt_oss import GptOssMoe, gpt_oss_config_from_hf
+from jaxinfer.loaders.hf_gpt_oss import gpt_oss_config_from_hf, min_checkpoint_bytes
 from jaxinfer.models.config import RopeScaling, rope_attention_scaling, rope_inv_freq
 
 torch = pytest.importorskip("torch")
@@ -143,7 +140,7 @@ SHIPPED = {
 
 
 def test_shipped_config():
-    cfg, moe = gpt_oss_config_from_hf(SHIPPED, "gpt-oss-20b/config.json")
+    cfg = gpt_oss_config_from_hf(SHIPPED, "gpt-oss-20b/config.json")
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (24, 64, 8, 64)
     assert cfg.layer_windows == (128, 0) * 12
     assert cfg.attention_sinks and cfg.attention_bias and cfg.attention_out_bias
@@ -157,8 +154,20 @@ def test_shipped_config():
         False,
     )
     assert s.original_max_position_embeddings == 4096
-    assert moe == GptOssMoe(num_experts=32, num_experts_per_tok=4, experts_mxfp4=True)
-    assert (moe.swiglu_limit, moe.swiglu_alpha, moe.router_bias) == (7.0, 1.702, True)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha, cfg.router_bias) == (7.0, 1.702, True)
+    assert (cfg.router_order, cfg.expert_glu, cfg.expert_bias) == (
+        "topk_softmax",
+        "gpt_oss_clamped",
+        True,
+    )
+    assert cfg.sparse_layers == (True,) * 24 and not cfg.has_dense_mlp
+    # gpt-oss-20b's 13.8 GB of safetensors (MXFP4 experts) pass the size check; the same sizes
+    # in bf16 experts would not fit in them
+    assert min_checkpoint_bytes(cfg, True) < 13_761_300_000 < min_checkpoint_bytes(cfg, False)
+    gpt_oss_config_from_hf(SHIPPED, "c.json", checkpoint_bytes=13_761_300_000)
+    with pytest.raises(CheckpointError, match=r"c\.json: the config's sizes .* 17/32"):
+        gpt_oss_config_from_hf(SHIPPED, "c.json", checkpoint_bytes=10_000_000_000)
 
 
 def test_transformers_layout_maps_alike():
@@ -181,12 +190,11 @@ def test_transformers_layout_maps_alike():
         rope_parameters=dict(rope_theta=150000.0, **SHIPPED["rope_scaling"]),
         **{k: SHIPPED[k] for k in keys},
     )
-    cfg, moe = gpt_oss_config_from_hf(hf.to_dict())
-    ref, ref_moe = gpt_oss_config_from_hf(SHIPPED)
+    cfg = gpt_oss_config_from_hf(hf.to_dict())
+    ref = gpt_oss_config_from_hf(SHIPPED)
     assert cfg == ref
-    assert moe == GptOssMoe(num_experts=32, num_experts_per_tok=4)  # not quantized
     # transformers' defaults (an almost empty config) are GptOssConfig's
-    d, _ = gpt_oss_config_from_hf({"model_type": "gpt_oss"})
+    d = gpt_oss_config_from_hf({"model_type": "gpt_oss"})
     dh = transformers.GptOssConfig()
     assert (d.num_layers, d.hidden_size, d.layer_windows[:2]) == (
         dh.num_hidden_layers,
@@ -222,20 +230,3 @@ def test_bad_field_is_named(change, field):
     c = {**SHIPPED, **change}
     with pytest.raises(CheckpointError, match=rf"oss/config\.json: field '{re.escape(field)}'"):
         gpt_oss_config_from_hf(c, "oss/config.json")
-
-
-def test_checkpoint_refused_until_moe_layer(tmp_path):
-    """A gpt-oss directory is refused at load with the MoE message (a bad field is named first)."""
-    from safetensors.numpy import save_file
-
-    (tmp_path / "config.json").write_text(json.dumps(SHIPPED))
-    save_file(
-        {"model.embed_tokens.weight": np.zeros((2, 2), np.float32)},
-        str(tmp_path / "model.safetensors"),
-    )
-    with pytest.raises(
-        CheckpointError, match="mixture-of-experts layer, which is not available yet"
-    ):
-        load(tmp_path, skip_tokenizer_init=True)
-    with pytest.raises(CheckpointError, match="'layer_types'"):
-        config_from_hf({**SHIPPED, "layer_types": []}, "c.json")

@@ -42,6 +42,8 @@ from jaxinfer.loaders.checks import (
     check_fits,
     param_bytes,
 )
+from jaxinfer.loaders.hf_gpt_oss import MODEL_TYPE as GPT_OSS
+from jaxinfer.loaders.hf_gpt_oss_weights import gpt_oss_sources
 from jaxinfer.loaders.hf_moe import SUPPORTED_MODEL_TYPES, LayerSource, config_from_hf, moe_sources
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import Params, param_shapes, params_from_flat
@@ -219,12 +221,13 @@ def _headers(
     return info, stored_in
 
 
-def _read(file: str, name: str, expected: tuple[int, ...], field: str) -> np.ndarray:
+def _read(file: str, name: str, expected: tuple[int, ...], field: str, dtypes=None) -> np.ndarray:
     """One tensor as a numpy array in its file dtype, shape-checked."""
     with _open(file, name) as f:
         try:
             sl = f.get_slice(name)
-            _check_tensor(file, name, sl.get_dtype(), tuple(sl.get_shape()), expected, field)
+            shape = tuple(sl.get_shape())
+            _check_tensor(file, name, sl.get_dtype(), shape, expected, field, dtypes)
             return f.get_tensor(name)
         except CheckpointError:
             raise
@@ -234,10 +237,13 @@ def _read(file: str, name: str, expected: tuple[int, ...], field: str) -> np.nda
             ) from None
 
 
-def _check_tensor(file, name, dtype: str, shape: tuple[int, ...], expected, field: str) -> None:
-    if dtype not in _FILE_DTYPES:
+def _check_tensor(
+    file, name, dtype: str, shape: tuple[int, ...], expected, field: str, dtypes=None
+) -> None:
+    dtypes = dtypes or _FILE_DTYPES
+    if dtype not in dtypes:
         raise CheckpointError(
-            f"{file}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_FILE_DTYPES)}"
+            f"{file}: tensor {name!r} has dtype {dtype}; supported: {', '.join(dtypes)}"
         )
     if shape != tuple(expected):
         raise CheckpointError(
@@ -315,7 +321,7 @@ def _read_layers(
             continue
         xs = []
         for name, hf_shape in zip(src.names, src.shapes, strict=True):
-            x = _read(stored_in[name], name, hf_shape, field)
+            x = _read(stored_in[name], name, hf_shape, field, src.file_dtypes)
             check_finite(x, stored_in[name], name)
             xs.append(x)
         with np.errstate(over="ignore"):  # overflow is reported by check_cast
@@ -388,7 +394,11 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
         )
     specs = _specs(cfg)
     shapes = param_shapes(cfg)
-    moe = moe_sources(cfg, prefix, set(info)) if cfg.is_moe else {}
+    find_sources = gpt_oss_sources if cfg.model_type == GPT_OSS else moe_sources
+    try:
+        moe = find_sources(cfg, prefix, set(info)) if cfg.is_moe else {}
+    except CheckpointError as e:
+        raise CheckpointError(f"{listing}: {e}") from None
     moe = {k: v for k, v in moe.items() if k in shapes}
     for field, sources in moe.items():  # checked from the headers like the others below
         for src in (s for s in sources if s is not None):
@@ -398,7 +408,7 @@ def load_hf(path: str | os.PathLike, dtype=jnp.float32, place=None) -> tuple[Mod
                         f"{listing}: tensor {name!r} is missing (needed for {field}, expected "
                         f"shape {list(hf_shape)})"
                     )
-                _check_tensor(stored_in[name], name, *info[name], hf_shape, field)
+                _check_tensor(stored_in[name], name, *info[name], hf_shape, field, src.file_dtypes)
     plan: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for field in (f for f in shapes if f not in moe):  # every tensor checked from the headers
         hf_name, hf_shape_fn, _ = specs[field]

@@ -294,15 +294,15 @@ def config_from_hf(
             required field; a field of the wrong type or out of range (sizes in [1, 2**31 - 1],
             floats finite, eps >= 0, theta > 0); num_attention_heads not a multiple of
             num_key_value_heads; sizes implying more than ``checkpoint_bytes``; an unsupported
-            RoPE type, activation, bias or layer type; a gpt-oss config (its fields are checked by
-            ``hf_gpt_oss``, then it is refused until the MoE layer exists). The message names
-            the file and the field.
+            RoPE type, activation, bias or layer type; for gpt-oss, what
+            ``hf_gpt_oss.gpt_oss_config_from_hf`` refuses. The message names the file and the
+            field.
     """
     where = str(path_for_errors)
     if isinstance(config, dict) and config.get("model_type") == "gpt_oss":
-        from jaxinfer.loaders.hf_gpt_oss import refuse_until_moe_layer
+        from jaxinfer.loaders.hf_gpt_oss import gpt_oss_config_from_hf
 
-        refuse_until_moe_layer(config, where)  # names a bad field first, then refuses
+        return gpt_oss_config_from_hf(config, where, checkpoint_bytes)
     if not isinstance(config, dict):
         raise CheckpointError(
             f"{where}: the config is a JSON {_json_type(config)}; expected an object with fields "

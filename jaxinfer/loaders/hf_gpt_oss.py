@@ -1,14 +1,15 @@
-"""gpt-oss ``config.json`` (transformers' ``GptOssConfig``) -> ModelConfig + the MoE fields.
+"""gpt-oss ``config.json`` (transformers' ``GptOssConfig``) -> ModelConfig.
 
 gpt-oss (OpenAI, 2025) is a mixture-of-experts decoder whose attention differs from Llama's in
 four ways, each a ModelConfig field: per-head attention sinks (``attention_sinks``), q/k/v and
 o_proj biases (``attention_bias``, ``attention_out_bias``), alternating sliding-window and full
 layers (``layer_windows`` from ``layer_types`` and ``sliding_window``), and YaRN RoPE
-(``RopeScaling("yarn", ...)``). Its MLP is a top-k router (with a bias, softmax after the top-k)
-over experts with biases and a clamped SwiGLU; those fields are returned apart
-(``GptOssMoe``) for the MoE layer. Both the transformers 5 layout (``rope_parameters``) and the
-one the checkpoints ship (``rope_scaling`` + ``rope_theta``) are read; defaults are
-``GptOssConfig``'s.
+(``RopeScaling("yarn", ...)``). Its MLP is a top-k router (with a bias, softmax after the top-k:
+``router_bias``, ``router_order="topk_softmax"``) over experts with biases (``expert_bias``) and
+a clamped SwiGLU (``expert_glu="gpt_oss_clamped"``, ``swiglu_limit``, ``swiglu_alpha``), every
+layer sparse, the expert width ``intermediate_size``. Both the transformers 5 layout
+(``rope_parameters``) and the one the checkpoints ship (``rope_scaling`` + ``rope_theta``) are
+read; defaults are ``GptOssConfig``'s.
 
 Every field that changes the model and is not supported is refused naming it (CheckpointError
 naming the file and the field); fields without effect at inference (``attention_dropout``,
@@ -18,17 +19,14 @@ gpt-oss's experts ignore) are not read.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.config import INT32_MAX, ModelConfig, RopeScaling
 
 MODEL_TYPE = "gpt_oss"
-MOE_LAYER_MISSING = (
-    "gpt-oss needs the mixture-of-experts layer, which is not available yet in jaxinfer (its "
-    "attention, YaRN RoPE and MXFP4 expert weights are); no gpt-oss checkpoint can run until it is"
-)
+MIN_FILE_DTYPE_BYTES = 2  # the narrowest float dtype read (F16, BF16), as hf_config
+MXFP4_BYTES_PER_VALUE = 17 / 32  # 16 bytes of FP4 pairs + 1 scale byte per 32 values
 
 # GptOssConfig's defaults (transformers 5), for fields a config.json may omit.
 DEFAULTS = dict(
@@ -59,35 +57,6 @@ DEFAULT_ROPE = dict(
     original_max_position_embeddings=4096,
 )
 QUANT_METHODS = ("mxfp4",)
-
-
-@dataclasses.dataclass(frozen=True)
-class GptOssMoe:
-    """The expert layer of gpt-oss, as transformers' ``GptOssMLP``.
-
-    Attributes:
-        num_experts: E, experts per layer (``num_local_experts``).
-        num_experts_per_tok: top-k experts per token.
-        router_bias: the router's linear has a bias (always, in gpt-oss).
-        softmax_after_top_k: routing weights are the softmax of the k chosen logits.
-        swiglu_limit: the gate is clamped above and the up projection to [-limit, limit].
-        swiglu_alpha: the SwiGLU's sigmoid gain: ``(up + 1) * gate * sigmoid(alpha * gate)``.
-        expert_bias: the experts' gate_up and down projections carry biases.
-        gate_up_interleaved: gate and up are interleaved on the fused output axis
-            (``gate_up_proj[..., ::2]`` is the gate, ``[..., 1::2]`` the up projection).
-        experts_mxfp4: the checkpoint stores the expert weights as MXFP4 blocks + scales
-            (``quantization_config.quant_method == "mxfp4"``; ``jaxinfer.loaders.mxfp4``).
-    """
-
-    num_experts: int
-    num_experts_per_tok: int
-    router_bias: bool = True
-    softmax_after_top_k: bool = True
-    swiglu_limit: float = 7.0
-    swiglu_alpha: float = 1.702
-    expert_bias: bool = True
-    gate_up_interleaved: bool = True
-    experts_mxfp4: bool = False
 
 
 class _Reader:
@@ -183,13 +152,19 @@ def _rope(r: _Reader, max_pos: int) -> tuple[float, RopeScaling | None]:
 
 
 def gpt_oss_config_from_hf(
-    config: dict, where: str = "config.json"
-) -> tuple[ModelConfig, GptOssMoe]:
-    """Maps a gpt-oss ``config.json`` dict to (ModelConfig, GptOssMoe).
+    config: dict, where: str = "config.json", checkpoint_bytes: int | None = None
+) -> ModelConfig:
+    """Maps a gpt-oss ``config.json`` dict to a ModelConfig (attention and MoE fields).
 
     Attention: ``attention_bias`` gives q/k/v and o_proj biases both; sinks always; head_dim as
     given (64); layer windows from ``layer_types`` (default: even layers sliding, odd full) with
     ``sliding_window`` tokens (a query at i sees keys j with ``i - j < sliding_window``).
+    MoE: ``num_local_experts`` experts of width ``intermediate_size``, top ``num_experts_per_tok``
+    of the router logits (bias added) then their softmax, expert biases, the clamped SwiGLU.
+
+    ``checkpoint_bytes``: bytes of the weight files; when given, a config whose sizes imply more
+    (2 bytes a parameter; 17/32 of a byte an expert weight when ``quantization_config`` is MXFP4)
+    is refused.
 
     Raises:
         CheckpointError: naming the file and the field: ``model_type`` not "gpt_oss"; a size,
@@ -198,7 +173,8 @@ def gpt_oss_config_from_hf(
             not a list of "sliding_attention" / "full_attention" of length num_hidden_layers;
             sliding layers without a ``sliding_window``; a RoPE other than yarn / default or a
             partial rotary factor; a ``quantization_config`` other than MXFP4; ``mlp_bias`` or
-            ``use_bidirectional_attention`` true.
+            ``use_bidirectional_attention`` true; sizes implying more bytes than
+            ``checkpoint_bytes``.
     """
     if not isinstance(config, dict) or config.get("model_type") != MODEL_TYPE:
         got = config.get("model_type") if isinstance(config, dict) else config
@@ -251,12 +227,13 @@ def gpt_oss_config_from_hf(
     if top_k > n_experts:
         raise r.err("num_experts_per_tok", f"is {top_k}, above num_local_experts={n_experts}")
     bias = r.flag("attention_bias")
+    width = r.int("intermediate_size")
     try:
         model = ModelConfig(
             model_type=MODEL_TYPE,
             vocab_size=r.int("vocab_size"),
             hidden_size=r.int("hidden_size"),
-            intermediate_size=r.int("intermediate_size"),
+            intermediate_size=width,
             num_layers=n_layers,
             num_heads=n_heads,
             num_kv_heads=n_kv,
@@ -270,21 +247,37 @@ def gpt_oss_config_from_hf(
             attention_sinks=True,
             layer_windows=tuple(windows),
             tie_word_embeddings=r.flag("tie_word_embeddings"),
+            num_experts=n_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=width,
+            router_order="topk_softmax",
+            router_bias=True,
+            expert_bias=True,
+            expert_glu="gpt_oss_clamped",
+            swiglu_limit=r.float("swiglu_limit"),
+            swiglu_alpha=r.float("swiglu_alpha"),
         )
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
-    moe = GptOssMoe(
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        swiglu_limit=r.float("swiglu_limit"),
-        swiglu_alpha=r.float("swiglu_alpha"),
-        experts_mxfp4=mxfp4,
-    )
-    return model, moe
+    if checkpoint_bytes is not None:
+        need = min_checkpoint_bytes(model, mxfp4)
+        if need > checkpoint_bytes:
+            raise CheckpointError(
+                f"{where}: the config's sizes (num_local_experts={n_experts}, intermediate_size="
+                f"{width}, num_hidden_layers={n_layers}, hidden_size={model.hidden_size}, "
+                f"vocab_size={model.vocab_size}, ...) imply at least {need} bytes of weights (2 "
+                f"bytes a parameter{', 17/32 an MXFP4 expert weight' if mxfp4 else ''}), but the "
+                f"checkpoint's weight files hold {checkpoint_bytes} bytes: a size in the config "
+                "is wrong"
+            )
+    return model
 
 
-def refuse_until_moe_layer(config: dict, where: str = "config.json") -> None:
-    """Checks a gpt-oss config (``gpt_oss_config_from_hf``, so a bad field is named first), then
-    refuses it: CheckpointError saying the MoE layer is not available yet."""
-    gpt_oss_config_from_hf(config, where)
-    raise CheckpointError(f"{where}: model_type 'gpt_oss': {MOE_LAYER_MISSING}")
+def min_checkpoint_bytes(cfg: ModelConfig, experts_mxfp4: bool) -> int:
+    """The fewest bytes a gpt-oss checkpoint of ``cfg`` can take: 2 bytes a parameter, the
+    expert weights at 17/32 of a byte when stored as MXFP4."""
+    expert_weights = sum(cfg.sparse_layers) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    expert_weights *= cfg.num_experts
+    rest = cfg.num_params() - expert_weights
+    per_expert_weight = MXFP4_BYTES_PER_VALUE if experts_mxfp4 else MIN_FILE_DTYPE_BYTES
+    return int(MIN_FILE_DTYPE_BYTES * rest + per_expert_weight * expert_weights)

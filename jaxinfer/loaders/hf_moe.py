@@ -227,11 +227,14 @@ class LayerSource:
         names: the checkpoint tensors read (full names).
         shapes: their expected shapes.
         combine: ``combine(arrays, cfg) -> np.ndarray`` of the field's per-layer shape.
+        file_dtypes: the safetensors dtypes the tensors may have ("U8" for MXFP4 blocks and
+            scales); None: the float dtypes every other weight may have.
     """
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     combine: object
+    file_dtypes: tuple[str, ...] | None = None
 
 
 def _t(xs, cfg):

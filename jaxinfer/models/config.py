@@ -176,6 +176,15 @@ class ModelConfig:
         sparse_layers: per layer, whether its MLP is the mixture of experts (True) or the dense
             MLP of width F (False). Length L; empty means every layer sparse when
             ``num_experts`` > 0, else every layer dense (a dense model's always follows L).
+        expert_bias: the experts' gate_up and down projections carry biases
+            (``LayerParams.expert_gate_up_bias`` [L, E, 2I], ``expert_down_bias`` [L, E, D];
+            gpt-oss).
+        expert_glu: the experts' gated activation of (gate, up): ``"silu"`` (``silu(gate) *
+            up``) or ``"gpt_oss_clamped"`` (``(clamp(up, -limit, limit) + 1) * g *
+            sigmoid(alpha * g)`` with ``g = min(gate, limit)``; transformers'
+            ``GptOssExperts._apply_gate``).
+        swiglu_limit: the clamp ``limit`` of ``"gpt_oss_clamped"`` (gpt-oss: 7.0).
+        swiglu_alpha: the sigmoid gain ``alpha`` of ``"gpt_oss_clamped"`` (gpt-oss: 1.702).
 
     Raises:
         ValueError: a field of the wrong type or out of range: sizes are integers (not bools) in
@@ -221,6 +230,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     sparse_layers: tuple[bool, ...] = ()
+    expert_bias: bool = False
+    expert_glu: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         if not isinstance(self.model_type, str):
@@ -256,6 +269,7 @@ class ModelConfig:
             "norm_topk_prob",
             "router_bias",
             "shared_expert_gate",
+            "expert_bias",
         ):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -287,6 +301,16 @@ class ModelConfig:
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act={self.hidden_act!r}; supported: 'silu', 'gelu_tanh'")
         self._check_moe()
+        self._check_expert_glu()
+
+    def _check_expert_glu(self) -> None:
+        """Checks the experts' bias and activation fields (gpt-oss's)."""
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            object.__setattr__(self, name, check_float(name, getattr(self, name)))
+        if self.expert_glu not in EXPERT_GLUS:
+            raise ValueError(f"expert_glu={self.expert_glu!r}; supported: {EXPERT_GLUS}")
+        if self.num_experts == 0 and (self.expert_bias or self.expert_glu != "silu"):
+            raise ValueError("expert_bias / expert_glu are set but num_experts=0 (a dense model)")
 
     def _check_moe(self) -> None:
         """Checks and normalises the mixture-of-experts fields (see the class docstring)."""
@@ -374,6 +398,8 @@ class ModelConfig:
             + d * self.num_experts
             + 3 * d * self.shared_expert_intermediate_size
             + d * self.shared_expert_gate
+            + self.num_experts * (2 * self.moe_intermediate_size + d) * self.expert_bias
+            + self.num_experts * self.router_bias
         )
         return dense + n_sparse * (moe - 3 * d * self.intermediate_size)
 
@@ -397,6 +423,7 @@ _MOE_INT_FIELDS = (
     "shared_expert_intermediate_size",
 )
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
+EXPERT_GLUS = ("silu", "gpt_oss_clamped")
 
 
 def num_params(

@@ -17,12 +17,15 @@ One sparse layer, for a flat token axis T:
    fused in one, then down). Dropless: every
    pair is computed, no capacity factor. The rows are put back in pair order by the inverse
    permutation and each token's k outputs summed, weighted by their routing weights in float32.
+   gpt-oss's experts (``cfg.expert_bias``, ``cfg.expert_glu == "gpt_oss_clamped"``) add their
+   biases to each row after the grouped matmuls, the bias of the row's expert
+   (``add_expert_bias``), and take the clamped SwiGLU (``gpt_oss_clamped_glu``).
 3. Qwen2-MoE adds a shared expert (a dense SwiGLU of width S) every token runs, scaled by
    ``sigmoid(h . w)``.
 
 Sources: transformers' modeling_mixtral / modeling_qwen2_moe / modeling_qwen3_moe /
-modeling_olmoe (``*TopKRouter``, ``*Experts``, ``*SparseMoeBlock``); the sort-by-expert grouped
-matmul is MegaBlocks' dropless formulation (Gale et al., 2022).
+modeling_olmoe / modeling_gpt_oss (``*TopKRouter``, ``*Experts``, ``*SparseMoeBlock``); the
+sort-by-expert grouped matmul is MegaBlocks' dropless formulation (Gale et al., 2022).
 """
 
 from __future__ import annotations
@@ -93,6 +96,32 @@ def _silu_glu(gate_up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def gpt_oss_clamped_glu(gate_up: jax.Array, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's clamped SwiGLU of gate_up [R, 2I] (gate the first I columns, up the last I;
+    the checkpoint's interleaved columns are split at load) -> [R, I] in its dtype:
+    ``(clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``.
+
+    Source: transformers' ``GptOssExperts._apply_gate`` (modeling_gpt_oss).
+    """
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def expert_glu(cfg: ModelConfig, gate_up: jax.Array) -> jax.Array:
+    """The experts' gated activation (``cfg.expert_glu``) of gate_up [R, 2I] -> [R, I]."""
+    if cfg.expert_glu == "gpt_oss_clamped":
+        return gpt_oss_clamped_glu(gate_up, cfg.swiglu_limit, cfg.swiglu_alpha)
+    return _silu_glu(gate_up)
+
+
+def add_expert_bias(x: jax.Array, bias: jax.Array | None, row_experts: jax.Array) -> jax.Array:
+    """Rows x [R, F] sorted by expert, plus each row's expert's bias: ``x[r] + bias[e(r)]``
+    with bias [E, F] (None: x unchanged) and row_experts i32[R] the expert of each row."""
+    return x if bias is None else x + bias[row_experts].astype(x.dtype)
+
+
 def expert_mlp(
     cfg: ModelConfig,
     expert_gate_up: jax.Array,
@@ -101,6 +130,8 @@ def expert_mlp(
     weights: jax.Array,
     experts: jax.Array,
     impl: str = "auto",
+    gate_up_bias: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
 ) -> jax.Array:
     """The routed experts' SwiGLU outputs of tokens h [T, D], weighted and summed: [T, D] in h's
     dtype.
@@ -110,14 +141,19 @@ def expert_mlp(
         h: [T, D] normed residual stream.
         weights: f32[T, A]; experts: i32[T, A] (``route``).
         impl: the grouped matmul's (``grouped_matmul``).
+        gate_up_bias: [E, 2I] | None; down_bias: [E, D] | None (gpt-oss's expert biases, added
+            after each grouped matmul).
     """
     t, a = experts.shape
     flat = experts.reshape(-1)  # [T*A] pair p = (token p // A, choice p % A)
     order = jnp.argsort(flat, stable=True)  # sorted row -> pair
     group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     rows = h[order // a]  # [T*A, D] sorted by expert
-    act = _silu_glu(grouped_matmul(rows, expert_gate_up, group_sizes, impl))
+    row_experts = flat[order]  # i32[T*A] the expert of each sorted row
+    gate_up = grouped_matmul(rows, expert_gate_up, group_sizes, impl)
+    act = expert_glu(cfg, add_expert_bias(gate_up, gate_up_bias, row_experts))
     out = grouped_matmul(act, expert_down, group_sizes, impl)  # [T*A, D] sorted
+    out = add_expert_bias(out, down_bias, row_experts)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     pairs = out[inverse].reshape(t, a, -1)  # [T, A, D] back in pair order
     y = jnp.einsum("TAD,TA->TD", pairs.astype(jnp.float32), weights)
@@ -129,7 +165,17 @@ def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "auto")
     experts plus, when the family has one, the (gated) shared expert. ``lp`` holds one layer's
     weights (no L axis)."""
     weights, experts = route(cfg, lp.router, lp.router_bias, h)
-    y = expert_mlp(cfg, lp.expert_gate_up, lp.expert_down, h, weights, experts, impl)
+    y = expert_mlp(
+        cfg,
+        lp.expert_gate_up,
+        lp.expert_down,
+        h,
+        weights,
+        experts,
+        impl,
+        gate_up_bias=lp.expert_gate_up_bias,
+        down_bias=lp.expert_down_bias,
+    )
     if lp.shared_w_gate is not None:
         f32 = jnp.float32
 

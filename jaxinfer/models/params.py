@@ -39,6 +39,8 @@ class LayerParams:
         router_bias: [L, E] | None (``router_bias``).
         expert_gate_up: [L, E, D, 2I] | None, each expert's gate (first I columns) and up
             (last I) projections; expert_down: [L, E, I, D] | None.
+        expert_gate_up_bias: [L, E, 2I] | None, the biases of ``expert_gate_up`` (same column
+            order); expert_down_bias: [L, E, D] | None (``ModelConfig.expert_bias``, gpt-oss).
         shared_w_gate, shared_w_up: [L, D, U] | None; shared_w_down: [L, U, D] | None: the shared
             expert (Qwen2-MoE).
         shared_expert_gate: [L, D] | None, the shared expert's sigmoid gate weight.
@@ -75,6 +77,8 @@ class LayerParams:
     shared_w_up: jax.Array | None = None
     shared_w_down: jax.Array | None = None
     shared_expert_gate: jax.Array | None = None
+    expert_gate_up_bias: jax.Array | None = None
+    expert_down_bias: jax.Array | None = None
 
 
 # Projection weights of a layer and the number of their input (contracted) axes (after any
@@ -178,6 +182,9 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         )
         if cfg.router_bias:
             shapes["layers.router_bias"] = (L, E)
+        if cfg.expert_bias:
+            shapes["layers.expert_gate_up_bias"] = (L, E, 2 * In)
+            shapes["layers.expert_down_bias"] = (L, E, D)
         if U:
             shapes.update(
                 {
