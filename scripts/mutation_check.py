@@ -78,6 +78,7 @@ EA = "tests/test_engine_args.py"
 CTO = "tests/test_chat_template_option.py"
 LOOP = "tests/test_engine_loop.py"
 KV = "tests/test_kv_manager.py"
+GPT_OSS_MOE = "tests/test_gpt_oss_moe.py"
 GMM = "tests/test_grouped_matmul.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
@@ -1365,6 +1366,39 @@ MUTATIONS: list[Mutation] = [
         "SCALE_BIAS = 127",
         "SCALE_BIAS = 128",
         ("tests/test_mxfp4.py",),
+    ),
+    # ---- gpt-oss experts (models/moe.py, loaders/hf_gpt_oss_weights.py)
+    M(
+        "gpt_oss_interleave_read_as_halves",
+        "jaxinfer/loaders/hf_gpt_oss_weights.py",
+        "return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)",
+        "return x",
+        (GPT_OSS_MOE,),
+        "forward_logits",
+    ),
+    M(
+        "gpt_oss_clamp_dropped",
+        "jaxinfer/models/moe.py",
+        "    gate = jnp.minimum(gate, limit)\n    up = jnp.clip(up, -limit, limit)\n",
+        "",
+        (GPT_OSS_MOE,),
+        "forward_logits",
+    ),
+    M(
+        "gpt_oss_expert_bias_by_pair_not_sorted_row",
+        "jaxinfer/models/moe.py",
+        "row_experts = flat[order]",
+        "row_experts = flat",
+        (GPT_OSS_MOE,),
+        "forward_logits",
+    ),
+    M(
+        "gpt_oss_router_bias_dropped",
+        "jaxinfer/models/moe.py",
+        "logits = logits + router_bias.astype(jnp.float32)",
+        "logits = logits",
+        (GPT_OSS_MOE,),
+        "forward_logits",
     ),
     M(
         "forward_drops_layer_sinks",

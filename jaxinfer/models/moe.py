@@ -103,7 +103,8 @@ def gpt_oss_clamped_glu(gate_up: jax.Array, limit: float, alpha: float) -> jax.A
 
     Source: transformers' ``GptOssExperts._apply_gate`` (modeling_gpt_oss).
     """
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+    i = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :i], gate_up[..., i:]
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
