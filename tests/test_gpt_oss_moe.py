@@ -15,6 +15,7 @@ and expert biases, gate_up values beyond the clamp).
   transformers' ``GptOssExperts._apply_gate`` on the interleaved layout after the loader's
   de-interleave.
 - Bad expert tensors are refused naming the file and the tensor.
+- bfloat16 logits within ``test_hf_parity``'s bf16 bounds (against transformers' own bf16 error).
 """
 
 from __future__ import annotations
@@ -257,3 +258,21 @@ def test_mxfp4_size_check_and_odd_width(mxfp4_checkpoint, tmp_path):
         json.dump(config, f)
     with pytest.raises(CheckpointError, match=r"down_proj_blocks'.*multiple of 32"):
         load_hf(path)
+
+
+BF16_VS_HF_ERROR = 2.0  # as test_hf_parity: x transformers' own bf16 max error
+BF16_RMS_RATIO = 1.25
+
+
+def test_forward_logits_bf16(checkpoint):
+    """bfloat16 weights against transformers in bfloat16, at test_hf_parity's bounds (stated
+    against transformers' own bf16 error on the same model and tokens)."""
+    path, model = checkpoint
+    tokens = H.sample_tokens()
+    ref32 = H.hf_logits(model, tokens)
+    ref16 = H.hf_logits(H.hf_model(path, "bfloat16"), tokens)
+    got16, _, params = H.jax_logits(path, "bfloat16", tokens)
+    assert params.layers.expert_down_bias.dtype == jnp.bfloat16
+    err, e_hf, e_jax = H.errors(got16, ref16, ref32), H.errors(ref16, ref32), H.errors(got16, ref32)
+    assert err["max_rel"] <= BF16_VS_HF_ERROR * e_hf["max_rel"], (err, e_hf)
+    assert e_jax["rms_rel"] <= BF16_RMS_RATIO * e_hf["rms_rel"], (e_jax, e_hf)
