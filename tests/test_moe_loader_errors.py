@@ -192,7 +192,6 @@ def test_unknown_model_type_lists_moe_families():
 @pytest.mark.parametrize(
     "option, match",
     [
-        (dict(quantization="int8"), "quantization='int8' is not supported for mixture-of-experts"),
         (dict(batch_invariant=True), "batch_invariant=True is not supported for mixture-of-expert"),
         (dict(data_parallel_size=2), "mixture-of-experts models .* run on one device only"),
     ],
@@ -202,11 +201,3 @@ def test_engine_refuses_unsupported_modes(mixtral, option, match):
 
     with pytest.raises(ValueError, match=match):
         LLM(mixtral, skip_tokenizer_init=True, compilation_cache=False, **option)
-
-
-def test_quantize_refuses_moe(mixtral):
-    from jaxinfer.quant.tensor import quantize
-
-    _, params = load_hf(mixtral)
-    with pytest.raises(ValueError, match="int8 weights are not supported for mixture-of-experts"):
-        quantize(params)

@@ -185,12 +185,8 @@ def resolve(
             f"{spell('max_model_len')} must be in [2, {context}] (the model's context length, "
             "max_position_embeddings)"
         )
-    if cfg.is_moe:  # mixture of experts: one device, float weights, no batch invariance yet
+    if cfg.is_moe:  # mixture of experts: one device, no batch invariance yet
         moe = f"mixture-of-experts models ({cfg.model_type!r}, num_experts={cfg.num_experts})"
-        if args.quantization not in (None, "none"):
-            raise ValueError(
-                f"{spell('quantization')} is not supported for {moe} yet; run them unquantized"
-            )
         if args.batch_invariant:
             raise ValueError(f"{spell('batch_invariant')} is not supported for {moe} yet")
         if mesh is not None:

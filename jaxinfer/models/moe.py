@@ -29,6 +29,9 @@ import jax.numpy as jnp
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import LayerParams
+from jaxinfer.quant.grouped import grouped_qmatmul
+from jaxinfer.quant.matmul import qlinear
+from jaxinfer.quant.tensor import QTensor
 from kernels_pallas.grouped_matmul import BACKENDS, gmm
 
 GROUPED_MATMUL_IMPLS = BACKENDS  # "auto", "xla", "xla_tiled", "reference", "tpu", "gpu"
@@ -58,6 +61,24 @@ def grouped_matmul(
     """
     out = gmm(lhs, rhs, group_sizes, backend=impl, preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
+
+
+def expert_matmul(
+    lhs: jax.Array,
+    w: jax.Array | QTensor,
+    group_sizes: jax.Array,
+    row_experts: jax.Array,
+    impl: str = "auto",
+) -> jax.Array:
+    """``grouped_matmul`` of rows ``lhs`` [M, K] with float expert weights ``w`` [E, K, N], or
+    with int8 ones (a ``QTensor``, values i8[E, N, K], scales f32[E, N]: ``quant.grouped``,
+    each row's output columns scaled by its own expert's ``row_experts`` i32[M] scales).
+    Returns [M, N] in ``lhs``' dtype."""
+    if isinstance(w, QTensor):
+        return grouped_qmatmul(
+            lhs, w, group_sizes, row_experts, lambda x, r, g: grouped_matmul(x, r, g, impl)
+        )
+    return grouped_matmul(lhs, w, group_sizes, impl)
 
 
 def route(
@@ -102,7 +123,8 @@ def expert_mlp(
     dtype.
 
     Args:
-        expert_gate_up: [E, D, 2I]; expert_down: [E, I, D].
+        expert_gate_up: [E, D, 2I]; expert_down: [E, I, D] (or int8 ``QTensor`` values
+            i8[E, 2I, D] and i8[E, D, I], ``expert_matmul``).
         h: [T, D] normed residual stream.
         weights: f32[T, k]; experts: i32[T, k] (``route``).
         impl: the grouped matmul's (``grouped_matmul``).
@@ -112,8 +134,9 @@ def expert_mlp(
     order = jnp.argsort(flat, stable=True)  # sorted row -> pair
     group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     rows = h[order // k]  # [T*k, D] sorted by expert
-    act = _silu_glu(grouped_matmul(rows, expert_gate_up, group_sizes, impl))
-    out = grouped_matmul(act, expert_down, group_sizes, impl)  # [T*k, D] sorted
+    row_experts = flat[order]  # i32[T*k], each sorted row's expert
+    act = _silu_glu(expert_matmul(rows, expert_gate_up, group_sizes, row_experts, impl))
+    out = expert_matmul(act, expert_down, group_sizes, row_experts, impl)  # [T*k, D] sorted
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     pairs = out[inverse].reshape(t, k, -1)  # back in pair order
     y = jnp.einsum("TKD,TK->TD", pairs.astype(jnp.float32), weights)
@@ -130,6 +153,8 @@ def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "auto")
         f32 = jnp.float32
 
         def proj(x, w, spec):
+            if isinstance(w, QTensor):  # int8 shared expert, as a dense MLP's projections
+                return qlinear(x, w, spec)
             return jnp.einsum(spec, x, w, preferred_element_type=f32).astype(h.dtype)
 
         gate = proj(h, lp.shared_w_gate, "TD,DS->TS")
