@@ -31,7 +31,10 @@ def truncated_draft(
     if not 1 <= num_layers <= cfg.num_layers:
         raise ValueError(f"draft layers must be in [1, {cfg.num_layers}], got {num_layers}")
     dcfg = dataclasses.replace(
-        cfg, num_layers=num_layers, layer_windows=tuple(cfg.layer_windows[:num_layers])
+        cfg,
+        num_layers=num_layers,
+        layer_windows=tuple(cfg.layer_windows[:num_layers]),
+        sparse_layers=tuple(cfg.sparse_layers[:num_layers]),  # MoE: which layers are sparse
     )
     if isinstance(params.layers, tuple):  # unstacked layers (params.unstack_layers)
         layers = params.layers[:num_layers]
