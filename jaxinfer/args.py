@@ -81,7 +81,8 @@ class EngineArgs:
 
     Raises:
         ValueError: at construction, a value of the wrong type or out of range, or options that
-            do not go together (``draft_model`` without ``speculative="draft-model"``, ...); the
+            do not go together (``draft_model`` without ``speculative="draft-model"``,
+            ``page_size`` > ``max_model_len``, ...); the
             message names the argument (or flag) and what is allowed.
     """
 
@@ -164,7 +165,7 @@ class EngineArgs:
         default_text="every sequence at full length, within {kv_cache_memory_gb}",
     )
     kv_cache_memory_gb: float = option(
-        2.0, "memory budget of the default KV pool, GiB per device", Gib()
+        2.0, "memory budget of the default KV pool, in GiB (2**30 bytes) per device", Gib()
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -204,7 +205,11 @@ class EngineArgs:
         changes_outputs=True,
     )
     seed: int = option(
-        0, "engine seed: draws the seeds of requests that have none", Int(0, high=SEED_MAX)
+        0,
+        "engine seed: seeds the RNG that draws a sampling seed for each request without one "
+        "of its own (SamplingParams.seed, which generate's --sampling-seed sets); the same "
+        "engine seed and requests give the same draws",
+        Int(0, high=SEED_MAX),
     )
     reuse_compiled_buckets: bool = option(
         True,
@@ -337,6 +342,13 @@ class EngineArgs:
                 f"{self.spell('async_scheduling')} is not supported with speculative decoding "
                 "(its rounds run synchronously)"
             )
+        if self.page_size is not None and self.max_model_len is not None:
+            if self.page_size > self.max_model_len:
+                raise ValueError(
+                    f"{self.spell('page_size')} is larger than {self.spell('max_model_len')}: a "
+                    f"KV page holds tokens of one sequence; give a {self.name('page_size')} of "
+                    f"at most {self.name('max_model_len')} (8 or 16 usually)"
+                )
         if self.scan_layers_from_tokens and self.batch_invariant:
             raise ValueError(
                 f"{self.spell('scan_layers_from_tokens')} with {self.spell('batch_invariant')}: a "

@@ -21,7 +21,9 @@ from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.inputs import (  # noqa: F401 - encode_prompt re-exported: LLM's module
     PromptLike,
     Request,
+    conversation_list,
     encode_prompt,
+    prompt_list,
 )
 from jaxinfer.engine.loop import EngineLoop
 from jaxinfer.engine.resume import ResumeState
@@ -215,14 +217,13 @@ class LLM:
         ends aborts its unfinished requests.
 
         Raises:
+            TypeError: ``prompts`` or one of them is of no accepted type (``inputs.prompt_list``:
+                a string, a list of token ids, a dict, or a list of these).
             ValueError: ``sampling_params``, ``request_ids`` or ``resume`` do not match the
-                prompts in length.
+                prompts in length; a dict prompt with none of ``"prompt"``,
+                ``"prompt_token_ids"``, ``"messages"``.
         """
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if prompts and isinstance(prompts[0], int):
-            prompts = [prompts]
+        prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -256,12 +257,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns the finished outputs in the prompts' order, one
         per prompt: with ``SamplingParams.n`` > 1 its ``outputs`` holds the n completions in
-        index order (``jaxinfer.engine.parallel_sampling``)."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if prompts and isinstance(prompts[0], int):
-            prompts = [prompts]
+        index order (``jaxinfer.engine.parallel_sampling``). A request that cannot run (too
+        long, ids outside the vocabulary, ...) gets an output with ``error`` set.
+
+        Raises:
+            TypeError, ValueError: as ``generate_stream`` (prompts of no accepted shape), before
+                any request is added: the LLM stays usable.
+        """
+        prompts = prompt_list(prompts)
         n = self._loop.next_id()
         ids = [f"gen-{n}-{i}" for i in range(len(prompts))]
         done: dict[str, RequestOutput] = {}
@@ -330,8 +333,10 @@ class LLM:
         list of conversations, through the chat template (``chat_template``'s, else the
         tokenizer's).
 
-        Raises RequestError when the model runs without a tokenizer, TokenizerError when its
-        tokenizer has no chat template."""
+        Raises TypeError / ValueError when ``messages`` is not of these shapes
+        (``inputs.conversation_list``), RequestError when the model runs without a tokenizer,
+        TokenizerError when its tokenizer has no chat template."""
+        convs = conversation_list(messages)
         if self.tokenizer is None:
             raise RequestError(no_tokenizer_message(self.model_path, "chat()"))
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -340,7 +345,6 @@ class LLM:
                 "LLM(..., chat_template=FILE) (examples/chat_template.jinja suits story models "
                 "such as stories260K), or use generate() with plain prompts"
             )
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], sampling_params, use_tqdm=use_tqdm)
 
 

@@ -204,7 +204,7 @@ def forward_mode(args) -> dict:
                 resolve_tokens(b.tokens, pv),
                 b.md.positions,
                 kv,
-                lambda q, k, v, cache, layer, window: (q, cache),
+                lambda q, k, v, cache, layer, window, sinks: (q, cache),
             )
             return kv, compute_logits(p, cfg, h[b.logits_indices])
 

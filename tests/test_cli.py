@@ -278,6 +278,34 @@ def test_help_lists_every_flag_with_its_default(capsys):
     assert "bfloat16" in text and "--temperature 0 for greedy" in text
 
 
+def test_usage_lines_are_short_and_help_says_what_logprobs_and_the_seeds_are(capsys):
+    """Each command's usage line names its required flags and "[options]" (argparse's own listed
+    every flag: 35 lines for generate); the help of --logprobs, --seed / --sampling-seed and
+    --kv-cache-memory-gb says what they are (issue 29's new-user trial)."""
+    for command, required in [
+        ("generate", "--model PATH --prompts FILE --out FILE"),
+        ("serve", "--model PATH"),
+        ("quantize", "--model PATH --out DIR"),
+        ("train-draft-heads", "--model PATH --out DIR"),
+    ]:
+        assert cli.main([command, "--help"]) == 0
+        usage = capsys.readouterr().out.split("\n\n")[0]
+        assert usage == f"usage: jaxinfer {command} {required} [options]", usage
+    assert cli.main(["generate", "--prompts", "p.jsonl"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "usage: jaxinfer generate --model PATH --prompts FILE --out FILE [options]",
+        "jaxinfer generate: error: the following arguments are required: --out, --model",
+    ]
+    assert cli.main(["generate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--logprobs N number of top logprobs returned per generated token" in text
+    assert "--sampling-seed SEED sampling seed (SamplingParams.seed" in text
+    assert "drawn from the engine's RNG, which --seed seeds" in text
+    assert "--seed N engine seed: seeds the RNG that draws a sampling seed" in text
+    assert "which generate's --sampling-seed sets" in text
+    assert "default KV pool, in GiB (2**30 bytes) per device" in text
+
+
 def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
     prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     cases = [
@@ -364,3 +392,75 @@ def test_a_sigterm_swallowed_by_a_callback_still_ends_the_run():
             cli._check_terminated()
     with cli._sigterm_as_interrupt():
         cli._check_terminated()  # a new run starts clear
+
+
+def test_an_interrupt_swallowed_by_a_gc_callback_comes_back():
+    """A Ctrl-C whose KeyboardInterrupt is raised inside a garbage-collection callback (as jax's
+    ``_xla_gc_callback``) is only printed by Python and lost; inside
+    ``interrupts_not_swallowed`` it is raised again in the main thread, unprinted."""
+    import gc
+
+    from jaxinfer.cli.interrupts import interrupts_not_swallowed
+
+    def callback(phase, info):
+        if phase == "start":
+            gc.callbacks.remove(callback)
+            raise KeyboardInterrupt
+
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist workers may not
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_not_swallowed():
+            gc.callbacks.append(callback)
+            gc.collect()
+            for _ in range(500):  # bounded: 5 s
+                time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+        if callback in gc.callbacks:
+            gc.callbacks.remove(callback)
+
+
+# The command run with a SIGINT sent to itself as it first imports ``module``: jax (while the
+# command's modules import) or a module LLM imports as it loads the model. At a normal exit it
+# says whether the command's modules were all imported (an interrupt while they import is held
+# until they are: raised inside jax's native start-up code, it aborted the process).
+_SIGINT_AT_IMPORT = """
+import atexit, importlib.abc, os, runpy, signal, sys
+
+atexit.register(lambda: print("cli imported:", "jaxinfer.cli.main" in sys.modules))
+
+class SigintAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintAt())
+sys.argv = ["jaxinfer", *{argv!r}]
+runpy.run_module("jaxinfer", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "module, message",
+    [
+        ("jax", "jaxinfer: interrupted"),
+        ("jaxinfer.models.host_layout", "jaxinfer: interrupted before writing anything"),
+    ],
+)
+def test_ctrl_c_while_importing_or_loading_is_one_line_and_status_130(tmp_path, module, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time"}\n')
+    argv = ["generate", "--model", str(STORIES), "--prompts", str(prompts)]
+    argv += ["--out", str(tmp_path / "o.jsonl"), "--no-progress"]
+    code = _SIGINT_AT_IMPORT.format(module=module, argv=argv)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == [message], proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+    if module == "jax":
+        assert proc.stdout == "cli imported: True\n"

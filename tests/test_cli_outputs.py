@@ -123,6 +123,36 @@ def test_open_failure_is_refused_before_the_model_loads(tmp_path, capsys, no_mod
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_empty_or_missing_output_path_is_one_line_before_the_model_loads(
+    tmp_path, capsys, no_model, monkeypatch
+):
+    """A new user's slips (issue 29): ``--out ""`` (once read as the current directory), a
+    missing directory, a path under a file, a directory where files cannot be created (/proc:
+    ENOENT on create, once retried as "keeps being replaced"): one line, exit 2, no file."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(GOOD + b"\n")
+    for out, want in [
+        ("", "--out is empty: give the path of a file"),
+        ("/nonexistent_dir/x.jsonl", "directory of --out /nonexistent_dir/x.jsonl does not exist"),
+        (prompts / "x.jsonl", "Not a directory"),
+    ]:
+        assert _main(tmp_path, prompts, out) == 2, out
+        assert want in _one_line_err(capsys), out
+    assert _main(tmp_path, "", tmp_path / "o.jsonl") == 2
+    assert "--prompts is empty: give the path of a file" in _one_line_err(capsys)
+    real_open = os.open
+
+    def open_(path, flags, *a):  # as /proc/x.jsonl: no file can be created there
+        if str(path).endswith("out.jsonl") and flags & os.O_CREAT:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(outfile.os, "open", open_)
+    assert _main(tmp_path, prompts, tmp_path / "out.jsonl") == 2
+    assert "cannot open --out" in _one_line_err(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["p.jsonl"]
+
+
 def test_write_failure_still_prints_the_summary(tmp_path, capsys, no_model, monkeypatch):
     # Only bad records, so no model is needed; the second write finds the disk full.
     prompts = tmp_path / "p.jsonl"

@@ -94,6 +94,11 @@ ERRORS = [
         "--async-scheduling is not supported with speculative",
     ),
     (
+        dict(page_size=64, max_model_len=32),
+        "page_size=64 is larger than max_model_len=32: a KV page",
+        "--page-size 64 is larger than --max-model-len 32: a KV page",
+    ),
+    (
         dict(batch_invariant=True, scan_layers_from_tokens=8),
         "scan_layers_from_tokens=8 with batch_invariant=True",
         "--scan-layers-from-tokens 8 with --batch-invariant",
@@ -243,6 +248,45 @@ def test_resolve_applies_each_backend_default():
     assert all(v is not None and v != "auto" for v in vars(cpu).values())
     with pytest.raises(TypeError, match="attn_impl='auto'"):
         EngineConfig(64, attn_impl="auto")
+
+
+def test_page_size_beyond_the_context_and_a_budget_below_one_sequence_are_refused():
+    """Where the model sets ``max_model_len`` (not given), a larger page is refused naming both
+    options; the default pool stays within ``kv_cache_memory_gb`` (it once kept a floor of 2
+    pages beyond the budget), and a budget below one sequence is refused naming it."""
+    import numpy as np
+
+    from jaxinfer.engine.config import resolve
+    from jaxinfer.models.config import ModelConfig
+
+    # L=2, K=2, H=8, f32: 2 (K, V) x 2 x 2 x 8 x 4 = 256 bytes a token; a 96-token context.
+    cfg = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=96)
+
+    def resolved(origin="python", **kw):
+        return resolve(EngineArgs("m", **kw, origin=origin), cfg, np.float32, backend="cpu")
+
+    for origin, want in (
+        ("python", r"^page_size=128 is larger than max_model_len \(96 tokens when not given"),
+        ("cli", r"^--page-size 128 is larger than --max-model-len \(96 tokens when not given"),
+    ):
+        with pytest.raises(ValueError, match=want):
+            resolved(origin, page_size=128)
+    assert resolved(page_size=96).page_size == 96
+    page = 96 * 256
+    for pages in (2, 3, 7):
+        gib = (pages * page + page // 2) / 2**30
+        ecfg = resolved(page_size=96, max_num_seqs=8, kv_cache_memory_gb=gib)
+        assert ecfg.num_pages == pages and ecfg.num_pages * page <= gib * 2**30
+    with pytest.raises(ValueError) as e:
+        resolved("cli", page_size=96, kv_cache_memory_gb=1.5 * page / 2**30)
+    assert str(e.value).startswith("KV pool too small: --kv-cache-memory-gb ")
+    assert "GiB per device holds 1 pages of 96 tokens x 256 bytes a token; one sequence of " in (
+        str(e.value)
+    )
+    assert "--max-model-len 96 needs 2 pages (1 + 1 reserved), 49152 bytes" in str(e.value)
+    assert str(e.value).endswith(
+        "Raise --kv-cache-memory-gb or lower --max-model-len or --page-size."
+    )
 
 
 def test_partial_settings_are_the_options_that_change_outputs():

@@ -138,10 +138,10 @@ def test_unsupported_rope_type():
         "intermediate_size": 8,
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
-        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+        "rope_scaling": {"rope_type": "longrope", "factor": 4.0},
     }
     with pytest.raises(
-        CheckpointError, match=r"c\.json.*'rope_scaling\.rope_type'.*'yarn'.*llama3"
+        CheckpointError, match=r"c\.json.*'rope_scaling\.rope_type'.*'longrope'.*llama3.*yarn"
     ):
         config_from_hf(c, "c.json")
 

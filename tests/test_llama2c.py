@@ -530,6 +530,11 @@ def test_load_unrecognised(tmp_path):
         load(tmp_path)
     with pytest.raises(CheckpointError, match=r"unrecognised file \(5 bytes.*supported: "):
         load(tmp_path / "readme.txt")
+    # Any text's first 28 bytes read as 7 positive int32s, a "plausible" legacy header: a file
+    # that is no .bin is then not a checkpoint (was: "bad llama2.c header: n_heads=...").
+    (tmp_path / "p.json").write_text('{"prompt": "Once upon a time"}\n')
+    with pytest.raises(CheckpointError, match=r"p.json: unrecognised file \(31 bytes.*supported: "):
+        load(tmp_path / "p.json")
     (tmp_path / "model.bin").write_bytes(b"\0" * 10)  # a corrupt checkpoint is named as such
     with pytest.raises(
         CheckpointError, match=r"model.bin \(10 bytes\): not a valid llama2.c check"

@@ -130,16 +130,19 @@ def test_kv_pool_beyond_memory_is_refused_with_bytes(stories_dir):
     assert peak_alloc_bytes(build) < 64 * MiB
 
 
-def test_huge_page_size_pool_beyond_memory(stories_dir):
-    """page_size 2**30: the default sizing keeps its floor of 2 pages, 2**31 tokens = 2.7 TB."""
+def test_huge_page_size_is_refused_before_the_pool(stories_dir):
+    """page_size 2**30 on stories260K (512-token context): refused as larger than max_model_len
+    before any pool is sized (the default sizing once kept a floor of 2 such pages, 2.7 TB)."""
     from jaxinfer.llm import LLM
 
-    with pytest.raises(
-        ValueError,
-        match=r"2 pages x 1073741824 tokens x 1280 bytes a token .*"
-        r"= 2748779069440 bytes .*host memory available",
-    ):
-        LLM(stories_dir, page_size=2**30, compilation_cache=False)
+    def build():
+        with pytest.raises(
+            ValueError,
+            match=r"^page_size=1073741824 is larger than max_model_len \(512 tokens when not",
+        ):
+            LLM(stories_dir, page_size=2**30, compilation_cache=False)
+
+    assert peak_alloc_bytes(build) < 64 * MiB
 
 
 def test_kv_pool_slots_beyond_int32(stories_dir, monkeypatch):
@@ -190,3 +193,33 @@ def test_cli_kv_pages_beyond_memory_is_one_line_and_exit_2(stories_dir, tmp_path
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("jaxinfer: error: invalid engine setting: the KV")
     assert "10240000000000 bytes" in err[0] and "host memory available" in err[0]
+
+
+BAD_PROMPTS = [
+    ("generate", {"a": 1}, ValueError, r"prompts\[0\] is a dict with keys \['a'\]: a prompt dict"),
+    ("generate", 5, TypeError, r"prompts has type int; accepted: a prompt \(a string, a list of"),
+    ("generate", None, TypeError, r"prompts has type None; accepted: a prompt"),
+    ("generate", b"Once", TypeError, r"prompts has type bytes; accepted"),
+    ("generate", [True, 2], TypeError, r"prompts\[0\] has type bool; accepted"),
+    ("generate", [1, "a"], TypeError, r"prompts\[0\] has type int; accepted"),
+    ("generate", ["a", None], TypeError, r"prompts\[1\] has type None; accepted"),
+    ("generate", {"prompt": 5}, TypeError, r"prompts\[0\]\['prompt'\] must be a string, not int"),
+    ("generate", {"prompt_token_ids": "ab"}, TypeError, r"\['prompt_token_ids'\] must be a list"),
+    ("chat", [], ValueError, r"chat\(\) takes a conversation .*: got an empty list"),
+    ("chat", "hello", TypeError, r"chat\(\) takes a conversation .*use generate\(\) .*got str"),
+    ("chat", [[]], ValueError, r"conversation 0 is empty"),
+    ("chat", [["hi"]], TypeError, r"messages\[0\]\[0\] has type str"),
+]
+
+
+def test_prompts_of_the_wrong_type_raise_and_the_llm_stays_usable(stories_llm):
+    """Prompts of a shape the Python API does not take (vLLM's: a string, token ids, a prompt
+    dict, a list of these; chat: a conversation or a list of them) raise at once with what is
+    accepted, before any request is queued; then the LLM still reproduces llama2.c's greedy
+    outputs."""
+    from conftest import assert_reproduces_stories_reference
+
+    for method, prompts, error, match in BAD_PROMPTS:
+        with pytest.raises(error, match=match):
+            getattr(stories_llm, method)(prompts)
+    assert_reproduces_stories_reference(stories_llm)

@@ -68,11 +68,14 @@ def interpret_for(backend):
     return False
 
 
-def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8=False):
+def run_case(
+    backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8=False, sinks=False
+):
     """``int8``: the pool is the f32 pages quantized in numpy (``numpy_int8_pages``, not the
     code's own quantizer); the kernel reads the int8 pages and scales, the reference the pages
     dequantized in numpy, compared at f32 tolerance (the kernel dequantizes to f32 and attends
-    in f32 whatever the query dtype)."""
+    in f32 whatever the query dtype). ``sinks``: random attention-sink logits f32[N] (gpt-oss)
+    given to both."""
     interpret = interpret_for(backend)
     rng = np.random.default_rng(z * 1000 + g * 100 + h + window)
     kh = 2 if g <= 2 else 1
@@ -96,6 +99,8 @@ def run_case(backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8
         jnp.int32(1),
     )
     kw = dict(num_decode=md.num_decode, scale=h**-0.5, softcap=softcap)
+    if sinks:  # N(0, 2): decisive against scores ~N(0, 1)
+        kw["sinks"] = jnp.asarray(2.0 * rng.standard_normal(kh * g), jnp.float32)
     kernel = jax.jit(
         lambda *a: ragged_paged_attention(
             *a, **kw, backend=backend, interpret=interpret, block_sizes=BlockSizes(ppb, 16)
@@ -169,6 +174,14 @@ def test_int8_pages_equal_reference_on_dequantized_pages(backend):
         int8=True,
         ppb=1 if backend == "tpu" else 2,
     )
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_attention_sinks(backend):
+    # gpt-oss: a sink logit per query head; decode rows over several KV blocks and a sliding
+    # window, then prefill rows (GQA 2 over 2 KV heads, 8-token pages).
+    run_case(backend, jnp.float32, 8, 2, 64, 0, None, kind="decode", sinks=True)
+    run_case(backend, jnp.float32, 8, 2, 64, 6, None, kind="prefill", sinks=True)
 
 
 def test_int8_pages_need_both_scales():

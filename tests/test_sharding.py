@@ -82,8 +82,10 @@ def test_plan_errors_name_the_numbers(cfg_kw, tp, words):
 
 def test_mesh_larger_than_devices_is_an_error():
     n = len(jax.devices())
-    with pytest.raises(ShardingError, match=f"only {n} are available"):
+    with pytest.raises(ShardingError, match=f"only {n} are available") as e:
         make_mesh(n + 1, 2)
+    # how to get more devices on CPU (issue 29's new-user trial)
+    assert f"XLA_FLAGS=--xla_force_host_platform_device_count={2 * (n + 1)}" in str(e.value)
 
 
 def test_replication_and_padding_are_exact():

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from jaxinfer.cli.interrupts import EXIT_INTERRUPTED
 from jaxinfer.cli.output_file import OutputFile, OutputWriteError
 from jaxinfer.cli.partial import Checkpointer
 from jaxinfer.cli.prompts_file import Job, plan
@@ -24,12 +25,13 @@ from jaxinfer.engine.inputs import ProcessedRequest, Request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling.params import SamplingParams
 
-EXIT_INTERRUPTED = 130
 EXIT_WRITE_FAILED = 1
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C; the exit status is then 128 + 15 (143), not 130."""
+
+    signum = signal.SIGTERM  # how cli.interrupts delivers it again when a callback swallowed it
 
 
 def interrupt_status(e: KeyboardInterrupt) -> int:

@@ -35,6 +35,7 @@ from jaxinfer.cli.generate import check_terminated as _check_terminated  # noqa:
 from jaxinfer.cli.generate import error_record as _error_record  # noqa: F401 - tests
 from jaxinfer.cli.generate import interrupt_status as _interrupt_status
 from jaxinfer.cli.generate import sigterm_as_interrupt as _sigterm_as_interrupt
+from jaxinfer.cli.interrupts import interrupts_not_swallowed
 from jaxinfer.cli.llm_from_args import engine_args
 from jaxinfer.cli.llm_from_args import load_llm as _load_llm
 from jaxinfer.cli.output_file import Done, OutputFile
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser(
         "generate",
         formatter_class=fmt,
+        usage="%(prog)s --model PATH --prompts FILE --out FILE [options]",
         help="generate completions for a file of prompts into a JSONL file",
         description=(
             "Generate a completion for every prompt in --prompts and write one JSONL record per "
@@ -117,7 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument(
         "--prompts",
         required=True,
-        type=Path,
         metavar="FILE",
         help=(
             "prompts file: JSONL ({'id', 'prompt'|'messages'|'prompt_token_ids', sampling "
@@ -130,7 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument(
         "--out",
         required=True,
-        type=Path,
         metavar="FILE",
         help="output JSONL file (a regular file); appended to, ids already present are "
         "skipped; locked while a run writes it, so a second run on it is refused",
@@ -206,7 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprobs",
         type=int,
         default=d["logprobs"],
-        help="also return the n most likely tokens' logprobs per token",
+        metavar="N",
+        help="number of top logprobs returned per generated token (0..20, vLLM's logprobs): "
+        "the N most likely tokens' logprobs plus the sampled token's; 0 = the sampled token's "
+        "only (default: none)",
     )
     s.add_argument(
         "--n",
@@ -227,8 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--sampling-seed",
         type=int,
         default=d["seed"],
-        help="per-request seed of prompts without their own 'seed', reduced modulo 2**32 "
-        "(default: drawn from the engine seed)",
+        metavar="SEED",
+        help="sampling seed (SamplingParams.seed, reduced modulo 2**32) of every prompt without "
+        "its own 'seed'; without it, each such prompt gets a seed drawn from the engine's RNG, "
+        "which --seed seeds (default: drawn)",
     )
 
     o = g.add_argument_group("display")
@@ -294,6 +299,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"--checkpoint-interval must be a number of seconds >= 0, got "
             f"{args.checkpoint_interval}"
         )
+    for flag in ("prompts", "out"):  # "" would be Path("."): the current directory
+        if not str(getattr(args, flag)).strip():
+            raise UsageError(f"--{flag} is empty: give the path of a file")
+        setattr(args, flag, Path(getattr(args, flag)))
     if not args.prompts.is_file():
         raise UsageError(f"prompts file {args.prompts} does not exist or is not a file")
     if not Path(args.model).exists():
@@ -339,31 +348,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return int(e.code or 0)
     try:
-        if args.command == "generate":
-            with _sigterm_as_interrupt():
-                return cmd_generate(args)
-        if args.command == "train-draft-heads":
-            from jaxinfer.speculative.train_heads import cmd_train_draft_heads
-
-            return cmd_train_draft_heads(args)
-        if args.command == "serve":
-            from jaxinfer.server.command import cmd_serve
-
-            return cmd_serve(args)
-        if args.command == "quantize":
-            from jaxinfer.quant.command import cmd_quantize
-
-            try:
-                return cmd_quantize(args)
-            except (JaxinferError, OSError, ValueError) as e:
-                raise UsageError(f"cannot quantize {args.model}: {e}") from None
-        parser.error(f"unknown command {args.command!r}")
+        with interrupts_not_swallowed():  # a Ctrl-C lost in jax's gc callback comes back
+            return _run_command(parser, args)
     except UsageError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except KeyboardInterrupt as e:  # before any output was opened (loading, compiling)
         print("jaxinfer: interrupted before writing anything", file=sys.stderr, flush=True)
         return _interrupt_status(e)
+
+
+def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        with _sigterm_as_interrupt():
+            return cmd_generate(args)
+    if args.command == "train-draft-heads":
+        from jaxinfer.speculative.train_heads import cmd_train_draft_heads
+
+        return cmd_train_draft_heads(args)
+    if args.command == "serve":
+        from jaxinfer.server.command import cmd_serve
+
+        return cmd_serve(args)
+    if args.command == "quantize":
+        from jaxinfer.quant.command import cmd_quantize
+
+        try:
+            return cmd_quantize(args)
+        except (JaxinferError, OSError, ValueError) as e:
+            raise UsageError(f"cannot quantize {args.model}: {e}") from None
+    parser.error(f"unknown command {args.command!r}")
     return 0
 
 

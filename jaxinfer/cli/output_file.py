@@ -112,10 +112,11 @@ class OutputFile:
                 try:
                     fd, created = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666), True
                 except FileExistsError:
-                    fd, created = os.open(path, flags), False
-            except FileNotFoundError:  # removed between the two opens
-                continue
-            except OSError as e:
+                    try:
+                        fd, created = os.open(path, flags), False
+                    except FileNotFoundError:  # removed between the two opens
+                        continue
+            except OSError as e:  # not creatable there (/proc, a read-only directory, ...)
                 raise UsageError(f"cannot open --out {path} for writing: {e}") from None
             try:
                 st = os.fstat(fd)

@@ -140,10 +140,11 @@ def default_page_size(attn_impl: str = "auto", backend: str | None = None) -> in
 def default_num_pages(
     cfg: ModelConfig, kv_dtype, page_size: int, max_num_seqs: int, max_model_len: int, budget: int
 ) -> int:
-    """Pages for every row at full length, capped by a memory budget in bytes (at least 2)."""
+    """Pages for every row at full length, capped by a memory budget in bytes (fewer than one
+    sequence needs when the budget is too small: ``resolve`` refuses that)."""
     page_bytes = kv_bytes_per_token(cfg, kv_dtype) * page_size
     wanted = max_num_seqs * -(-max_model_len // page_size) + 1
-    return int(max(2, min(wanted, budget // page_bytes)))
+    return int(min(wanted, budget // page_bytes))
 
 
 def resolve(
@@ -186,6 +187,12 @@ def resolve(
             f"{spell('max_model_len')} must be in [2, {context}] (the model's context length, "
             "max_position_embeddings)"
         )
+    if args.max_model_len is None and args.page_size is not None and args.page_size > context:
+        raise ValueError(
+            f"{spell('page_size')} is larger than {name('max_model_len')} ({context} tokens when "
+            f"not given: the model's context length): a KV page holds tokens of one sequence; "
+            f"give a {name('page_size')} of at most {context} (8 or 16 usually)"
+        )
     if cfg.is_moe:  # mixture of experts: one device; batch invariance checked on CPU only
         moe = f"mixture-of-experts models ({cfg.model_type!r}, num_experts={cfg.num_experts})"
         if args.batch_invariant and backend != "cpu":
@@ -227,6 +234,17 @@ def resolve(
     if num_pages is None:  # the budget is per device; each holds K' / tp heads of the pool
         budget = int(args.kv_cache_memory_gb * 2**30) * tp
         num_pages = default_num_pages(cfg, kv_dtype, page_size, max_num_seqs, max_model_len, budget)
+        if num_pages < max_pages + 1:  # the budget cannot hold one sequence
+            page_bytes = kv_bytes_per_token(cfg, kv_dtype) * page_size
+            raise ValueError(
+                f"KV pool too small: {spell('kv_cache_memory_gb')} GiB per device holds "
+                f"{num_pages} pages of {page_size} tokens x {page_bytes // page_size} bytes a "
+                f"token; one sequence of {spell('max_model_len', max_model_len)} needs "
+                f"{max_pages + 1} pages ({max_pages} + 1 reserved), "
+                f"{fmt_bytes((max_pages + 1) * page_bytes)}. Raise "
+                f"{name('kv_cache_memory_gb')} or lower {name('max_model_len')} or "
+                f"{name('page_size')}."
+            )
     try:  # a Pallas kernel must tile this model and pool
         check_attn_impl(cfg, impl, page_size, num_pages, max_pages)
     except ValueError as e:

@@ -13,7 +13,7 @@ the prompt's token ids) gives them with ``with_resume``, which checks the states
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from jaxinfer.engine.parallel_sampling import child_params, child_resume
 from jaxinfer.engine.resume import ResumeState
@@ -118,6 +118,102 @@ def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
     if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         return list(prompt), None
     raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+ACCEPTED_PROMPTS = (
+    "a prompt (a string, a list of token ids, or a dict with 'prompt', 'prompt_token_ids' or "
+    "'messages') or a list of prompts"
+)
+_PROMPT_KEYS = ("prompt_token_ids", "messages", "prompt")
+
+
+def _type_name(x) -> str:
+    return "None" if x is None else type(x).__name__
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _check_prompt(prompt, where: str) -> None:
+    """Raises TypeError / ValueError when ``prompt`` is not of a ``PromptLike`` shape."""
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, dict):
+        key = next((k for k in _PROMPT_KEYS if k in prompt), None)  # encode_prompt's order
+        if key is None:
+            raise ValueError(
+                f"{where} is a dict with keys {sorted(map(str, prompt))}: a prompt dict needs "
+                "'prompt' (a string), 'prompt_token_ids' (a list of token ids) or 'messages' "
+                "(a chat)"
+            )
+        value = prompt[key]
+        if key == "prompt" and not isinstance(value, str):
+            raise TypeError(f"{where}['prompt'] must be a string, not {_type_name(value)}")
+        if key == "prompt_token_ids" and not (
+            isinstance(value, list) and all(_is_token_id(t) for t in value)
+        ):
+            raise TypeError(f"{where}['prompt_token_ids'] must be a list of integer token ids")
+        return
+    if isinstance(prompt, list | tuple) and all(_is_token_id(t) for t in prompt):
+        return
+    raise TypeError(f"{where} has type {_type_name(prompt)}; accepted: {ACCEPTED_PROMPTS}")
+
+
+def prompt_list(prompts) -> list[PromptLike]:
+    """The prompts of one ``LLM.generate`` call as a list (vLLM's forms): one prompt (a string,
+    a list of token ids, a dict) is a list of one; an iterable of prompts is listed.
+
+    Only the shape is checked here; what depends on the model (token ids in the vocabulary, the
+    prompt's length, the chat template) fails that request alone (``process``).
+
+    Raises:
+        TypeError: ``prompts`` or one of its prompts is of no accepted type (None, a number,
+            bytes, a list mixing token ids and other values, ...); the message lists the
+            accepted ones.
+        ValueError: a dict prompt with none of ``"prompt"``, ``"prompt_token_ids"``,
+            ``"messages"``.
+    """
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    elif isinstance(prompts, bytes | bytearray) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts has type {_type_name(prompts)}; accepted: {ACCEPTED_PROMPTS}")
+    prompts = list(prompts)
+    if prompts and all(_is_token_id(t) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    for i, prompt in enumerate(prompts):
+        _check_prompt(prompt, f"prompts[{i}]")
+    return prompts
+
+
+def conversation_list(messages) -> list[list[dict]]:
+    """The conversations of one ``LLM.chat`` call: one conversation (a non-empty list of
+    ``{"role", "content"}`` dicts) is a list of one; a list of conversations is kept. The
+    messages' contents are checked by the chat template (that request fails alone).
+
+    Raises:
+        TypeError: ``messages`` is not a list of dicts or a list of lists of dicts.
+        ValueError: an empty list, or an empty conversation.
+    """
+    accepted = (
+        "chat() takes a conversation (a list of {'role', 'content'} dicts) or a list of "
+        "conversations; use generate() for plain text prompts"
+    )
+    if not isinstance(messages, list | tuple):
+        raise TypeError(f"{accepted}; got {_type_name(messages)}")
+    if not messages:
+        raise ValueError(f"{accepted}: got an empty list")
+    if all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    for i, conv in enumerate(messages):
+        if not isinstance(conv, list | tuple):
+            raise TypeError(f"{accepted}; messages[{i}] has type {_type_name(conv)}")
+        for j, m in enumerate(conv):
+            if not isinstance(m, dict):
+                raise TypeError(f"{accepted}; messages[{i}][{j}] has type {_type_name(m)}")
+        if not conv:
+            raise ValueError(f"{accepted}: conversation {i} is empty")
+    return [list(c) for c in messages]
 
 
 def process(engine, request: Request) -> ProcessedRequest:

@@ -8,7 +8,11 @@ import os
 from pathlib import Path
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders.llama2c import is_llama2c_checkpoint_file, is_llama2c_tokenizer_file
+from jaxinfer.loaders.llama2c import (
+    is_llama2c_checkpoint_file,
+    is_llama2c_tokenizer_file,
+    read_header,
+)
 
 SUPPORTED_FORMATS = (
     "a Hugging Face model directory (config.json + *.safetensors); "
@@ -69,6 +73,15 @@ def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
             f"(directory holds: {shown or 'nothing'}){why}; supported: {SUPPORTED_FORMATS}"
         )
     if is_llama2c_checkpoint_file(p):
+        if p.suffix != ".bin":  # any file's first 28 bytes may read as 7 positive int32s
+            try:
+                read_header(p)
+            except CheckpointError:
+                raise CheckpointError(
+                    f"{p}: unrecognised file ({p.stat().st_size} bytes, not a .bin whose "
+                    "header reads as a llama2.c checkpoint's, nor a model directory); "
+                    f"supported: {SUPPORTED_FORMATS}"
+                ) from None
         return "llama2c", p
     if is_llama2c_tokenizer_file(p):
         raise CheckpointError(

@@ -107,6 +107,8 @@ def _specs(cfg: ModelConfig) -> dict[str, _Spec]:
         "layers.bq": (a + "q_proj.bias", lambda c: (NH,), _bias_like("num_heads")),
         "layers.bk": (a + "k_proj.bias", lambda c: (KH,), _bias_like("num_kv_heads")),
         "layers.bv": (a + "v_proj.bias", lambda c: (KH,), _bias_like("num_kv_heads")),
+        "layers.bo": (a + "o_proj.bias", lambda c: (D,), _same),
+        "layers.sinks": (a + "sinks", lambda c: (cfg.num_heads,), _same),
         "layers.q_norm": (a + "q_norm.weight", lambda c: (H,), _same),
         "layers.k_norm": (a + "k_norm.weight", lambda c: (H,), _same),
         **(

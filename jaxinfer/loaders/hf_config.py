@@ -242,6 +242,10 @@ def _rope(f: Fields, params, field: str, max_pos: int) -> tuple[float | None, Ro
 
     if rope_type == "linear":
         return theta, RopeScaling("linear", factor=num("factor"))
+    if rope_type == "yarn":
+        from jaxinfer.loaders.hf_gpt_oss import yarn_from_hf
+
+        return theta, yarn_from_hf(params, where=f.where, field=field, max_pos=max_pos)
     if rope_type == "llama3":
         omax = params.get("original_max_position_embeddings", max_pos)
         lo, hi = num("low_freq_factor"), num("high_freq_factor")
@@ -260,7 +264,9 @@ def _rope(f: Fields, params, field: str, max_pos: int) -> tuple[float | None, Ro
                 f"{field}.original_max_position_embeddings", omax
             ),
         )
-    raise f.err(f"{field}.rope_type", f"is {rope_type!r}; supported: 'default', 'linear', 'llama3'")
+    raise f.err(
+        f"{field}.rope_type", f"is {rope_type!r}; supported: 'default', 'linear', 'llama3', 'yarn'"
+    )
 
 
 def config_from_hf(
@@ -288,9 +294,15 @@ def config_from_hf(
             required field; a field of the wrong type or out of range (sizes in [1, 2**31 - 1],
             floats finite, eps >= 0, theta > 0); num_attention_heads not a multiple of
             num_key_value_heads; sizes implying more than ``checkpoint_bytes``; an unsupported
-            RoPE type, activation, bias or layer type. The message names the file and the field.
+            RoPE type, activation, bias or layer type; a gpt-oss config (its fields are checked by
+            ``hf_gpt_oss``, then it is refused until the MoE layer exists). The message names
+            the file and the field.
     """
     where = str(path_for_errors)
+    if isinstance(config, dict) and config.get("model_type") == "gpt_oss":
+        from jaxinfer.loaders.hf_gpt_oss import refuse_until_moe_layer
+
+        refuse_until_moe_layer(config, where)  # names a bad field first, then refuses
     if not isinstance(config, dict):
         raise CheckpointError(
             f"{where}: the config is a JSON {_json_type(config)}; expected an object with fields "

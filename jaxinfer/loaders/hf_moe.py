@@ -40,6 +40,7 @@ from jaxinfer.loaders.hf_config import (
 )
 from jaxinfer.loaders.hf_config import SUPPORTED_MODEL_TYPES as DENSE_MODEL_TYPES
 from jaxinfer.loaders.hf_config import config_from_hf as dense_config_from_hf
+from jaxinfer.loaders.hf_gpt_oss import MODEL_TYPE as GPT_OSS
 from jaxinfer.models.config import ModelConfig
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -107,7 +108,7 @@ def config_from_hf(
     where = str(path_for_errors)
     family = config.get("model_type") if isinstance(config, dict) else None
     if family not in MOE_MODEL_TYPES:
-        if isinstance(config, dict) and family not in DENSE_MODEL_TYPES:
+        if isinstance(config, dict) and family not in (*DENSE_MODEL_TYPES, GPT_OSS):
             raise CheckpointError(
                 f"{where}: field 'model_type' is {family!r}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.models.attention import MASK_VALUE
+from jaxinfer.models.attention import MASK_VALUE, add_sinks
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.forward import compute_logits, forward
 from jaxinfer.models.kv_cache import KVCache, write_kv
@@ -85,6 +85,7 @@ def tiled_attention(
     scale: float,
     softcap: float | None,
     tile: int = TOKEN_TILE,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of every query token over its sequence's pages. Output f32[T, N, H].
 
@@ -95,6 +96,7 @@ def tiled_attention(
             decode and prefill tokens), padding tokens (row -1 or ``kv_len`` 0) give zeros.
         layer: i32[] layer index; window: i32[] sliding window in tokens, 0 = global.
         scale, softcap: score scale and soft-cap (None: off).
+        sinks: [N] attention-sink logits joined to each head's softmax denominator, or None.
         tile: C, query tokens per ``lax.map`` call.
 
     Per token at position i, pages ``j = lo .. i // Z`` of its block table in order, with
@@ -162,6 +164,7 @@ def tiled_attention(
         m, l, acc = jax.lax.fori_loop(
             jnp.min(jnp.where(hi >= 0, lo, m_width)), jnp.max(hi) + 1, body, init
         )
+        m, l, acc = add_sinks(m, l, acc, None if sinks is None else sinks.reshape(kh, g))
         out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
         return out.reshape(tile, n, h)
 
@@ -172,7 +175,7 @@ def invariant_attn_fn(cfg: ModelConfig, md: AttentionMetadata, tile: int = TOKEN
     """An ``AttnFn`` for ``model.forward`` over a ``KVCache``: writes this step's K/V at
     ``md.slot_mapping``, then ``tiled_attention``."""
 
-    def attn(q, k, v, cache: KVCache, layer, window):
+    def attn(q, k, v, cache: KVCache, layer, window, sinks=None):
         cache = write_kv(cache, layer, k, v, md.slot_mapping)
         out = tiled_attention(
             q,
@@ -183,6 +186,7 @@ def invariant_attn_fn(cfg: ModelConfig, md: AttentionMetadata, tile: int = TOKEN
             scale=cfg.attn_scale,
             softcap=cfg.attn_logit_softcap,
             tile=tile,
+            sinks=sinks,
         )
         return out, cache
 

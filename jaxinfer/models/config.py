@@ -54,17 +54,29 @@ def check_bool(name: str, v) -> bool:
     return bool(v)
 
 
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling, as Hugging Face's ``rope_scaling`` config entry.
 
     Attributes:
-        rope_type: ``"linear"`` (positions divided by ``factor``) or ``"llama3"`` (Llama 3.1's
-            wavelength-dependent scaling, transformers' ``_compute_llama3_parameters``).
+        rope_type: ``"linear"`` (positions divided by ``factor``), ``"llama3"`` (Llama 3.1's
+            wavelength-dependent scaling, transformers' ``_compute_llama3_parameters``) or
+            ``"yarn"`` (YaRN, Peng et al. 2023, as transformers' ``_compute_yarn_parameters``:
+            inverse frequencies blended between interpolated and extrapolated by a linear ramp
+            over the dimensions, and cos/sin multiplied by an attention factor).
         factor: scaling factor.
         low_freq_factor: llama3 only.
         high_freq_factor: llama3 only.
-        original_max_position_embeddings: llama3 only, in tokens.
+        original_max_position_embeddings: llama3 and yarn, in tokens.
+        beta_fast, beta_slow: yarn only, the ramp's bounds in rotations (extrapolation above
+            ``beta_fast``, interpolation below ``beta_slow``).
+        truncate: yarn only, round the ramp's bounds outward to whole dimensions.
+        attention_factor: yarn only, the cos/sin multiplier; None: derived from ``factor``
+            (and ``mscale`` / ``mscale_all_dim`` when both are set), as transformers does.
+        mscale, mscale_all_dim: yarn only, DeepSeek's attention-factor terms, or None.
     """
 
     rope_type: str
@@ -72,15 +84,27 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self):
-        if self.rope_type not in ("linear", "llama3"):
+        if self.rope_type not in ROPE_SCALING_TYPES:
             raise ValueError(
-                f"rope_scaling type {self.rope_type!r} is not supported; supported: 'linear', "
-                "'llama3'"
+                f"rope_scaling type {self.rope_type!r} is not supported; supported: "
+                + ", ".join(repr(t) for t in ROPE_SCALING_TYPES)
             )
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
             object.__setattr__(self, name, check_float(f"rope_scaling.{name}", getattr(self, name)))
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            if getattr(self, name) is not None:
+                object.__setattr__(
+                    self, name, check_float(f"rope_scaling.{name}", getattr(self, name))
+                )
+        object.__setattr__(self, "truncate", check_bool("rope_scaling.truncate", self.truncate))
         object.__setattr__(
             self,
             "original_max_position_embeddings",
@@ -118,7 +142,12 @@ class ModelConfig:
         rope_theta: RoPE base of global-attention layers.
         rope_scaling: scaling of the global layers' RoPE, or None.
         rope_local_theta: RoPE base of sliding-window layers when it differs (Gemma 3), else None.
-        attention_bias: q/k/v projections carry a bias (Qwen2).
+        attention_bias: q/k/v projections carry a bias (Qwen2, gpt-oss).
+        attention_out_bias: the output projection (o_proj) carries a bias
+            (``LayerParams.bo``, gpt-oss).
+        attention_sinks: each layer has a learned logit per query head (``LayerParams.sinks``
+            f32[L, N]) that joins the softmax's denominator and takes no value (gpt-oss;
+            transformers' ``eager_attention_forward`` of modeling_gpt_oss; Xiao et al. 2023).
         qk_norm: RMSNorm over H applied to q and k before RoPE (Qwen3, Gemma 3).
         post_norms: Gemma 2/3 "sandwich" norms after attention and after the MLP.
         embed_scale: multiply embeddings by sqrt(D) (Gemma).
@@ -132,7 +161,7 @@ class ModelConfig:
         qk_norm_flat: the q/k RMSNorm runs over the whole projection (N*H for q, K*H for k, its
             weights [N*H] and [K*H]) instead of each head's H (OLMoE); needs ``qk_norm``.
         num_experts: E, routed experts of a sparse (mixture-of-experts) MLP; 0 for a dense model.
-        num_experts_per_tok: top-k, experts each token is routed to (0 when dense).
+        num_experts_per_tok: A (top-k), experts each token is routed to (0 when dense).
         moe_intermediate_size: I, the MLP width of one expert (0 when dense).
         norm_topk_prob: the top-k routing weights are divided by their sum (Mixtral always;
             Qwen-MoE and OLMoE as configured).
@@ -140,13 +169,13 @@ class ModelConfig:
             the probabilities: Mixtral, Qwen2/3-MoE, OLMoE) or ``"topk_softmax"`` (top-k of the
             logits, then a softmax over the k chosen: gpt-oss).
         router_bias: the router adds a bias [E] to its logits (gpt-oss).
-        shared_expert_intermediate_size: S, width of the shared expert every token of a sparse
+        shared_expert_intermediate_size: U, width of the shared expert every token of a sparse
             layer also runs (Qwen2-MoE), 0 for none.
         shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x . w)`` with a
             learned ``w`` [D] (Qwen2-MoE); needs a shared expert.
         sparse_layers: per layer, whether its MLP is the mixture of experts (True) or the dense
             MLP of width F (False). Length L; empty means every layer sparse when
-            ``num_experts`` > 0, else every layer dense.
+            ``num_experts`` > 0, else every layer dense (a dense model's always follows L).
 
     Raises:
         ValueError: a field of the wrong type or out of range: sizes are integers (not bools) in
@@ -172,6 +201,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     rope_local_theta: float | None = None
     attention_bias: bool = False
+    attention_out_bias: bool = False
+    attention_sinks: bool = False
     qk_norm: bool = False
     post_norms: bool = False
     embed_scale: bool = False
@@ -215,6 +246,8 @@ class ModelConfig:
                 object.__setattr__(self, name, check_float(name, getattr(self, name)))
         for name in (
             "attention_bias",
+            "attention_out_bias",
+            "attention_sinks",
             "qk_norm",
             "post_norms",
             "embed_scale",
@@ -268,6 +301,8 @@ class ModelConfig:
             raise ValueError(f"sparse_layers must be a tuple of bools, got {self.sparse_layers!r}")
         sparse = tuple(self.sparse_layers) or (e > 0,) * self.num_layers
         sparse = tuple(check_bool(f"sparse_layers[{i}]", b) for i, b in enumerate(sparse))
+        if e == 0 and not any(sparse):  # dense: follows num_layers (e.g. a replace of it)
+            sparse = (False,) * self.num_layers
         object.__setattr__(self, "sparse_layers", sparse)
         if len(sparse) != self.num_layers:
             raise ValueError(
@@ -387,15 +422,16 @@ def num_params(
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
     """Inverse frequencies of RoPE, f32[H // 2].
 
-    Follows transformers' ``modeling_rope_utils`` (default, linear and llama3 types).
+    Follows transformers' ``modeling_rope_utils`` (default, linear, llama3 and yarn types).
     """
-    inv_freq = 1.0 / (
-        theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
-    )
+    pos_freqs = theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
+    inv_freq = 1.0 / pos_freqs
     if scaling is None:
         return inv_freq.astype(np.float32)
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, pos_freqs)
     # llama3: Llama 3.1 "Scaling RoPE" (wavelength-dependent interpolation).
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
@@ -408,3 +444,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     smoothed = (1 - smooth) * inv_freq_llama / scaling.factor + smooth * inv_freq_llama
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
+
+
+def _yarn_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling, pos_freqs: np.ndarray
+) -> np.ndarray:
+    """YaRN's inverse frequencies f32[H // 2] (transformers' ``_compute_yarn_parameters``): the
+    dimensions rotating fewer than ``beta_slow`` times over the original context are interpolated
+    (divided by ``factor``), those rotating more than ``beta_fast`` times kept, a linear ramp
+    between."""
+
+    def correction_dim(rotations: float) -> float:
+        orig = scaling.original_max_position_embeddings
+        return (head_dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = correction_dim(scaling.beta_fast)
+    high = correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers: prevents a division by zero
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    interpolated = 1.0 / (scaling.factor * pos_freqs)
+    extrapolated = 1.0 / pos_freqs
+    return (interpolated * (1 - extrapolation) + extrapolated * extrapolation).astype(np.float32)
+
+
+def rope_attention_scaling(scaling: RopeScaling | None) -> float:
+    """The factor RoPE's cos and sin are multiplied by: 1.0, except for yarn, whose
+    ``attention_factor`` defaults to ``0.1 * ln(factor) + 1`` (or DeepSeek's ratio of two such
+    terms when ``mscale`` and ``mscale_all_dim`` are both set), as transformers'
+    ``_compute_yarn_parameters``."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(
+            get_mscale(scaling.factor, scaling.mscale)
+            / get_mscale(scaling.factor, scaling.mscale_all_dim)
+        )
+    return get_mscale(scaling.factor)

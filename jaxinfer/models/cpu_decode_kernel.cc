@@ -3,7 +3,9 @@
 // pages into a transposed copy before two small batched dots; this reads each live page once.
 //
 // Operands: q f32[Td, K, G, H]; k_pages, v_pages f32[L, P, K, Z, H] (page-major pool);
-// block_tables i32[Td, M]; kv_lens i32[Td]; q_pos i32[Td]; layer_window i32[2] (layer, window).
+// block_tables i32[Td, M]; kv_lens i32[Td]; q_pos i32[Td]; layer_window i32[2] (layer, window);
+// sinks f32[K * G] attention-sink logits (gpt-oss: one more softmax term per head, no value), or
+// f32[0] for none.
 // Result: f32[Td, K, G, H]. Attributes: scale, softcap (0: none), threads.
 // Row r attends to keys t < kv_lens[r] with t <= q_pos[r] and (window <= 0 or q_pos[r] - t <
 // window), in page order, with an online softmax per (head, group) over blocks of one page (Milakov
@@ -26,6 +28,7 @@ namespace {
 struct Args {
   const float *q, *kp, *vp;
   const int32_t *bt, *lens, *qpos;
+  const float* sinks;  // nullptr: none
   float* out;
   int64_t td, kh, g, h, np, z, m;
   int32_t window;
@@ -88,7 +91,13 @@ bool Row(const Args& a, int64_t r, float* mx, float* l, float* acc, float* s) {
     }
   }
   for (int64_t st = 0; st < kg; ++st) {
-    const float inv = 1.f / l[st];  // l >= 1: the max key contributes exp(0)
+    if (a.sinks != nullptr) {  // the sink joins the max and the denominator, with no value
+      const float nm = std::max(mx[st], a.sinks[st]);
+      const float corr = std::exp(mx[st] - nm);
+      l[st] = l[st] * corr + std::exp(a.sinks[st] - nm);
+      for (int64_t i = 0; i < h; ++i) acc[st * h + i] *= corr;
+    }
+    const float inv = 1.f / l[st];  // l >= 1: the max key (or sink) contributes exp(0)
     for (int64_t i = 0; i < h; ++i) o[st * h + i] = acc[st * h + i] * inv;
   }
   return true;
@@ -97,7 +106,8 @@ bool Row(const Args& a, int64_t r, float* mx, float* l, float* acc, float* s) {
 ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                                ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_pos,
-                               ffi::Buffer<ffi::S32> layer_window, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::Buffer<ffi::S32> layer_window, ffi::Buffer<ffi::F32> sinks,
+                               ffi::ResultBuffer<ffi::F32> out,
                                float scale, float softcap, int64_t threads) {
   auto qd = q.dimensions();
   auto pd = k_pages.dimensions();
@@ -108,6 +118,10 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
     return ffi::Error::InvalidArgument(
         "cpu decode attention: want q [Td, K, G, H], k/v pages [L, P, K, Z, H], tables [Td, M]");
   }
+  const bool has_sinks = sinks.element_count() != 0;
+  if (has_sinks && sinks.element_count() != qd[1] * qd[2]) {
+    return ffi::Error::InvalidArgument("cpu decode attention: want sinks [K * G] or [0]");
+  }
   const int32_t layer = layer_window.typed_data()[0];
   if (layer < 0 || layer >= pd[0]) {
     return ffi::Error::InvalidArgument("cpu decode attention: layer " + std::to_string(layer) +
@@ -116,7 +130,8 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
   const int64_t layer_elems = pd[1] * pd[2] * pd[3] * pd[4];
   Args a{q.typed_data(), k_pages.typed_data() + layer * layer_elems,
          v_pages.typed_data() + layer * layer_elems, block_tables.typed_data(),
-         kv_lens.typed_data(), q_pos.typed_data(), out->typed_data(),
+         kv_lens.typed_data(), q_pos.typed_data(), has_sinks ? sinks.typed_data() : nullptr,
+         out->typed_data(),
          qd[0], qd[1], qd[2], qd[3], pd[1], pd[3], block_tables.dimensions()[1],
          layer_window.typed_data()[1], scale, softcap};
   std::atomic<int64_t> next{0};
@@ -152,6 +167,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")

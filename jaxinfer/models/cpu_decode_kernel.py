@@ -174,10 +174,13 @@ def decode_attention(
     softcap: float | None,
     layer,
     threads: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention over a page-major f32 pool: qd [Td, K, G, H] (cast to f32), pages
     f32[L, P, K, Z, H] (or [P, K, Z, H] with ``layer`` None), i32 block_tables [Td, M], kv_lens
     [Td], q_pos [Td], window i32[] -> f32[Td, K, G, H]; rows with no visible key give 0.
+    ``sinks``: [K, G] attention-sink logits joined to each head's softmax denominator (gpt-oss),
+    or None.
     ``threads``: worker threads (default: the CPUs this process may use, at most 8).
 
     Raises ValueError for a pool that is not f32 or not 4/5-D; at run time the call fails
@@ -207,6 +210,9 @@ def decode_attention(
         i32(kv_lens),
         i32(q_pos),
         lw,
+        jnp.zeros((0,), jnp.float32)
+        if sinks is None
+        else jnp.asarray(sinks).astype(jnp.float32).reshape(-1),
         scale=np.float32(scale),
         softcap=np.float32(softcap or 0.0),
         threads=np.int64(threads),

@@ -116,7 +116,8 @@ def flash_attn_fn(
     The forward's flat token axis T = B * S is laid out as rows [B, N, S, H] and padded after the
     live tokens to the kernel's tile (causal masking keeps the padding invisible). Causal, sliding
     windows (a ``lax.switch`` over the model's distinct windows, as the layers' window is traced
-    under ``lax.scan``), the attention soft-cap, ``cfg.attn_scale`` and GQA/MQA go to the kernel.
+    under ``lax.scan``), the attention soft-cap, ``cfg.attn_scale``, GQA/MQA and the layer's
+    attention sinks (gpt-oss) go to the kernel.
 
     Args:
         cfg: the model.
@@ -138,7 +139,7 @@ def flash_attn_fn(
         ids = jnp.pad(segment_ids, ((0, 0), (0, s_pad - seq_len)), constant_values=-1)
     windows = sorted(set(cfg.layer_windows))
 
-    def kernel(window, q, k, v):
+    def kernel(window, q, k, v, sinks):
         return flash_attention(
             q,
             k,
@@ -151,15 +152,16 @@ def flash_attn_fn(
             block_sizes=BlockSizes(block_q=block, block_k=block),
             backend=backend,
             interpret=interpret,
+            sinks=sinks,
         )
 
     def rows(x):  # [B * S, heads, H] -> [B, heads, S_pad, H]
         x = x.reshape(batch, seq_len, *x.shape[1:]).transpose(0, 2, 1, 3)
         return jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - seq_len), (0, 0)))
 
-    def attn(q, k, v, cache, layer, window):
+    def attn(q, k, v, cache, layer, window, sinks=None):
         del layer
-        args = (rows(q), rows(k), rows(v))
+        args = (rows(q), rows(k), rows(v), sinks)
         if len(windows) == 1:
             out = kernel(windows[0], *args)
         else:

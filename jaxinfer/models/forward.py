@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.config import ModelConfig, rope_inv_freq
+from jaxinfer.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
 from jaxinfer.models.moe import moe_mlp
 from jaxinfer.models.params import LayerParams, OutInWeight, Params
 from jaxinfer.quant.matmul import qlinear, qlinear_flat
@@ -40,11 +40,13 @@ class AttnFn(Protocol[Cache]):
         cache: the KV cache pytree (any structure the implementation owns).
         layer: i32[] layer index.
         window: i32[] sliding window of this layer in tokens, 0 = global.
+        sinks: [N] this layer's attention-sink logits (``ModelConfig.attention_sinks``), or
+            None. An implementation that cannot add them raises ValueError.
     Returns:
         ([T, N, H] attention output, updated cache).
     """
 
-    def __call__(self, q, k, v, cache: Cache, layer, window) -> tuple[jax.Array, Cache]: ...
+    def __call__(self, q, k, v, cache: Cache, layer, window, sinks) -> tuple[jax.Array, Cache]: ...
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array:
@@ -114,6 +116,9 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool) -> tuple[ja
     else:
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    mul = 1.0 if local else rope_attention_scaling(cfg.rope_scaling)
+    if mul != 1.0:  # yarn: cos and sin carry the attention factor (transformers' rotary forward)
+        return jnp.cos(angles) * mul, jnp.sin(angles) * mul
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -165,6 +170,17 @@ def attention_inputs(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def attention_output(cfg: ModelConfig, lp: LayerParams, attn: jax.Array) -> jax.Array:
+    """One layer's attention output [T, D] (in ``attn``'s dtype) of ``attn`` [T, N, H]: the
+    output projection, its bias (gpt-oss) and the post-attention norm (Gemma 2/3)."""
+    out = linear(attn, lp.wo, "TNH,NHD->TD")
+    if lp.bo is not None:
+        out = out + lp.bo
+    if lp.post_attn_norm is not None:
+        out = rms_norm(out, lp.post_attn_norm, cfg.rms_norm_eps, cfg.norm_weight_offset)
+    return out
+
+
 def dense_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array) -> jax.Array:
     """The dense gated MLP of normed tokens h [T, D] -> [T, D] in h's dtype."""
     if lp.w_gate_up is not None:
@@ -203,10 +219,7 @@ def attention_output_and_mlp(
     dtype), then plus the MLP of the result (``mlp``; ``layer`` i32[] is needed by a model that
     mixes dense and sparse layers); returns the new residual stream [T, D]."""
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
-    attn = linear(attn, lp.wo, "TNH,NHD->TD")
-    if lp.post_attn_norm is not None:
-        attn = rms_norm(attn, lp.post_attn_norm, eps, off)
-    x = x + attn
+    x = x + attention_output(cfg, lp, attn)
     h = rms_norm(x, lp.mlp_norm, eps, off)
     out = mlp(cfg, lp, h, layer)
     if lp.post_mlp_norm is not None:
@@ -270,7 +283,7 @@ def forward(
         else:
             cos, sin = rope_g
         q, k, v = tmap(lambda x, c, s: attention_inputs(cfg, lp, x, c, s), x, cos, sin)
-        attn, cache = attn_fn(q, k, v, cache, layer, window)
+        attn, cache = attn_fn(q, k, v, cache, layer, window, lp.sinks)
         x = tmap(
             lambda x, a: attention_output_and_mlp(cfg, lp, x, a.astype(dtype), mlp_layer), x, attn
         )

@@ -1,5 +1,8 @@
 """The mixture-of-experts MLP: routing, tokens sorted by expert, grouped matmuls, weighted combine.
 
+Shape letters beyond STYLE.md's: E experts, A experts per token (top-k), I one expert's MLP
+width, U the shared expert's MLP width.
+
 One sparse layer, for a flat token axis T:
 
 1. ``route``: router logits ``h @ router`` (accumulated in float32, rounded to the activation
@@ -7,7 +10,7 @@ One sparse layer, for a flat token axis T:
    has one; softmax then top-k (Mixtral, Qwen2/3-MoE, OLMoE) or top-k then softmax (gpt-oss);
    the k weights divided by their sum with ``norm_topk_prob``. Ties in the top-k go to the lower
    expert index (``jax.lax.top_k``, as ``torch.topk``; ``tests/test_moe_routing.py``).
-2. ``expert_mlp``: the T*k (token, expert) pairs are flattened, sorted by expert with a stable
+2. ``expert_mlp``: the T*A (token, expert) pairs are flattened, sorted by expert with a stable
    argsort (a token's pairs keep their order within each expert's group), the per-expert group
    sizes counted (``bincount``), and each expert's SwiGLU computed on its contiguous rows as two
    grouped matmuls (``grouped_matmul``, over ``kernels_pallas.grouped_matmul.gmm``: gate and up
@@ -40,9 +43,9 @@ GROUPED_MATMUL_IMPLS = BACKENDS  # "auto", "xla", "xla_tiled", "reference", "tpu
 def grouped_matmul(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "auto"
 ) -> jax.Array:
-    """Rows of ``lhs`` [M, K], in consecutive groups, each times its group's ``rhs`` [G, K, N]:
-    out[m] = lhs[m] @ rhs[g(m)] where rows ``sum(group_sizes[:g]) .. sum(group_sizes[:g+1])``
-    belong to group g. Accumulated in float32, returned [M, N] in ``lhs``' dtype.
+    """Rows of ``lhs`` [T, D], in consecutive groups, each times its group's ``rhs`` [E, D, F]:
+    out[t] = lhs[t] @ rhs[e(t)] where rows ``sum(group_sizes[:e]) .. sum(group_sizes[:e+1])``
+    belong to group e. Accumulated in float32, returned [T, F] in ``lhs``' dtype.
 
     The one place the expert matmuls are dispatched: ``kernels_pallas.grouped_matmul.gmm`` with
     ``backend=impl`` ("auto": the platform's Pallas kernel where verified, else the tiled XLA
@@ -50,9 +53,9 @@ def grouped_matmul(
     elsewhere; "xla": ``ragged_dot``; "xla_tiled"; "reference"; "tpu" / "gpu": the kernels).
 
     Args:
-        lhs: [M, K] rows sorted by group.
-        rhs: [G, K, N] one weight per group, ``lhs``' dtype.
-        group_sizes: i32[G], rows of each group (zeros allowed); sum(group_sizes) == M.
+        lhs: [T, D] rows sorted by group (here T counts (token, expert) pairs).
+        rhs: [E, D, F] one weight per group, ``lhs``' dtype.
+        group_sizes: i32[E], rows of each group (zeros allowed); sum(group_sizes) == T.
         impl: one of ``GROUPED_MATMUL_IMPLS``.
 
     Raises:
@@ -87,18 +90,19 @@ def route(
     """Routing of tokens h [T, D] with router weights [D, E] (and bias [E] or None).
 
     Returns:
-        (weights f32[T, k], experts i32[T, k]): each token's k experts, in descending order of
-        router probability (ties: lower expert index first), and their routing weights.
+        (weights f32[T, A], experts i32[T, A]): each token's A (top-k) experts, in descending
+        order of router probability (ties: lower expert index first), and their routing
+        weights.
     """
     logits = jnp.einsum("TD,DE->TE", h, router, preferred_element_type=jnp.float32)
     logits = logits.astype(h.dtype).astype(jnp.float32)  # as transformers: F.linear, then .float()
     if router_bias is not None:
         logits = logits + router_bias.astype(jnp.float32)
-    k = cfg.num_experts_per_tok
+    a = cfg.num_experts_per_tok
     if cfg.router_order == "softmax_topk":
-        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), a)
     else:  # "topk_softmax"
-        top, experts = jax.lax.top_k(logits, k)
+        top, experts = jax.lax.top_k(logits, a)
         weights = jax.nn.softmax(top, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -126,20 +130,20 @@ def expert_mlp(
         expert_gate_up: [E, D, 2I]; expert_down: [E, I, D] (or int8 ``QTensor`` values
             i8[E, 2I, D] and i8[E, D, I], ``expert_matmul``).
         h: [T, D] normed residual stream.
-        weights: f32[T, k]; experts: i32[T, k] (``route``).
+        weights: f32[T, A]; experts: i32[T, A] (``route``).
         impl: the grouped matmul's (``grouped_matmul``).
     """
-    t, k = experts.shape
-    flat = experts.reshape(-1)  # [T*k] pair p = (token p // k, slot p % k)
+    t, a = experts.shape
+    flat = experts.reshape(-1)  # [T*A] pair p = (token p // A, choice p % A)
     order = jnp.argsort(flat, stable=True)  # sorted row -> pair
     group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-    rows = h[order // k]  # [T*k, D] sorted by expert
-    row_experts = flat[order]  # i32[T*k], each sorted row's expert
+    rows = h[order // a]  # [T*A, D] sorted by expert
+    row_experts = flat[order]  # i32[T*A], each sorted row's expert
     act = _silu_glu(expert_matmul(rows, expert_gate_up, group_sizes, row_experts, impl))
-    out = expert_matmul(act, expert_down, group_sizes, row_experts, impl)  # [T*k, D] sorted
+    out = expert_matmul(act, expert_down, group_sizes, row_experts, impl)  # [T*A, D] sorted
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    pairs = out[inverse].reshape(t, k, -1)  # back in pair order
-    y = jnp.einsum("TKD,TK->TD", pairs.astype(jnp.float32), weights)
+    pairs = out[inverse].reshape(t, a, -1)  # [T, A, D] back in pair order
+    y = jnp.einsum("TAD,TA->TD", pairs.astype(jnp.float32), weights)
     return y.astype(h.dtype)
 
 
@@ -157,9 +161,9 @@ def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "auto")
                 return qlinear(x, w, spec)
             return jnp.einsum(spec, x, w, preferred_element_type=f32).astype(h.dtype)
 
-        gate = proj(h, lp.shared_w_gate, "TD,DS->TS")
-        up = proj(h, lp.shared_w_up, "TD,DS->TS")
-        shared = proj(jax.nn.silu(gate) * up, lp.shared_w_down, "TS,SD->TD")
+        gate = proj(h, lp.shared_w_gate, "TD,DU->TU")
+        up = proj(h, lp.shared_w_up, "TD,DU->TU")
+        shared = proj(jax.nn.silu(gate) * up, lp.shared_w_down, "TU,UD->TD")
         if lp.shared_expert_gate is not None:
             g = proj(h, lp.shared_expert_gate, "TD,D->T")
             shared = jax.nn.sigmoid(g)[:, None] * shared

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxinfer.models.cpu_decode_kernel as cpu_decode_kernel
-from jaxinfer.models.attention import MASK_VALUE, masked_softmax_av, window_mask
+from jaxinfer.models.attention import MASK_VALUE, add_sinks, masked_softmax_av, window_mask
 from jaxinfer.models.attn_dispatch import XLA_IMPLS, resolve_attn_impl
 from jaxinfer.models.kv_cache import KVCache, write_kv
 from jaxinfer.quant.kv import dequantize_kv
@@ -104,8 +104,11 @@ def ragged_paged_attention_xla(
     prefill: PrefillLayout | None = None,
     page_major: bool = False,
     decode_kernel: bool = False,
+    sinks: jax.Array | None = None,  # [N] attention-sink logits
 ) -> jax.Array:
     """Causal attention of a ragged batch over the paged KV cache. Output f32[T, N, H].
+
+    ``sinks``: per-head logits joined to each softmax's denominator (``masked_softmax_av``).
 
     ``page_major``: the pages (and scales) are in the ``[(L,) P, K, Z, H]`` layout
     (``KVCache.page_major``).
@@ -142,6 +145,7 @@ def ragged_paged_attention_xla(
             v_scales=v_scales,
             page_major=page_major,
             decode_kernel=decode_kernel,
+            sinks=None if sinks is None else sinks.reshape(kh, g),
         )
         outs.append(out.reshape(td, n, h))
     tp = t - td
@@ -160,6 +164,7 @@ def ragged_paged_attention_xla(
                 k_scales=k_scales,
                 v_scales=v_scales,
                 page_major=page_major,
+                sinks=None if sinks is None else sinks.reshape(kh, g),
             )
         )
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
@@ -174,7 +179,7 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
     tp = md.positions.shape[0] - md.num_decode
     prefill = prefill_layout(md, tp) if impl in XLA_IMPLS and tp else None
 
-    def attn(q, k, v, cache: KVCache, layer, window):
+    def attn(q, k, v, cache: KVCache, layer, window, sinks=None):
         cache = write_kv(cache, layer, k, v, md.slot_mapping)
         if impl in XLA_IMPLS:
             out = ragged_paged_attention_xla(
@@ -191,6 +196,7 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
                 prefill=prefill,
                 page_major=cache.page_major,
                 decode_kernel=impl == "cpu_kernel",
+                sinks=sinks,
             )
         else:
             if cache.page_major:
@@ -216,6 +222,7 @@ def paged_attn_fn(cfg, md: AttentionMetadata, attn_impl: str = "xla"):
                 softcap=cfg.attn_logit_softcap,
                 backend="tpu" if impl.startswith("pallas_tpu") else "gpu",
                 interpret=impl.endswith("_interpret"),
+                sinks=sinks,
             )
         return out, cache
 
@@ -301,6 +308,7 @@ def _prefill_attention(
     k_scales,
     v_scales,
     page_major: bool = False,
+    sinks: jax.Array | None = None,  # [K, G]
 ) -> jax.Array:
     """The prefill region of ``ragged_paged_attention_xla``: f32[Tp, N, H].
 
@@ -331,6 +339,7 @@ def _prefill_attention(
         lambda p: jnp.einsum("KBQGS,KBSH->KBQGH", p, vp.astype(jnp.float32)),
         scale=scale,
         softcap=softcap,
+        sinks=None if sinks is None else sinks[:, None, None, :],
     )  # [K, NB, Q, G, H]
     out = out.transpose(1, 2, 0, 3, 4).reshape(nb * qb, n, h)
     return out[lay.src]
@@ -362,6 +371,7 @@ def _decode_attention(
     pages_per_chunk: int | None = None,
     page_major: bool = False,
     decode_kernel: bool = False,
+    sinks: jax.Array | None = None,  # [K, G]
 ) -> jax.Array:
     """The decode region of ``ragged_paged_attention_xla``: qd [Td, K, G, H] -> f32[Td, K, G, H].
 
@@ -395,6 +405,7 @@ def _decode_attention(
             scale=scale,
             softcap=softcap,
             layer=layer,
+            sinks=sinks,
         )
     chunk = pages_per_chunk or DECODE_PAGES_PER_CHUNK
     k_pages, v_pages, bt, kv_lens, q_pos = map(jnp.asarray, (k_pages, v_pages, bt, kv_lens, q_pos))
@@ -421,7 +432,12 @@ def _decode_attention(
     if m <= chunk:
         sc, mask, vc = scores_of(qk, bt, jnp.zeros(td, jnp.int32), kv_lens, q_pos)
         out = masked_softmax_av(
-            sc, mask, lambda p: jnp.einsum("KTGS,KTSH->KTGH", p, vc), scale=scale, softcap=softcap
+            sc,
+            mask,
+            lambda p: jnp.einsum("KTGS,KTSH->KTGH", p, vc),
+            scale=scale,
+            softcap=softcap,
+            sinks=None if sinks is None else sinks[:, None, :],
         )
         return out.transpose(1, 0, 2, 3)
 
@@ -479,5 +495,6 @@ def _decode_attention(
     acc_row = jax.ops.segment_sum(
         acc_all.transpose(1, 0, 2, 3) * w[..., None], seg, num_segments=td + 1
     )[:td]
+    _, l_row, acc_row = add_sinks(row_max[:td], l_row, acc_row, sinks)
     # Rows without items (padding rows, kv_len 0) have l = 0: their output is 0, not NaN.
     return jnp.where(l_row[..., None] > 0, acc_row / jnp.where(l_row > 0, l_row, 1)[..., None], 0.0)

@@ -24,7 +24,10 @@ class LayerParams:
     Attributes:
         attn_norm: [L, D] RMSNorm before attention.
         wq: [L, D, N, H]; wk, wv: [L, D, K, H]; wo: [L, N, H, D].
-        bq: [L, N, H] | None; bk, bv: [L, K, H] | None (Qwen2 q/k/v bias).
+        bq: [L, N, H] | None; bk, bv: [L, K, H] | None (Qwen2 and gpt-oss q/k/v bias).
+        bo: [L, D] | None (gpt-oss o_proj bias, ``ModelConfig.attention_out_bias``).
+        sinks: [L, N] | None (gpt-oss per-head attention-sink logits,
+            ``ModelConfig.attention_sinks``).
         q_norm, k_norm: [L, H] | None (Qwen3, Gemma 3); [L, N, H] and [L, K, H] when the norm
             runs over the whole projection (``qk_norm_flat``, OLMoE).
         post_attn_norm: [L, D] | None (Gemma 2/3, applied to the attention output).
@@ -36,7 +39,7 @@ class LayerParams:
         router_bias: [L, E] | None (``router_bias``).
         expert_gate_up: [L, E, D, 2I] | None, each expert's gate (first I columns) and up
             (last I) projections; expert_down: [L, E, I, D] | None.
-        shared_w_gate, shared_w_up: [L, D, S] | None; shared_w_down: [L, S, D] | None: the shared
+        shared_w_gate, shared_w_up: [L, D, U] | None; shared_w_down: [L, U, D] | None: the shared
             expert (Qwen2-MoE).
         shared_expert_gate: [L, D] | None, the shared expert's sigmoid gate weight.
         wqkv: ``OutInWeight`` [L, (N + 2K) H, D] | None: wq, wk, wv fused output-first (then
@@ -56,6 +59,8 @@ class LayerParams:
     bq: jax.Array | None = None
     bk: jax.Array | None = None
     bv: jax.Array | None = None
+    bo: jax.Array | None = None
+    sinks: jax.Array | None = None
     q_norm: jax.Array | None = None
     k_norm: jax.Array | None = None
     post_attn_norm: jax.Array | None = None
@@ -163,7 +168,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             {"layers.w_gate": (L, D, F), "layers.w_up": (L, D, F), "layers.w_down": (L, F, D)}
         )
     if cfg.is_moe:
-        E, In, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        E, In, U = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         shapes.update(
             {
                 "layers.router": (L, D, E),
@@ -173,12 +178,12 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         )
         if cfg.router_bias:
             shapes["layers.router_bias"] = (L, E)
-        if S:
+        if U:
             shapes.update(
                 {
-                    "layers.shared_w_gate": (L, D, S),
-                    "layers.shared_w_up": (L, D, S),
-                    "layers.shared_w_down": (L, S, D),
+                    "layers.shared_w_gate": (L, D, U),
+                    "layers.shared_w_up": (L, D, U),
+                    "layers.shared_w_down": (L, U, D),
                 }
             )
         if cfg.shared_expert_gate:
@@ -187,6 +192,10 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head"] = (D, V)
     if cfg.attention_bias:
         shapes.update({"layers.bq": (L, N, H), "layers.bk": (L, K, H), "layers.bv": (L, K, H)})
+    if cfg.attention_out_bias:
+        shapes["layers.bo"] = (L, D)
+    if cfg.attention_sinks:
+        shapes["layers.sinks"] = (L, N)
     if cfg.qk_norm_flat:
         shapes.update({"layers.q_norm": (L, N, H), "layers.k_norm": (L, K, H)})
     elif cfg.qk_norm:

@@ -13,6 +13,8 @@ Partitioning rules (``param_specs``; ``tp`` = size of "model"):
 | wq, bq | [L, D, N, H], [L, N, H] | N (query heads) |
 | wk, wv, bk, bv | [L, D, K, H], [L, K, H] | K (KV heads) |
 | wo | [L, N, H, D] | N |
+| sinks | [L, N] | N (gpt-oss attention sinks, with their query heads) |
+| bo | [L, D] | replicated (gpt-oss o_proj bias, added after the all-reduce) |
 | w_gate, w_up | [L, D, F] | F |
 | w_down | [L, F, D] | F |
 | embed | [V, D] | D (the lookup stays local); V when D is not divisible |
@@ -134,6 +136,7 @@ _LAYER_SPECS = {
     "bq": P(None, "model", None),
     "bk": P(None, "model", None),
     "bv": P(None, "model", None),
+    "sinks": P(None, "model"),
     "w_gate": P(None, None, "model"),
     "w_up": P(None, None, "model"),
     "w_down": P(None, "model", None),
@@ -258,9 +261,13 @@ def make_mesh(tp: int, dp: int = 1, devices: Sequence[jax.Device] | None = None)
     if dp < 1 or tp < 1:
         raise ShardingError(f"tensor_parallel_size={tp} and data_parallel_size={dp} must be >= 1")
     if dp * tp > len(devices):
+        kinds = sorted({d.platform for d in devices})
         raise ShardingError(
             f"tensor_parallel_size={tp} x data_parallel_size={dp} = {dp * tp} devices, but only "
-            f"{len(devices)} are available"
+            f"{len(devices)} are available ({len(devices)} {'/'.join(kinds)} device(s)); "
+            "to try tensor/data parallelism on CPU, start the process with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * tp} (that many CPU "
+            "devices)"
         )
     procs = sorted({d.process_index for d in devices})
     if len(procs) > 1:

@@ -16,6 +16,7 @@ def add_quantize_parser(sub) -> argparse.ArgumentParser:
     q = sub.add_parser(
         "quantize",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s --model PATH --out DIR [options]",
         help="quantize a checkpoint to int8 and save it (orbax), so later starts load int8",
         description="Quantize every linear weight of --model to int8 (per-output-channel scales) "
         "and write a checkpoint directory that `jaxinfer generate --model DIR` and "

@@ -35,6 +35,7 @@ def add_serve_parser(sub, fmt) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         formatter_class=fmt,
+        usage="%(prog)s --model PATH [options]",
         help="serve a model over HTTP with OpenAI's API (completions, chat, streaming)",
         description="An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics, /tokenize, /detokenize) on one engine: every "

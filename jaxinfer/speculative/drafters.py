@@ -34,7 +34,7 @@ def truncated_draft(
         cfg,
         num_layers=num_layers,
         layer_windows=tuple(cfg.layer_windows[:num_layers]),
-        sparse_layers=tuple(cfg.sparse_layers[:num_layers]),  # MoE: which layers are sparse
+        sparse_layers=tuple(cfg.sparse_layers[:num_layers]),
     )
     if isinstance(params.layers, tuple):  # unstacked layers (params.unstack_layers)
         layers = params.layers[:num_layers]

@@ -32,6 +32,7 @@ def add_parser(sub, fmt) -> None:
     t = sub.add_parser(
         "train-draft-heads",
         formatter_class=fmt,
+        usage="%(prog)s --model PATH --out DIR [options]",
         help="train Medusa draft heads on the model's own greedy generations",
         description=__doc__.split("\n\n")[0],
     )

@@ -89,6 +89,16 @@ def _softmax_step(s, mask, v, m_prev, l_prev, acc, cfg):
     return m_next, l_next, acc
 
 
+def _join_sinks(m, l, acc, sinks):
+    """(m, l, acc) with attention-sink logits ``sinks`` (shaped as m) joined to the row max and
+    sum, with no value (gpt-oss); None: unchanged."""
+    if sinks is None:
+        return m, l, acc
+    m_next = jnp.maximum(m, sinks)
+    alpha = jnp.exp(m - m_next)
+    return m_next, alpha * l + jnp.exp(sinks - m_next), _col(alpha) * acc
+
+
 def _finish(m, l, acc):
     """Output tile and log-sum-exp; rows that saw no key give 0 and lse = +inf."""
     l_col = _col(l)

@@ -16,6 +16,7 @@ from kernels_pallas.flash_attention.common import (
     _dot,
     _finish,
     _grad_tile,
+    _join_sinks,
     _kv_range,
     _logits,
     _q_range,
@@ -23,7 +24,7 @@ from kernels_pallas.flash_attention.common import (
 )
 
 
-def _gpu_fwd_kernel(q_ref, k_ref, v_ref, qid_ref, kvid_ref, o_ref, lse_ref, *, cfg, bk):
+def _gpu_fwd_kernel(q_ref, k_ref, v_ref, qid_ref, kvid_ref, sink_ref, o_ref, lse_ref, *, cfg, bk):
     i = pl.program_id(2)
     bq, hp = q_ref.shape
     nk = k_ref.shape[0] // bk
@@ -43,7 +44,9 @@ def _gpu_fwd_kernel(q_ref, k_ref, v_ref, qid_ref, kvid_ref, o_ref, lse_ref, *, c
         jnp.zeros((bq, 1), jnp.float32),
         jnp.zeros((bq, hp), jnp.float32),
     )
-    out, lse = _finish(*lax.fori_loop(lo, hi, body, init))
+    m, l, acc = lax.fori_loop(lo, hi, body, init)
+    sinks = None if sink_ref is None else sink_ref[...][:, None]  # f32[bq, 1]
+    out, lse = _finish(*_join_sinks(m, l, acc, sinks))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse.reshape(bq)
 
@@ -126,9 +129,9 @@ def _gpu_id_specs(q_ids, q_block, kv_block):
     ]
 
 
-def gpu_forward(cfg, q, k, v, q_ids, kv_ids):
+def gpu_forward(cfg, q, k, v, q_ids, kv_ids, sinks=None):
     """The forward pass on GPU (Triton): ``(o, lse)`` for ``kernel.flash_attention``'s
-    custom_vjp (shapes as there: q f[B, N, T, H], k/v f[B, K, S, H])."""
+    custom_vjp (shapes as there: q f[B, N, T, H], k/v f[B, K, S, H]; sinks f32[N] or None)."""
     b, n, t, h = q.shape
     s = k.shape[2]
     hp = max(16, pl.next_power_of_2(h))
@@ -136,6 +139,10 @@ def gpu_forward(cfg, q, k, v, q_ids, kv_ids):
     bq, bk = cfg.block_sizes.block_q, cfg.block_sizes.block_k
     g = cfg.groups
     ids = _gpu_id_specs(q_ids, (bq, lambda bi, ni, i: (bi, i)), (s, lambda bi, ni, i: (bi, 0)))
+    sink_arr = sink_spec = None
+    if sinks is not None:  # each head's sink, one per query row of the tile
+        sink_arr = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (n, bq))
+        sink_spec = pl.BlockSpec((None, bq), lambda bi, ni, i: (ni, 0))
     o, lse = pl.pallas_call(
         functools.partial(_gpu_fwd_kernel, cfg=cfg, bk=bk),
         grid=(b, n, t // bq),
@@ -144,6 +151,7 @@ def gpu_forward(cfg, q, k, v, q_ids, kv_ids):
             pl.BlockSpec((None, None, s, hp), lambda bi, ni, i: (bi, lax.div(ni, g), 0, 0)),
             pl.BlockSpec((None, None, s, hp), lambda bi, ni, i: (bi, lax.div(ni, g), 0, 0)),
             *ids,
+            sink_spec,
         ],
         out_specs=[
             pl.BlockSpec((None, None, bq, hp), lambda bi, ni, i: (bi, ni, i, 0)),
@@ -156,7 +164,7 @@ def gpu_forward(cfg, q, k, v, q_ids, kv_ids):
         compiler_params=_gpu_params(hp),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
-    )(q, k, v, q_ids, kv_ids)
+    )(q, k, v, q_ids, kv_ids, sink_arr)
     return o[..., :h], lse  # lse: f32[B, N, T]
 
 

@@ -37,26 +37,34 @@ from kernels_pallas.flash_attention.reference import SegmentIds, split_segment_i
 from kernels_pallas.flash_attention.tpu import tpu_backward, tpu_forward
 
 
-def _forward(cfg, q, k, v, q_ids, kv_ids):
+def _forward(cfg, q, k, v, q_ids, kv_ids, sinks):
     impl = tpu_forward if cfg.backend == "tpu" else gpu_forward
-    return impl(cfg, q, k, v, q_ids, kv_ids)
+    return impl(cfg, q, k, v, q_ids, kv_ids, sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, q_ids, kv_ids):
-    return _forward(cfg, q, k, v, q_ids, kv_ids)[0]
+def _flash(cfg, q, k, v, q_ids, kv_ids, sinks):
+    return _forward(cfg, q, k, v, q_ids, kv_ids, sinks)[0]
 
 
-def _flash_fwd(cfg, q, k, v, q_ids, kv_ids):
-    o, lse = _forward(cfg, q, k, v, q_ids, kv_ids)
-    return o, (q, k, v, q_ids, kv_ids, o, lse)
+def _flash_fwd(cfg, q, k, v, q_ids, kv_ids, sinks):
+    o, lse = _forward(cfg, q, k, v, q_ids, kv_ids, sinks)
+    return o, (q, k, v, q_ids, kv_ids, sinks, o, lse)
 
 
 def _flash_bwd(cfg, residuals, do):
-    q, k, v, q_ids, kv_ids, o, lse = residuals
+    q, k, v, q_ids, kv_ids, sinks, o, lse = residuals
     impl = tpu_backward if cfg.backend == "tpu" else gpu_backward
+    # The sinks sit in lse (the forward joined them), so the kernels' p = exp(s - lse) are the
+    # probabilities with sinks, and dq, dk, dv need nothing more.
     dq, dk, dv = impl(cfg, q, k, v, q_ids, kv_ids, o, lse, do)
-    return dq, dk, dv, None, None
+    dsinks = None
+    if sinks is not None:  # d out / d sink = -p_sink out: dsink = -sum p_sink (do . out)
+        lse_rows = lse[..., 0] if lse.ndim == 4 else lse  # f32[B, N, T]
+        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse_rows)
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    return dq, dk, dv, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -140,6 +148,7 @@ def flash_attention(
     block_sizes: BlockSizes = _DEFAULT_BLOCK_SIZES,
     backend: str = "tpu",
     interpret: bool | pltpu.InterpretParams = False,
+    sinks: jax.Array | None = None,  # f32[N]
 ) -> jax.Array:  # q.dtype[B, N, T, H]
     """Exact attention without materialising the [T, S] score matrix (FlashAttention-2).
 
@@ -163,6 +172,8 @@ def flash_attention(
         interpreter (any backend, CPU included). For backend="tpu",
         `pltpu.InterpretParams()` runs the TPU interpreter instead (Mosaic semantics: VMEM
         scratch, DMAs, grid order; slower).
+      sinks: f32[N] attention-sink logits (gpt-oss), or None: one more logit per query head in
+        every row's max and denominator, with no value; its gradient is returned too.
 
     Returns:
       q.dtype[B, N, T, H]; a row with no visible key is 0. Accumulation is in float32.
@@ -173,12 +184,14 @@ def flash_attention(
       ValueError: unknown backend; shapes/dtypes that do not match; head_dim not a multiple
         of 8; blocks that do not divide T and S; gpu blocks that are not powers of two >= 16;
         tpu block_k neither a multiple of 128 nor equal to S; sliding_window < 1;
-        logit_softcap <= 0.
+        logit_softcap <= 0; sinks not of shape [N].
     """
     q_ids, kv_ids = split_segment_ids(segment_ids)
     _check(q, k, v, q_ids, kv_ids, block_sizes, backend, sliding_window, logit_softcap)
     if q_ids is not None:
         q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({q.shape[1]},)")
     cfg = _Config(
         causal=bool(causal),
         sm_scale=float(sm_scale),
@@ -191,4 +204,4 @@ def flash_attention(
         interpret=interpret,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )
-    return _flash(cfg, q, k, v, q_ids, kv_ids)
+    return _flash(cfg, q, k, v, q_ids, kv_ids, sinks)

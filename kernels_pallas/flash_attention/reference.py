@@ -69,13 +69,15 @@ def mha_reference(
     sm_scale: float,
     logit_softcap: float | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,  # f32[N]
 ) -> jax.Array:  # q.dtype[B, N, T, H]
     """Materialises the full f32 score matrix; the judge for `flash_attention`.
 
     Arguments and semantics as in `kernel.flash_attention`: GQA maps query head n to KV
     head `n // (N // K)`; logits are `sm_scale * q.k`, then `cap * tanh(logits / cap)` when
-    `logit_softcap` is set, then masked; a row with no visible key outputs zeros.
-    Differentiable with plain `jax.grad`.
+    `logit_softcap` is set, then masked; a row with no visible key outputs zeros. `sinks`
+    (gpt-oss): one more logit per query head in every row's max and denominator, with no
+    value. Differentiable with plain `jax.grad` (with respect to the sinks too).
     """
     b, n, t, h = q.shape
     kh, s = k.shape[1], k.shape[2]
@@ -98,8 +100,13 @@ def mha_reference(
     )[:, None, None]  # bool[B or 1, 1, 1, T, S]
     logits = jnp.where(mask, logits, MASK_VALUE)
     m = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, kh, g, 1, 1)
+        m = jnp.maximum(m, sink)
     p = jnp.where(mask, jnp.exp(logits - jax.lax.stop_gradient(m)), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)  # f32[B, K, G, T, 1]
+    if sinks is not None:
+        l = l + jnp.exp(sink - jax.lax.stop_gradient(m))
     p = p / jnp.where(l == 0.0, 1.0, l)
     out = jnp.einsum("bkgts,bksh->bkgth", p, v.astype(jnp.float32))
     return out.reshape(b, n, t, h).astype(q.dtype)

@@ -20,6 +20,7 @@ from kernels_pallas.flash_attention.common import (
     _finish,
     _grad_tile,
     _in_range,
+    _join_sinks,
     _kv_range,
     _logits,
     _q_range,
@@ -34,7 +35,7 @@ def _tpu_ids(qid_ref, kvid_ref):
 
 
 def _tpu_fwd_kernel(
-    q_ref, k_ref, v_ref, qid_ref, kvid_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, cfg
+    q_ref, k_ref, v_ref, qid_ref, kvid_ref, sink_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, cfg
 ):
     i, j, nk = pl.program_id(2), pl.program_id(3), pl.num_programs(3)
     bq, bk = q_ref.shape[0], k_ref.shape[0]
@@ -54,7 +55,8 @@ def _tpu_fwd_kernel(
 
     @pl.when(j == nk - 1)
     def _store():
-        out, lse = _finish(m_sc[...], l_sc[...], acc_sc[...])
+        sinks = None if sink_ref is None else sink_ref[...]  # f32[bq, 128]
+        out, lse = _finish(*_join_sinks(m_sc[...], l_sc[...], acc_sc[...], sinks))
         o_ref[...] = out.astype(o_ref.dtype)
         lse_ref[...] = lse
 
@@ -70,9 +72,9 @@ def _tpu_id_arrays(q_ids, kv_ids):
     return q_ids, kv_ids
 
 
-def tpu_forward(cfg, q, k, v, q_ids, kv_ids):
+def tpu_forward(cfg, q, k, v, q_ids, kv_ids, sinks=None):
     """The forward pass on TPU (Mosaic): ``(o, lse)`` for ``kernel.flash_attention``'s
-    custom_vjp (shapes as there: q f[B, N, T, H], k/v f[B, K, S, H])."""
+    custom_vjp (shapes as there: q f[B, N, T, H], k/v f[B, K, S, H]; sinks f32[N] or None)."""
     b, n, t, h = q.shape
     s = k.shape[2]
     bq, bk = cfg.block_sizes.block_q, cfg.block_sizes.block_k
@@ -93,6 +95,10 @@ def tpu_forward(cfg, q, k, v, q_ids, kv_ids):
             (None, _SUBLANES, bk),
             lambda bi, ni, i, j: (bi, 0, _clamp(j, _kv_range(i, bq, bk, nk, cfg), nk)),
         )
+    sink_arr = sink_spec = None
+    if sinks is not None:  # each head's sink, lane-replicated like m and l
+        sink_arr = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (n, bq, _LANES))
+        sink_spec = pl.BlockSpec((None, bq, _LANES), lambda bi, ni, i, j: (ni, 0, 0))
     o, lse = pl.pallas_call(
         functools.partial(_tpu_fwd_kernel, cfg=cfg),
         grid=(b, n, nq, nk),
@@ -102,6 +108,7 @@ def tpu_forward(cfg, q, k, v, q_ids, kv_ids):
             pl.BlockSpec((None, None, bk, h), kv_map),
             qid_spec,
             kvid_spec,
+            sink_spec,
         ],
         out_specs=[
             pl.BlockSpec((None, None, bq, h), q_map),
@@ -121,7 +128,7 @@ def tpu_forward(cfg, q, k, v, q_ids, kv_ids):
         ),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
-    )(q, k, v, qid_arr, kvid_arr)
+    )(q, k, v, qid_arr, kvid_arr, sink_arr)
     return o, lse  # lse: f32[B, N, T, 128], lane-replicated
 
 

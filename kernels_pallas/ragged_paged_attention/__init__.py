@@ -2,7 +2,8 @@
 
 Queries of many sequences are flattened (``cu_q_lens``); keys/values are read from the page pool
 through the block table (``block_tables``, ``kv_lens``); attention is causal within each sequence,
-with GQA, an optional sliding window (dynamic, per layer) and an optional logit soft-cap. The
+with GQA, an optional sliding window (dynamic, per layer), an optional logit soft-cap and
+optional attention sinks (gpt-oss: a learned logit per query head in each softmax). The
 pages are float, or int8 with per-token, per-head f32 scales (``jaxinfer.quant.kv``), dequantized
 in the kernel. Rows
 ``[0, num_decode)`` are decode rows with one query token each; the prefill rows follow. A row's
@@ -97,6 +98,7 @@ def ragged_paged_attention(
     block_sizes: BlockSizes | None = None,
     backend: str,
     interpret: bool = False,
+    sinks: jax.Array | None = None,  # [N]
 ) -> jax.Array:
     """Causal ragged paged attention. Output f32[T, N, H].
 
@@ -120,13 +122,16 @@ def ragged_paged_attention(
         block_sizes: tiling; None for ``default_block_sizes``.
         backend: "tpu" or "gpu".
         interpret: run the kernel's semantics on CPU (TPU: ``pltpu.InterpretParams``).
+        sinks: [N] attention-sink logits (gpt-oss), or None: each query head's softmax takes one
+            more term ``exp(sink)`` in its max and denominator, with no value.
 
     Padding tokens (no row, or a row with kv_len 0) get 0.
 
     Raises:
         ValueError: a combination the backend cannot tile (message names it and what is
             supported), an unknown backend, int8 pages without both scales (or scales with
-            float pages), or scales not of shape ``k_pages.shape[:-1]``.
+            float pages), scales not of shape ``k_pages.shape[:-1]``, or sinks not of shape
+            [N].
     """
     check_kv_scales(k_pages, v_pages, k_scales, v_scales)
     if k_pages.ndim == 4:
@@ -144,6 +149,10 @@ def ragged_paged_attention(
         pool_elems=k_pages.size,
         block_sizes=bs,
     )
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"sinks has shape {tuple(sinks.shape)}; expected ({q.shape[1]},), one a head"
+        )
     kw = dict(
         num_decode=num_decode,
         scale=scale,
@@ -152,6 +161,7 @@ def ragged_paged_attention(
         interpret=interpret,
         k_scales=k_scales,
         v_scales=v_scales,
+        sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(kh, -1),
     )
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, window, layer)
     if backend == "tpu":

@@ -69,12 +69,27 @@ def _kv_span(kv_len, pos_min, pos_max, window):
 
 
 def _attend(
-    q, kv_refs, bt_ref, row, base, start, end, mask_fn, *, ppb, z, scale, softcap, precision
+    q,
+    kv_refs,
+    bt_ref,
+    row,
+    base,
+    start,
+    end,
+    mask_fn,
+    sinks=None,
+    *,
+    ppb,
+    z,
+    scale,
+    softcap,
+    precision,
 ):
     """Online softmax of q [R, H] over the KV blocks holding keys [start, end). f32[R, H].
 
     kv_refs: (k, v) pages [L * K * P, Z, H], or (k, v, k scales, v scales) of int8 pages with
-    scales f32[L * K * P, Z].
+    scales f32[L * K * P, Z]. sinks: f32[R] attention-sink logit of each query row, joined to
+    its max and denominator at the end, or None.
     """
     r, h = q.shape
     bk = ppb * z
@@ -118,13 +133,22 @@ def _attend(
         jnp.full((r,), MASK_VALUE, jnp.float32),
         jnp.zeros((r,), jnp.float32),
     )
-    acc, _, l = jax.lax.fori_loop(start // bk, pl.cdiv(end, bk), body, init)
+    acc, m, l = jax.lax.fori_loop(start // bk, pl.cdiv(end, bk), body, init)
+    if sinks is not None:  # one more logit per row, with no value
+        m_new = jnp.maximum(m, sinks)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.exp(sinks - m_new)
+        acc = alpha[:, None] * acc
     # A query that sees no key (padding) gets 0, never NaN: its K/V reach the null page.
     return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
 
 
-def _decode_kernel(sc_ref, lens_ref, bt_ref, q_ref, *refs, kh, num_pages, **kw):
+def _decode_kernel(sc_ref, lens_ref, bt_ref, q_ref, *refs, kh, num_pages, has_sinks, **kw):
     *kv_refs, o_ref = refs
+    sinks = None
+    if has_sinks:
+        *kv_refs, sink_ref = kv_refs
+        sinks = sink_ref[...]
     b, hd = pl.program_id(0), pl.program_id(1)
     layer, window = sc_ref[0], sc_ref[1]
     kv_len = lens_ref[b]
@@ -134,11 +158,16 @@ def _decode_kernel(sc_ref, lens_ref, bt_ref, q_ref, *refs, kh, num_pages, **kw):
         return (kv_pos >= start) & (kv_pos < end)
 
     base = (layer * kh + hd) * num_pages
-    o_ref[...] = _attend(q_ref[...], kv_refs, bt_ref, b, base, start, end, mask_fn, **kw)
+    o_ref[...] = _attend(q_ref[...], kv_refs, bt_ref, b, base, start, end, mask_fn, sinks, **kw)
 
 
-def _prefill_kernel(sc_ref, lens_ref, cu_ref, bt_ref, q_ref, *refs, kh, num_pages, g, bq, **kw):
+def _prefill_kernel(
+    sc_ref, lens_ref, cu_ref, bt_ref, q_ref, *refs, kh, num_pages, g, bq, has_sinks, **kw
+):
     *kv_refs, _, o_ref = refs  # the output's initial zeros, aliased to o_ref
+    sink_ref = None
+    if has_sinks:
+        *kv_refs, sink_ref = kv_refs
     row, hd, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = sc_ref[0], sc_ref[1]
     kv_len, c1 = lens_ref[row], cu_ref[row + 1]
@@ -159,7 +188,8 @@ def _prefill_kernel(sc_ref, lens_ref, cu_ref, bt_ref, q_ref, *refs, kh, num_page
 
         q = q_ref[pl.ds(t0 * g, rows), :]
         base = (layer * kh + hd) * num_pages
-        out = _attend(q, kv_refs, bt_ref, row, base, start, end, mask_fn, **kw)
+        sinks = None if sink_ref is None else sink_ref[...]
+        out = _attend(q, kv_refs, bt_ref, row, base, start, end, mask_fn, sinks, **kw)
         plgpu.store(
             o_ref.at[pl.ds(t0 * g, rows), :], out, mask=jnp.broadcast_to(valid[:, None], out.shape)
         )
@@ -183,6 +213,7 @@ def ragged_paged_attention_gpu(
     num_warps: int = 4,
     k_scales: jax.Array | None = None,  # f32[L, K, P, Z]; int8 pages only
     v_scales: jax.Array | None = None,  # f32[L, K, P, Z]; int8 pages only
+    sinks: jax.Array | None = None,  # f32[K, G]
 ) -> jax.Array:
     """GPU ragged paged attention; the contract is ``kernels_pallas.ragged_paged_attention``'s."""
     t, n, h = q.shape
@@ -202,7 +233,14 @@ def ragged_paged_attention_gpu(
     f32 = q.dtype == jnp.float32 or k_scales is not None  # int8 pages: f32 dots
     precision = jax.lax.Precision.HIGHEST if f32 else None
     kw = dict(
-        kh=kh, num_pages=num_pages, ppb=ppb, z=z, scale=scale, softcap=softcap, precision=precision
+        kh=kh,
+        num_pages=num_pages,
+        ppb=ppb,
+        z=z,
+        scale=scale,
+        softcap=softcap,
+        precision=precision,
+        has_sinks=sinks is not None,
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
@@ -213,16 +251,20 @@ def ragged_paged_attention_gpu(
         qd = jnp.pad(q[:td].reshape(td, kh, g, h), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
         bt, lens = block_tables[:td], kv_lens[:td]
         spec = pl.BlockSpec((None, None, gp, h), lambda b, hd: (b, hd, 0, 0))
+        extra, extra_specs = [], []
+        if sinks is not None:  # each KV head's G query heads, padded like the queries
+            extra = [jnp.pad(sinks, ((0, 0), (0, gp - g)))]
+            extra_specs = [pl.BlockSpec((None, gp), lambda b, hd: (hd, 0))]
         out = pl.pallas_call(
             functools.partial(_decode_kernel, **kw),
             grid=(td, kh),
-            in_specs=[whole(sc), whole(lens), whole(bt), spec, *map(whole, kv)],
+            in_specs=[whole(sc), whole(lens), whole(bt), spec, *map(whole, kv), *extra_specs],
             out_specs=spec,
             out_shape=jax.ShapeDtypeStruct((td, kh, gp, h), jnp.float32),
             compiler_params=params,
             interpret=interpret,
             name="ragged_paged_attention_decode",
-        )(sc, lens, bt, qd, *kv)
+        )(sc, lens, bt, qd, *kv, *extra)
         outs.append(out[:, :, :g].reshape(td, n, h))
     tp = t - td
     if tp:
@@ -233,18 +275,31 @@ def ragged_paged_attention_gpu(
         qp = jnp.pad(q[td:], ((0, bq), (0, 0), (0, 0))).reshape(tpad, kh, g, h)
         qp = qp.transpose(1, 0, 2, 3).reshape(kh, tpad * g, h)
         spec = pl.BlockSpec((None, tpad * g, h), lambda r, hd, i: (hd, 0, 0))
+        extra, extra_specs = [], []
+        if sinks is not None:  # a query block's rows are (token, head of the group), token-major
+            extra = [jnp.tile(sinks, (1, bq))]
+            extra_specs = [pl.BlockSpec((None, bq * g), lambda r, hd, i: (hd, 0))]
         out = pl.pallas_call(
             functools.partial(_prefill_kernel, g=g, bq=bq, **kw),
             grid=(bp, kh, pl.cdiv(tp, bq)),
-            in_specs=[whole(sc), whole(lens), whole(cu), whole(bt), spec, *map(whole, kv), spec],
+            in_specs=[
+                whole(sc),
+                whole(lens),
+                whole(cu),
+                whole(bt),
+                spec,
+                *map(whole, kv),
+                *extra_specs,
+                spec,
+            ],
             out_specs=spec,
             out_shape=jax.ShapeDtypeStruct((kh, tpad * g, h), jnp.float32),
             # Tokens of no row (padding) are never stored: they keep the zeros of the input.
-            input_output_aliases={5 + len(kv): 0},
+            input_output_aliases={5 + len(kv) + len(extra): 0},
             compiler_params=params,
             interpret=interpret,
             name="ragged_paged_attention_prefill",
-        )(sc, lens, cu, bt, qp, *kv, jnp.zeros((kh, tpad * g, h), jnp.float32))
+        )(sc, lens, cu, bt, qp, *kv, *extra, jnp.zeros((kh, tpad * g, h), jnp.float32))
         out = out.reshape(kh, tpad, g, h).transpose(1, 0, 2, 3)[:tp].reshape(tp, n, h)
         outs.append(out)
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]

@@ -38,6 +38,7 @@ def ragged_paged_attention_reference(
     num_decode: int,
     scale: float,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,  # [N]
 ) -> jax.Array:
     """f32[T, N, H]; the same contract as ``ragged_paged_attention``.
 
@@ -46,8 +47,10 @@ def ragged_paged_attention_reference(
     ``j <= position`` and (``window <= 0`` or ``position - j < window``). Query head i reads KV
     head ``i // (N // K)``. Scores are ``q . k * scale``, soft-capped to
     ``softcap * tanh(s / softcap)`` when ``softcap`` is given, softmaxed in f32. int8 pages (with
-    ``k_scales``/``v_scales``) are read as ``int8 * scale``. Tokens after ``cu_q_lens[-1]``
-    (padding) belong to no row and get an arbitrary finite output; a token seeing no key gets 0.
+    ``k_scales``/``v_scales``) are read as ``int8 * scale``. ``sinks`` (gpt-oss): one more
+    logit per query head, joined to the softmax's max and denominator, with no value. Tokens
+    after ``cu_q_lens[-1]`` (padding) belong to no row and get an arbitrary finite output; a
+    token seeing no key gets 0.
     ``num_decode`` only tells the kernels how rows are laid out; the reference needs no such
     hint.
     """
@@ -75,7 +78,12 @@ def ragged_paged_attention_reference(
     sees = (j < len_) & (j <= p_) & ((window <= 0) | (p_ - j < window))  # bool[T, S]
     sees = sees[:, None, :]  # [T, 1, S]
     s_max = jnp.max(jnp.where(sees, s, -jnp.inf), axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32)[None, :, None]  # [1, N, 1]
+        s_max = jnp.maximum(s_max, sink)
     e = jnp.where(sees, jnp.exp(s - jnp.where(jnp.isfinite(s_max), s_max, 0.0)), 0.0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - s_max)
     p = e / jnp.where(denom > 0, denom, 1.0)  # all-zero where the token sees no key
     return jnp.einsum("TNS,NTSH->TNH", p, vt, precision=hi)

@@ -120,10 +120,18 @@ def _init(m_ref, l_ref, acc_ref):
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
-def _finish(o_ref, l_ref, acc_ref):
-    l = l_ref[...]
+def _finish(o_ref, m_ref, l_ref, acc_ref, sink_ref=None):
+    """The output tile acc / l; ``sink_ref`` f32[R, 1]: attention-sink logits joined to each
+    row's max and denominator first (with no value), or None."""
+    l, acc = l_ref[...], acc_ref[...]
+    if sink_ref is not None:
+        m, sink = m_ref[...], sink_ref[...]
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.exp(sink - m_new)
+        acc = alpha * acc
     # A query that sees no key (padding) gets 0, never NaN: its K/V reach the null page.
-    o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
 def _kv_span(kv_len, pos_min, pos_max, window):
@@ -144,19 +152,24 @@ def _page(j, i, start, end, *, ppb, z):
 # ---------------------------------------------------------------- decode
 
 
-def _split_refs(refs, ppb, quant):
-    """Kernel refs after q: K pages, V pages, [K scales, V scales,] then output and scratch."""
+def _split_refs(refs, ppb, quant, has_sinks=False):
+    """Kernel refs after q: K pages, V pages, [K scales, V scales,] [sinks,] then output and
+    scratch. Returns (k, v, k scales, v scales, sinks ref or None, (output, m, l, acc))."""
     n = 4 if quant else 2
     k_refs, v_refs = refs[:ppb], refs[ppb : 2 * ppb]
     ks_refs, vs_refs = (refs[2 * ppb : 3 * ppb], refs[3 * ppb : 4 * ppb]) if quant else ((), ())
-    return k_refs, v_refs, ks_refs, vs_refs, refs[n * ppb :]
+    rest = refs[n * ppb :]
+    sink_ref = rest[0] if has_sinks else None
+    return k_refs, v_refs, ks_refs, vs_refs, sink_ref, tuple(rest[1:] if has_sinks else rest)
 
 
 def _decode_kernel(
-    layer_ref, window_ref, lens_ref, bt_ref, q_ref, *refs, ppb, z, scale, softcap, quant
+    layer_ref, window_ref, lens_ref, bt_ref, q_ref, *refs, ppb, z, scale, softcap, quant, has_sinks
 ):
     del layer_ref, bt_ref
-    k_refs, v_refs, ks_refs, vs_refs, (o_ref, m_ref, l_ref, acc_ref) = _split_refs(refs, ppb, quant)
+    k_refs, v_refs, ks_refs, vs_refs, sink_ref, (o_ref, m_ref, l_ref, acc_ref) = _split_refs(
+        refs, ppb, quant, has_sinks
+    )
     b, j = pl.program_id(0), pl.program_id(2)
     kv_len, window = lens_ref[b], window_ref[0]
     q_pos = kv_len - 1
@@ -190,7 +203,7 @@ def _decode_kernel(
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
-        _finish(o_ref, l_ref, acc_ref)
+        _finish(o_ref, m_ref, l_ref, acc_ref, sink_ref)
 
 
 def _scale_inputs(k_scales, v_scales, page_map, ppb, z):
@@ -214,6 +227,7 @@ def _decode(
     block_tables,
     window,
     layer,
+    sinks,
     *,
     scale,
     softcap,
@@ -237,15 +251,25 @@ def _decode(
     ]
     scale_specs, scale_args = _scale_inputs(k_scales, v_scales, page_map, ppb, z)
     qo_spec = pl.BlockSpec((None, None, g, h), lambda b, hd, j, *_: (b, hd, 0, 0))
+    sink_specs, sink_args = [], []
+    if sinks is not None:  # f32[K, G, 1]: the G heads of KV head hd, one a row of the q tile
+        sink_specs = [pl.BlockSpec((None, g, 1), lambda b, hd, j, *_: (hd, 0, 0))]
+        sink_args = [sinks[..., None]]
     kernel = functools.partial(
-        _decode_kernel, ppb=ppb, z=z, scale=scale, softcap=softcap, quant=k_scales is not None
+        _decode_kernel,
+        ppb=ppb,
+        z=z,
+        scale=scale,
+        softcap=softcap,
+        quant=k_scales is not None,
+        has_sinks=sinks is not None,
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(td, kh, nkb),
-            in_specs=[qo_spec] + page_specs + page_specs + scale_specs,
+            in_specs=[qo_spec] + page_specs + page_specs + scale_specs + sink_specs,
             out_specs=qo_spec,
             scratch_shapes=[
                 pltpu.VMEM((g, 1), jnp.float32),
@@ -267,6 +291,7 @@ def _decode(
         *([k_pages] * ppb),
         *([v_pages] * ppb),
         *scale_args,
+        *sink_args,
     )
     return out.reshape(td, n, h)
 
@@ -301,9 +326,12 @@ def _prefill_kernel(
     scale,
     softcap,
     quant,
+    has_sinks,
 ):
     del layer_ref, bt_ref, lo_ref, hi_ref
-    k_refs, v_refs, ks_refs, vs_refs, (o_ref, m_ref, l_ref, acc_ref) = _split_refs(refs, ppb, quant)
+    k_refs, v_refs, ks_refs, vs_refs, sink_ref, (o_ref, m_ref, l_ref, acc_ref) = _split_refs(
+        refs, ppb, quant, has_sinks
+    )
     i, r, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     window = window_ref[0]
     t0, t1, start, end = _row_span(i, r, lens_ref, cu_ref, window, bq)
@@ -343,7 +371,7 @@ def _prefill_kernel(
 
     @pl.when((r == pl.num_programs(2) - 1) & (j == pl.num_programs(3) - 1))
     def _():
-        _finish(o_ref, l_ref, acc_ref)
+        _finish(o_ref, m_ref, l_ref, acc_ref, sink_ref)
 
 
 def _prefill(
@@ -357,6 +385,7 @@ def _prefill(
     cu_q_lens,
     window,
     layer,
+    sinks,
     *,
     scale,
     softcap,
@@ -394,6 +423,10 @@ def _prefill(
     tpad = nqb * bq
     qt = jnp.pad(q, ((0, tpad - tp), (0, 0), (0, 0))).reshape(tpad, kh, g, h)
     qt = qt.transpose(1, 0, 2, 3).reshape(kh, tpad * g, h)
+    sink_specs, sink_args = [], []
+    if sinks is not None:  # f32[K, Q * G, 1]: rows (token, head of the group), token-major
+        sink_specs = [pl.BlockSpec((None, bq * g, 1), lambda hd, i, r, j, *_: (hd, 0, 0))]
+        sink_args = [jnp.tile(sinks, (1, bq))[..., None]]
     kernel = functools.partial(
         _prefill_kernel,
         ppb=ppb,
@@ -403,13 +436,14 @@ def _prefill(
         scale=scale,
         softcap=softcap,
         quant=k_scales is not None,
+        has_sinks=sinks is not None,
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(kh, nqb, bp, nkb),
-            in_specs=[qo_spec] + page_specs + page_specs + scale_specs,
+            in_specs=[qo_spec] + page_specs + page_specs + scale_specs + sink_specs,
             out_specs=qo_spec,
             scratch_shapes=[
                 pltpu.VMEM((bq * g, 1), jnp.float32),
@@ -434,6 +468,7 @@ def _prefill(
         *([k_pages] * ppb),
         *([v_pages] * ppb),
         *scale_args,
+        *sink_args,
     )
     out = out.reshape(kh, tpad, g, h).transpose(1, 0, 2, 3).reshape(tpad, n, h)
     return out[:tp]
@@ -456,6 +491,7 @@ def ragged_paged_attention_tpu(
     interpret=False,
     k_scales: jax.Array | None = None,  # f32[L, K, P, Z]; int8 pages only
     v_scales: jax.Array | None = None,  # f32[L, K, P, Z]; int8 pages only
+    sinks: jax.Array | None = None,  # f32[K, G]
 ) -> jax.Array:
     """TPU ragged paged attention; see ``kernels_pallas.ragged_paged_attention`` for the contract.
 
@@ -483,6 +519,7 @@ def ragged_paged_attention_tpu(
                 block_tables[:td],
                 window,
                 layer,
+                sinks,
                 scale=scale,
                 softcap=softcap,
                 ppb=ppb,
@@ -503,6 +540,7 @@ def ragged_paged_attention_tpu(
                 cu,
                 window,
                 layer,
+                sinks,
                 scale=scale,
                 softcap=softcap,
                 ppb=ppb,
