@@ -17,6 +17,8 @@ One sparse layer, for a flat token axis T:
    fused in one, then down). Dropless: every
    pair is computed, no capacity factor. The rows are put back in pair order by the inverse
    permutation and each token's k outputs summed, weighted by their routing weights in float32.
+   int8 experts (``QTensor``, ``quant.quantize``) go through ``expert_matmul``: the same grouped
+   matmul on the int8 values, then each row's own expert's scales (``quant.grouped``).
 3. Qwen2-MoE adds a shared expert (a dense SwiGLU of width S) every token runs, scaled by
    ``sigmoid(h . w)``.
 
