@@ -1601,6 +1601,50 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_moe_parity.py",),
         "speculative",
     ),
+    # ---- int8 mixture of experts (quant/grouped.py, quant/tensor.py)
+    M(
+        "moe_int8_scale_of_next_expert",
+        "jaxinfer/quant/grouped.py",
+        "scales = w.scales[row_groups]  # f32[M, N], each row's own expert's",
+        "scales = w.scales[(row_groups + 1) % w.scales.shape[0]]",
+        ("tests/test_moe_quant.py",),
+        "numpy or (round_tripped and mixtral)",
+    ),
+    M(
+        "moe_int8_router_quantized",
+        "jaxinfer/quant/tensor.py",
+        "        return dataclasses.replace(lp, **qs)\n",
+        "        if lp.router is not None:\n"
+        "            rq = quantize_tensor(lp.router, lead, 1, act)\n"
+        "            qs['router'] = jnp.swapaxes(dequantize(rq), -1, -2)\n"
+        "        return dataclasses.replace(lp, **qs)\n",
+        ("tests/test_moe_quant.py",),
+        "round_tripped",
+    ),
+    M(
+        "moe_w8a8_row_scale_dropped",
+        "jaxinfer/quant/grouped.py",
+        "out = acc.astype(jnp.float32) * scales * sx",
+        "out = acc.astype(jnp.float32) * scales",
+        ("tests/test_moe_quant.py",),
+        "numpy",
+    ),
+    M(
+        "moe_int8_shared_expert_left_float",
+        "jaxinfer/quant/tensor.py",
+        '"shared_w_gate": 1, "shared_w_up": 1, "shared_w_down": 1}',
+        "}",
+        ("tests/test_moe_quant.py",),
+        "round_tripped and qwen2",
+    ),
+    M(
+        "moe_int8_checkpoint_expert_scales_without_e",
+        "jaxinfer/quant/checkpoint.py",
+        "lead = 2  # [L, E, *in, *out]",
+        "lead = 1  # [L, E, *in, *out]",
+        ("tests/test_moe_quant.py",),
+        "checkpoint",
+    ),
 ]
 
 

@@ -217,9 +217,18 @@ def test_window_softcap_random_model_chunked_among_others():
         final_logit_softcap=5.0,
         layer_windows=(5, 0),
     )
+    _assert_chunked_among_others_equals_one_shot(cfg)
+
+
+def _assert_chunked_among_others_equals_one_shot(cfg: ModelConfig) -> None:
+    """Random weights of ``cfg`` (pages of 4): the logits of every position of a 21-token
+    sequence, one-shot in a step of 32 tokens, equal bitwise those of the same sequence
+    prefilled in two chunks (12 + 9 tokens, on other pages) in steps of 16 and 64 tokens, with
+    block tables of 16 and 8 pages, behind other rows' tokens; and the dense forward's."""
     params = init_random(cfg, jax.random.PRNGKey(0), scale=0.3)
+    vocab = cfg.vocab_size
     rng = np.random.default_rng(0)
-    seq, other = rng.integers(3, 96, 21), rng.integers(3, 96, 11)
+    seq, other = rng.integers(3, vocab, 21), rng.integers(3, vocab, 11)
     z = 4
 
     @jax.jit
@@ -294,3 +303,23 @@ def test_cli_flag_reaches_llm(monkeypatch, tmp_path):
     for extra, want in (([], False), (["--batch-invariant"], True)):
         _load_llm(build_parser().parse_args(base + extra))
         assert got.pop().batch_invariant is want
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_random_model_chunked_among_others(family):
+    """Mixture of experts (4 experts, top-2; Qwen2-MoE: a dense first layer and a gated shared
+    expert): routing is per token, and each tile of tokens sorts its own (token, expert) pairs,
+    so a token's expert rows meet the grouped matmul beside other tokens' rows; its numbers must
+    not change with them (the grouped matmul of ``moe.grouped_matmul``'s default impl)."""
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    if family == "qwen2_moe":
+        extra.update(
+            sparse_layers=(False, True),
+            shared_expert_intermediate_size=24,
+            shared_expert_gate=True,
+            attention_bias=True,
+        )
+    else:
+        extra.update(norm_topk_prob=True)
+    cfg = ModelConfig(family, 96, 32, 64, 2, 4, 2, 8, max_position_embeddings=64, **extra)
+    _assert_chunked_among_others_equals_one_shot(cfg)

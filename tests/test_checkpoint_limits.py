@@ -582,7 +582,7 @@ def test_huge_context_with_default_pool_sizing(good, tmp_path):
 
     path = _copy(good, tmp_path / "ck")
     _edit_config(path, lambda c: c.__setitem__("max_position_embeddings", 2**31 - 1))
-    with pytest.raises(ValueError, match=r"KV pool too small: .*need at least 268435457 pages"):
+    with pytest.raises(ValueError, match=r"KV pool too small: .*needs 268435457 pages"):
         LLM(path, skip_tokenizer_init=True, compilation_cache=False)
     with pytest.raises(ValueError, match=r"the KV pool does not fit in memory: .*bytes"):
         LLM(path, skip_tokenizer_init=True, kv_cache_memory_gb=1e6, compilation_cache=False)

@@ -192,8 +192,6 @@ def test_unknown_model_type_lists_moe_families():
 @pytest.mark.parametrize(
     "option, match",
     [
-        (dict(quantization="int8"), "quantization='int8' is not supported for mixture-of-experts"),
-        (dict(batch_invariant=True), "batch_invariant=True is not supported for mixture-of-expert"),
         (dict(data_parallel_size=2), "mixture-of-experts models .* run on one device only"),
     ],
 )
@@ -204,9 +202,26 @@ def test_engine_refuses_unsupported_modes(mixtral, option, match):
         LLM(mixtral, skip_tokenizer_init=True, compilation_cache=False, **option)
 
 
-def test_quantize_refuses_moe(mixtral):
-    from jaxinfer.quant.tensor import quantize
+def test_batch_invariant_moe_runs_on_cpu_only(mixtral):
+    """Refused off CPU; on CPU a request's output logprobs are bitwise the same alone and
+    among others (test_batch_invariant checks the logits of every position)."""
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling.sampler import SamplingParams
 
-    _, params = load_hf(mixtral)
-    with pytest.raises(ValueError, match="int8 weights are not supported for mixture-of-experts"):
-        quantize(params)
+    cfg, _ = load_hf(mixtral)
+    kw = dict(max_model_len=32, kv_pages=8, page_size=8, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant=True for mixture-of-experts .* CPU only"):
+        _resolve_on(cfg, "gpu", kw)
+    llm = LLM(mixtral, skip_tokenizer_init=True, compilation_cache=False, **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    alone = llm.generate([[5, 6, 7, 9, 40]], sp)[0]
+    among = llm.generate([[81, 3, 200], [5, 6, 7, 9, 40], list(range(10, 31))], sp)[1]
+    assert among.token_ids == alone.token_ids
+    assert [e.logprob for e in among.logprobs] == [e.logprob for e in alone.logprobs]  # bitwise
+
+
+def _resolve_on(cfg, backend, kw):
+    from jaxinfer.args import EngineArgs
+    from jaxinfer.engine.config import resolve
+
+    return resolve(EngineArgs("m", **kw), cfg, "float32", backend=backend)

@@ -169,7 +169,8 @@ def resolve(
 
     Raises:
         ValueError: options that cannot run together here, named as the user wrote them
-            (``args.spell``): ``max_model_len`` beyond the model's context; quantization,
+            (``args.spell``): ``max_model_len`` beyond the model's context; ``batch_invariant``
+            with a mixture-of-experts model off CPU; quantization,
             ``batch_invariant``, ``kv_page_major`` or int8 KV pages with a mesh; an
             ``attn_impl`` this backend cannot run or whose kernel cannot tile this model and
             pool; ``kv_page_major`` or ``batch_invariant`` with a Pallas ``attn_impl``; a KV
@@ -192,14 +193,14 @@ def resolve(
             f"not given: the model's context length): a KV page holds tokens of one sequence; "
             f"give a {name('page_size')} of at most {context} (8 or 16 usually)"
         )
-    if cfg.is_moe:  # mixture of experts: one device, float weights, no batch invariance yet
+    if cfg.is_moe:  # mixture of experts: one device; batch invariance checked on CPU only
         moe = f"mixture-of-experts models ({cfg.model_type!r}, num_experts={cfg.num_experts})"
-        if args.quantization not in (None, "none"):
+        if args.batch_invariant and backend != "cpu":
             raise ValueError(
-                f"{spell('quantization')} is not supported for {moe} yet; run them unquantized"
+                f"{spell('batch_invariant')} for {moe} runs on CPU only: there the grouped "
+                "matmul (XLA's tiled loop) was checked bitwise independent of the other tokens "
+                f"of a tile; on {backend} its grouped-matmul kernel has not been"
             )
-        if args.batch_invariant:
-            raise ValueError(f"{spell('batch_invariant')} is not supported for {moe} yet")
         if mesh is not None:
             raise ValueError(f"tensor/data parallel is not supported for {moe} yet")
     if mesh is not None:

@@ -17,6 +17,8 @@ One sparse layer, for a flat token axis T:
    fused in one, then down). Dropless: every
    pair is computed, no capacity factor. The rows are put back in pair order by the inverse
    permutation and each token's k outputs summed, weighted by their routing weights in float32.
+   int8 experts (``QTensor``, ``quant.quantize``) go through ``expert_matmul``: the same grouped
+   matmul on the int8 values, then each row's own expert's scales (``quant.grouped``).
    gpt-oss's experts (``cfg.expert_bias``, ``cfg.expert_glu == "gpt_oss_clamped"``) add their
    biases to each row after the grouped matmuls, the bias of the row's expert
    (``add_expert_bias``), and take the clamped SwiGLU (``gpt_oss_clamped_glu``).
@@ -35,6 +37,9 @@ import jax.numpy as jnp
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import LayerParams
+from jaxinfer.quant.grouped import grouped_qmatmul
+from jaxinfer.quant.matmul import qlinear
+from jaxinfer.quant.tensor import QTensor
 from kernels_pallas.grouped_matmul import BACKENDS, gmm
 
 GROUPED_MATMUL_IMPLS = BACKENDS  # "auto", "xla", "xla_tiled", "reference", "tpu", "gpu"
@@ -64,6 +69,24 @@ def grouped_matmul(
     """
     out = gmm(lhs, rhs, group_sizes, backend=impl, preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
+
+
+def expert_matmul(
+    lhs: jax.Array,
+    w: jax.Array | QTensor,
+    group_sizes: jax.Array,
+    row_experts: jax.Array,
+    impl: str = "auto",
+) -> jax.Array:
+    """``grouped_matmul`` of rows ``lhs`` [M, K] with float expert weights ``w`` [E, K, N], or
+    with int8 ones (a ``QTensor``, values i8[E, N, K], scales f32[E, N]: ``quant.grouped``,
+    each row's output columns scaled by its own expert's ``row_experts`` i32[M] scales).
+    Returns [M, N] in ``lhs``' dtype."""
+    if isinstance(w, QTensor):
+        return grouped_qmatmul(
+            lhs, w, group_sizes, row_experts, lambda x, r, g: grouped_matmul(x, r, g, impl)
+        )
+    return grouped_matmul(lhs, w, group_sizes, impl)
 
 
 def route(
@@ -138,7 +161,8 @@ def expert_mlp(
     dtype.
 
     Args:
-        expert_gate_up: [E, D, 2I]; expert_down: [E, I, D].
+        expert_gate_up: [E, D, 2I]; expert_down: [E, I, D] (or int8 ``QTensor`` values
+            i8[E, 2I, D] and i8[E, D, I], ``expert_matmul``).
         h: [T, D] normed residual stream.
         weights: f32[T, A]; experts: i32[T, A] (``route``).
         impl: the grouped matmul's (``grouped_matmul``).
@@ -150,10 +174,10 @@ def expert_mlp(
     order = jnp.argsort(flat, stable=True)  # sorted row -> pair
     group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     rows = h[order // a]  # [T*A, D] sorted by expert
-    row_experts = flat[order]  # i32[T*A] the expert of each sorted row
-    gate_up = grouped_matmul(rows, expert_gate_up, group_sizes, impl)
+    row_experts = flat[order]  # i32[T*A], each sorted row's expert
+    gate_up = expert_matmul(rows, expert_gate_up, group_sizes, row_experts, impl)
     act = expert_glu(cfg, add_expert_bias(gate_up, gate_up_bias, row_experts))
-    out = grouped_matmul(act, expert_down, group_sizes, impl)  # [T*A, D] sorted
+    out = expert_matmul(act, expert_down, group_sizes, row_experts, impl)  # [T*A, D] sorted
     out = add_expert_bias(out, down_bias, row_experts)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     pairs = out[inverse].reshape(t, a, -1)  # [T, A, D] back in pair order
@@ -181,6 +205,8 @@ def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "auto")
         f32 = jnp.float32
 
         def proj(x, w, spec):
+            if isinstance(w, QTensor):  # int8 shared expert, as a dense MLP's projections
+                return qlinear(x, w, spec)
             return jnp.einsum(spec, x, w, preferred_element_type=f32).astype(h.dtype)
 
         gate = proj(h, lp.shared_w_gate, "TD,DU->TU")

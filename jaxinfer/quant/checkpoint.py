@@ -133,6 +133,8 @@ def _expected_arrays(cfg: ModelConfig, quantized: dict) -> dict[str, tuple[int, 
             continue
         k = quantized[field]
         lead = 1 if field.startswith("layers.") else 0
+        if field in ("layers.expert_gate_up", "layers.expert_down"):
+            lead = 2  # [L, E, *in, *out]: scales per layer, expert and output channel
         src = s[::-1] if field == "embed" else s  # the embedding is quantized as embed.T
         out[f"{field}.values"] = src[:lead] + src[lead + k :] + src[lead : lead + k]
         out[f"{field}.scales"] = src[:lead] + src[lead + k :]

@@ -32,8 +32,13 @@ MODES = ("int8", "w8a8")
 """``"int8"``: weight-only (w8a16), activations stay float. ``"w8a8"``: activations quantized
 per token at run time, integer dot."""
 
-# Linear weights of a layer and the number of their input (contracted) axes, after the L axis.
-LAYER_WEIGHTS = LAYER_PROJECTIONS
+# Linear weights of a layer and the number of their input (contracted) axes, after the L axis:
+# the attention projections, the dense MLP and the shared expert (mixture of experts).
+LAYER_WEIGHTS = {**LAYER_PROJECTIONS, "shared_w_gate": 1, "shared_w_up": 1, "shared_w_down": 1}
+# Expert weights [L, E, *in, *out], one input axis: quantized per expert and output channel
+# (values i8[L, E, out, in], scales f32[L, E, out]). The router (and the shared expert's
+# sigmoid gate) stay float: they choose experts, and int8 rounding would flip near-ties.
+EXPERT_WEIGHTS = ("expert_gate_up", "expert_down")
 
 
 @jax.tree_util.register_dataclass
@@ -145,7 +150,9 @@ def quantize(
 ) -> Params:
     """Quantizes every linear weight of ``params`` (attention projections, MLP) to int8.
 
-    Norms, biases and (unless selected) the embedding and LM head stay float.
+    Mixture of experts: the experts (per expert and output channel) and the shared expert too;
+    the router and the shared expert's gate stay float. Norms, biases and (unless selected)
+    the embedding and LM head stay float.
 
     Args:
         params: float params.
@@ -159,12 +166,6 @@ def quantize(
             to its output-first CPU layout (quantize the loaded params, before the engine).
     """
     act = _act(mode)
-    first = params.layers[0] if isinstance(params.layers, tuple) else params.layers
-    if first.router is not None:
-        raise ValueError(
-            "int8 weights are not supported for mixture-of-experts models yet (the experts and "
-            "router stay float); run them unquantized"
-        )
     if is_quantized(params):
         raise ValueError("params are already quantized")
     if any(
@@ -177,7 +178,18 @@ def quantize(
         )
 
     def qlayers(lp: LayerParams, lead: int) -> LayerParams:
-        qs = {n: quantize_tensor(getattr(lp, n), lead, k, act) for n, k in LAYER_WEIGHTS.items()}
+        qs = {
+            n: quantize_tensor(getattr(lp, n), lead, k, act)
+            for n, k in LAYER_WEIGHTS.items()
+            if getattr(lp, n) is not None  # no dense MLP when every layer is sparse
+        }
+        qs.update(
+            {
+                n: quantize_tensor(getattr(lp, n), lead + 1, 1, act)  # per expert and output
+                for n in EXPERT_WEIGHTS
+                if getattr(lp, n) is not None
+            }
+        )
         return dataclasses.replace(lp, **qs)
 
     if isinstance(params.layers, tuple):  # unstacked (params.unstack_layers)
