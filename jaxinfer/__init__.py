@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from jaxinfer.loaders import LoadedModel, load
     from jaxinfer.outputs import CompletionOutput, RequestOutput
     from jaxinfer.sampling.params import SamplingParams
+    from jaxinfer.sampling.structured_params import GuidedDecodingParams, StructuredOutputsParams
 
 _PUBLIC = {
     "LLM": "jaxinfer.llm",
@@ -24,6 +25,8 @@ _PUBLIC = {
     "LoadedModel": "jaxinfer.loaders",
     "RequestOutput": "jaxinfer.outputs",
     "SamplingParams": "jaxinfer.sampling.params",
+    "StructuredOutputsParams": "jaxinfer.sampling.structured_params",
+    "GuidedDecodingParams": "jaxinfer.sampling.structured_params",
     "load": "jaxinfer.loaders",
 }
 
@@ -34,6 +37,8 @@ __all__ = [
     "LoadedModel",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "__version__",
     "load",
 ]

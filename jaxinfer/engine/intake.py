@@ -52,6 +52,11 @@ def check_request(
             f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size}) "
             "and could never be generated"
         )
+    if params.structured_outputs is not None:
+        raise RequestError(
+            "structured_outputs: constrained decoding is not built yet in this engine; "
+            "send the request without it"
+        )
     check_stop_strings(params, tokenizer)
     check_prompt_logprobs(params, vocab_size, prompt_logprobs_refused_by, len(prompt_ids))
 

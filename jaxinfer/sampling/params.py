@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from jaxinfer.errors import RequestError
+from jaxinfer.sampling.structured_params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Most top-n logprobs a request may ask for (vLLM's default ``max_logprobs``)."""
@@ -82,6 +83,10 @@ class SamplingParams:
             (>= 1; default 1: every position after the first, vLLM's); earlier entries are
             None. Scoring (``LLM.score``) sets it to the continuation's start, so pairs sharing
             a context read its pages from the prefix cache. Must be < the prompt's length.
+        structured_outputs: None = free output; a `StructuredOutputsParams` (or a mapping of its
+            fields) constrains the output to a JSON schema, regex, choice or grammar (vLLM's
+            ``structured_outputs``).
+        guided_decoding: vLLM's older name for ``structured_outputs``; moved there (set one).
 
     Raises:
         RequestError: on a value out of range or of the wrong type; the message names the field
@@ -107,6 +112,8 @@ class SamplingParams:
     n: int = 1
     prompt_logprobs: int | None = None
     prompt_logprobs_from: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -222,6 +229,18 @@ class SamplingParams:
                     f"{name}={v!r} cannot be represented in float32 on device (non-zero "
                     f"magnitudes must be in [{F32_TINY:.8g}, {F32_MAX:.8g}])"
                 )
+
+        so, gd = self.structured_outputs, self.guided_decoding
+        if so is not None and gd is not None:
+            fail("set structured_outputs or its older name guided_decoding, not both")
+        so = gd if so is None else so
+        if so is not None:
+            try:
+                so = StructuredOutputsParams.from_dict(so)
+            except RequestError as e:
+                fail(str(e))
+        setf("structured_outputs", so)
+        setf("guided_decoding", None)
 
         # Normalisations, as vLLM's __post_init__.
         if self.top_k == -1:
