@@ -280,6 +280,15 @@ class EngineArgs:
         group=PARALLEL,
         default_text="1",
     )
+    enable_expert_parallel: bool = option(
+        False,
+        "mixture-of-experts models: split the experts over each replica's "
+        "{tensor_parallel_size} devices (expert parallel; num_experts must be divisible by it) "
+        "instead of splitting every expert's width over them",
+        Switch(),
+        group=PARALLEL,
+        negative="--no-expert-parallel",
+    )
     multihost: bool | None = option(
         None,
         "call jax.distributed.initialize() first (one process per host; for jaxinfer generate, "

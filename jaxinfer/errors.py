@@ -20,3 +20,7 @@ class RequestError(JaxinferError, ValueError):
 class KernelBuildError(JaxinferError, RuntimeError):
     """A native kernel asked for by name cannot be built or loaded here (no C++ compiler, a failed
     build, an unloadable library); the message says why and which implementation needs none."""
+
+
+class ShardingError(JaxinferError, ValueError):
+    """A model cannot be split as asked (the message names the sizes) or the mesh is impossible."""

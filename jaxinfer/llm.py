@@ -102,7 +102,11 @@ class LLM:
         if args.compilation_cache:
             enable_compilation_cache()
         chat_template = args.read_chat_template()
-        placer = ShardedPlacer(args.tensor_parallel_size, args.data_parallel_size)
+        placer = ShardedPlacer(
+            args.tensor_parallel_size,
+            args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+        )
         loaded = load(
             args.model,
             dtype=args.dtype,

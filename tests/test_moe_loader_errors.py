@@ -192,7 +192,7 @@ def test_unknown_model_type_lists_moe_families():
 @pytest.mark.parametrize(
     "option, match",
     [
-        (dict(data_parallel_size=2), "mixture-of-experts models .* run on one device only"),
+        (dict(enable_expert_parallel=True), "tensor_parallel_size=1: give tensor_parallel_size"),
     ],
 )
 def test_engine_refuses_unsupported_modes(mixtral, option, match):

@@ -193,7 +193,7 @@ def resolve(
             f"not given: the model's context length): a KV page holds tokens of one sequence; "
             f"give a {name('page_size')} of at most {context} (8 or 16 usually)"
         )
-    if cfg.is_moe:  # mixture of experts: one device; batch invariance checked on CPU only
+    if cfg.is_moe:  # mixture of experts: batch invariance checked on CPU only
         moe = f"mixture-of-experts models ({cfg.model_type!r}, num_experts={cfg.num_experts})"
         if args.batch_invariant and backend != "cpu":
             raise ValueError(
@@ -201,8 +201,6 @@ def resolve(
                 "matmul (XLA's tiled loop) was checked bitwise independent of the other tokens "
                 f"of a tile; on {backend} its grouped-matmul kernel has not been"
             )
-        if mesh is not None:
-            raise ValueError(f"tensor/data parallel is not supported for {moe} yet")
     if mesh is not None:
         if args.quantization not in (None, "none"):
             raise ValueError(

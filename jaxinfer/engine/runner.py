@@ -22,6 +22,7 @@ reuse counts when it starts a background compile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -231,11 +232,13 @@ class ModelRunner:
             batch = dummy_step_batch(key[1], self.ecfg.page_size)
             if kind == "forward":
                 args = (self.params, self._kv_spec, batch, self._no_prev)
-                return self._forward.lower(*args, **self._static)
+                with self.on_mesh():
+                    return self._forward.lower(*args, **self._static)
             static = dict(cfg=self.cfg, attn_impl=self.attn_impl, num_top=key[2])
             targets = np.zeros(len(batch.tokens), np.int32)
             args = (self.params, self._kv_spec, batch, self._no_prev, targets)
-            return self._forward_plp.lower(*args, **static)
+            with self.on_mesh():
+                return self._forward_plp.lower(*args, **static)
         if kind == "sample":
             b, flags = key[1], tuple(key[2:])
             logits = jax.ShapeDtypeStruct(  # compute_logits: f32, replicated on a mesh
@@ -273,20 +276,22 @@ class ModelRunner:
         prev = self._no_prev if prev_tokens is None else prev_tokens
         plp_out = None
         if not plp_on:
-            self.kv, logits = self._forward(
-                self.params, self.kv, inputs.batch, prev, **self._static
-            )
+            with self.on_mesh():
+                self.kv, logits = self._forward(
+                    self.params, self.kv, inputs.batch, prev, **self._static
+                )
         else:
             static = dict(cfg=self.cfg, attn_impl=self.attn_impl)
-            self.kv, logits, plp_out = self._forward_plp(
-                self.params,
-                self.kv,
-                inputs.batch,
-                prev,
-                inputs.prompt_targets,
-                num_top=plp.num_top(self.cfg.vocab_size),
-                **static,
-            )
+            with self.on_mesh():
+                self.kv, logits, plp_out = self._forward_plp(
+                    self.params,
+                    self.kv,
+                    inputs.batch,
+                    prev,
+                    inputs.prompt_targets,
+                    num_top=plp.num_top(self.cfg.vocab_size),
+                    **static,
+                )
         sampled, next_tokens = self._sample_call(
             logits, inputs.sampling, inputs.controls, inputs.flags
         )
@@ -303,7 +308,8 @@ class ModelRunner:
         batch = dummy_step_batch(buckets.key, self.ecfg.page_size)
         prev = self._no_prev if prev_tokens is None else prev_tokens
         self.compile_keys.add(("forward", buckets.key))
-        self.kv, logits = self._forward(self.params, self.kv, batch, prev, **self._static)
+        with self.on_mesh():
+            self.kv, logits = self._forward(self.params, self.kv, batch, prev, **self._static)
         b = sample_rows(buckets.decode_rows, buckets.prefill_rows)
         st = SamplingTensors.from_params(
             [SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b, pad_to=b
@@ -319,8 +325,17 @@ class ModelRunner:
         pool donated to it, as to a step: a failed call may leave it consumed, see
         ``reset_after_failure``), keeps the new pool and returns ``out``. For device functions of
         their own (speculative rounds); the caller counts their compile keys."""
-        self.kv, out = fn(self.params, self.kv)
+        with self.on_mesh():
+            self.kv, out = fn(self.params, self.kv)
         return out
+
+    def on_mesh(self) -> contextlib.AbstractContextManager:
+        """``jax.set_mesh(mesh)`` for a mixture-of-experts model split over the mesh (its experts'
+        ``shard_map`` reads the context mesh, ``models.expert_sharding``), else a no-op: every
+        trace and call of a forward runs inside it."""
+        if self.mesh is not None and self.cfg.expert_split != "none":
+            return jax.set_mesh(self.mesh)
+        return contextlib.nullcontext()
 
     # ---------------------------------------------------------------- helpers
 

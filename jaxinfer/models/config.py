@@ -185,6 +185,11 @@ class ModelConfig:
             ``GptOssExperts._apply_gate``).
         swiglu_limit: the clamp ``limit`` of ``"gpt_oss_clamped"`` (gpt-oss: 7.0).
         swiglu_alpha: the sigmoid gain ``alpha`` of ``"gpt_oss_clamped"`` (gpt-oss: 1.702).
+        expert_split: how the routed experts are split over the "model" mesh axis
+            (``models.expert_sharding``): ``"none"`` (one device, or a dense model),
+            ``"experts"`` (expert parallel: E / tp whole experts a device) or ``"width"`` (each
+            expert's width I split, as a dense MLP's). Set by the sharding plan, not the
+            checkpoint.
 
     Raises:
         ValueError: a field of the wrong type or out of range: sizes are integers (not bools) in
@@ -234,6 +239,7 @@ class ModelConfig:
     expert_glu: str = "silu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    expert_split: str = "none"
 
     def __post_init__(self):
         if not isinstance(self.model_type, str):
@@ -311,6 +317,10 @@ class ModelConfig:
             raise ValueError(f"expert_glu={self.expert_glu!r}; supported: {EXPERT_GLUS}")
         if self.num_experts == 0 and (self.expert_bias or self.expert_glu != "silu"):
             raise ValueError("expert_bias / expert_glu are set but num_experts=0 (a dense model)")
+        if self.expert_split not in EXPERT_SPLITS:
+            raise ValueError(f"expert_split={self.expert_split!r}; supported: {EXPERT_SPLITS}")
+        if self.expert_split != "none" and self.num_experts == 0:
+            raise ValueError(f"expert_split={self.expert_split!r} but num_experts=0 (dense)")
 
     def _check_moe(self) -> None:
         """Checks and normalises the mixture-of-experts fields (see the class docstring)."""
@@ -424,6 +434,7 @@ _MOE_INT_FIELDS = (
 )
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 EXPERT_GLUS = ("silu", "gpt_oss_clamped")
+EXPERT_SPLITS = ("none", "experts", "width")
 
 
 def num_params(

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
+from jaxinfer.models.expert_sharding import sharded_moe_mlp
 from jaxinfer.models.moe import moe_mlp
 from jaxinfer.models.params import LayerParams, OutInWeight, Params
 from jaxinfer.quant.matmul import qlinear, qlinear_flat
@@ -200,12 +201,14 @@ def mlp(
     i32[] (traced under the layer scan)."""
     if not cfg.is_moe:
         return dense_mlp(cfg, lp, h)
+    # On a mesh the routed experts are split over its "model" axis (expert_sharding).
+    moe = moe_mlp if cfg.expert_split == "none" else sharded_moe_mlp
     if not cfg.has_dense_mlp:
-        return moe_mlp(cfg, lp, h)
+        return moe(cfg, lp, h)
     if isinstance(layer, int):
-        return moe_mlp(cfg, lp, h) if cfg.sparse_layers[layer] else dense_mlp(cfg, lp, h)
+        return moe(cfg, lp, h) if cfg.sparse_layers[layer] else dense_mlp(cfg, lp, h)
     sparse = jnp.asarray(cfg.sparse_layers)[layer]
-    return jax.lax.cond(sparse, lambda h: moe_mlp(cfg, lp, h), lambda h: dense_mlp(cfg, lp, h), h)
+    return jax.lax.cond(sparse, lambda h: moe(cfg, lp, h), lambda h: dense_mlp(cfg, lp, h), h)
 
 
 def attention_output_and_mlp(

@@ -46,11 +46,17 @@ GROUPED_MATMUL_IMPLS = BACKENDS  # "auto", "xla", "xla_tiled", "reference", "tpu
 
 
 def grouped_matmul(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "auto"
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    impl: str = "auto",
+    group_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """Rows of ``lhs`` [T, D], in consecutive groups, each times its group's ``rhs`` [E, D, F]:
     out[t] = lhs[t] @ rhs[e(t)] where rows ``sum(group_sizes[:e]) .. sum(group_sizes[:e+1])``
-    belong to group e. Accumulated in float32, returned [T, F] in ``lhs``' dtype.
+    belong to group e. Accumulated in float32, returned [T, F] in ``lhs``' dtype. With expert
+    parallelism ``rhs`` holds E_local experts from ``group_offset`` on and the rows of the other
+    experts give 0 (``gmm``'s contract).
 
     The one place the expert matmuls are dispatched: ``kernels_pallas.grouped_matmul.gmm`` with
     ``backend=impl`` ("auto": the platform's Pallas kernel where verified, else the tiled XLA
@@ -62,12 +68,13 @@ def grouped_matmul(
         rhs: [E, D, F] one weight per group, ``lhs``' dtype.
         group_sizes: i32[E], rows of each group (zeros allowed); sum(group_sizes) == T.
         impl: one of ``GROUPED_MATMUL_IMPLS``.
+        group_offset: i32[] (or int), the first expert ``rhs`` holds.
 
     Raises:
         ValueError: as ``gmm``: an unknown ``impl``, a kernel on another platform, shapes or
             dtypes it does not take.
     """
-    out = gmm(lhs, rhs, group_sizes, backend=impl, preferred_element_type=jnp.float32)
+    out = gmm(lhs, rhs, group_sizes, group_offset, backend=impl, preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
 
 
@@ -77,16 +84,18 @@ def expert_matmul(
     group_sizes: jax.Array,
     row_experts: jax.Array,
     impl: str = "auto",
+    group_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """``grouped_matmul`` of rows ``lhs`` [M, K] with float expert weights ``w`` [E, K, N], or
     with int8 ones (a ``QTensor``, values i8[E, N, K], scales f32[E, N]: ``quant.grouped``,
     each row's output columns scaled by its own expert's ``row_experts`` i32[M] scales).
-    Returns [M, N] in ``lhs``' dtype."""
+    Returns [M, N] in ``lhs``' dtype. ``group_offset``: the first expert ``w`` holds (float
+    weights only: int8 experts run unsharded, ``expert_sharding`` refuses them on a mesh)."""
     if isinstance(w, QTensor):
         return grouped_qmatmul(
             lhs, w, group_sizes, row_experts, lambda x, r, g: grouped_matmul(x, r, g, impl)
         )
-    return grouped_matmul(lhs, w, group_sizes, impl)
+    return grouped_matmul(lhs, w, group_sizes, impl, group_offset)
 
 
 def route(
@@ -140,10 +149,19 @@ def expert_glu(cfg: ModelConfig, gate_up: jax.Array) -> jax.Array:
     return _silu_glu(gate_up)
 
 
-def add_expert_bias(x: jax.Array, bias: jax.Array | None, row_experts: jax.Array) -> jax.Array:
+def add_expert_bias(
+    x: jax.Array, bias: jax.Array | None, row_experts: jax.Array, first_expert: jax.Array | int = 0
+) -> jax.Array:
     """Rows x [R, F] sorted by expert, plus each row's expert's bias: ``x[r] + bias[e(r)]``
-    with bias [E, F] (None: x unchanged) and row_experts i32[R] the expert of each row."""
-    return x if bias is None else x + bias[row_experts].astype(x.dtype)
+    with bias [E, F] (None: x unchanged) and row_experts i32[R] the expert of each row. With
+    expert parallelism ``bias`` [E_local, F] holds experts ``first_expert ..`` and the rows of
+    the other experts get no bias."""
+    if bias is None:
+        return x
+    local = row_experts - first_expert
+    mine = (local >= 0) & (local < bias.shape[0])
+    b = bias[jnp.clip(local, 0, bias.shape[0] - 1)].astype(x.dtype)
+    return x + jnp.where(mine[:, None], b, jnp.zeros_like(b))
 
 
 def expert_mlp(
@@ -169,20 +187,47 @@ def expert_mlp(
         gate_up_bias: [E, 2I] | None; down_bias: [E, D] | None (gpt-oss's expert biases, added
             after each grouped matmul).
     """
+    y = expert_mlp_partial(
+        cfg, expert_gate_up, expert_down, h, weights, experts, impl, gate_up_bias, down_bias
+    )
+    return y.astype(h.dtype)
+
+
+def expert_mlp_partial(
+    cfg: ModelConfig,
+    expert_gate_up: jax.Array,
+    expert_down: jax.Array,
+    h: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    impl: str = "auto",
+    gate_up_bias: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
+    first_expert: jax.Array | int = 0,
+) -> jax.Array:
+    """``expert_mlp`` before its final cast, f32[T, D], over the experts the weights hold:
+    ``expert_gate_up`` [E_local, D, 2I], ``expert_down`` [E_local, I, D] (biases
+    [E_local, 2I], [E_local, D]) are experts ``first_expert .. first_expert + E_local - 1`` of
+    the ``cfg.num_experts``; every token is routed as on one device and the (token, expert)
+    pairs of the other experts contribute 0. With all E experts (``first_expert`` 0) it is
+    ``expert_mlp``; ``expert_sharding`` sums the shards' partials over the mesh."""
     t, a = experts.shape
     flat = experts.reshape(-1)  # [T*A] pair p = (token p // A, choice p % A)
     order = jnp.argsort(flat, stable=True)  # sorted row -> pair
     group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     rows = h[order // a]  # [T*A, D] sorted by expert
     row_experts = flat[order]  # i32[T*A], each sorted row's expert
-    gate_up = expert_matmul(rows, expert_gate_up, group_sizes, row_experts, impl)
-    act = expert_glu(cfg, add_expert_bias(gate_up, gate_up_bias, row_experts))
-    out = expert_matmul(act, expert_down, group_sizes, row_experts, impl)  # [T*A, D] sorted
-    out = add_expert_bias(out, down_bias, row_experts)
+    off = first_expert
+
+    def matmul(x, w):
+        return expert_matmul(x, w, group_sizes, row_experts, impl, off)
+
+    gate_up = add_expert_bias(matmul(rows, expert_gate_up), gate_up_bias, row_experts, off)
+    out = matmul(expert_glu(cfg, gate_up), expert_down)  # [T*A, D] sorted; other experts' 0
+    out = add_expert_bias(out, down_bias, row_experts, off)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     pairs = out[inverse].reshape(t, a, -1)  # [T, A, D] back in pair order
-    y = jnp.einsum("TAD,TA->TD", pairs.astype(jnp.float32), weights)
-    return y.astype(h.dtype)
+    return jnp.einsum("TAD,TA->TD", pairs.astype(jnp.float32), weights)
 
 
 def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "auto") -> jax.Array:
@@ -201,19 +246,25 @@ def moe_mlp(cfg: ModelConfig, lp: LayerParams, h: jax.Array, impl: str = "auto")
         gate_up_bias=lp.expert_gate_up_bias,
         down_bias=lp.expert_down_bias,
     )
-    if lp.shared_w_gate is not None:
-        f32 = jnp.float32
+    return add_shared_expert(lp, h, y)
 
-        def proj(x, w, spec):
-            if isinstance(w, QTensor):  # int8 shared expert, as a dense MLP's projections
-                return qlinear(x, w, spec)
-            return jnp.einsum(spec, x, w, preferred_element_type=f32).astype(h.dtype)
 
-        gate = proj(h, lp.shared_w_gate, "TD,DU->TU")
-        up = proj(h, lp.shared_w_up, "TD,DU->TU")
-        shared = proj(jax.nn.silu(gate) * up, lp.shared_w_down, "TU,UD->TD")
-        if lp.shared_expert_gate is not None:
-            g = proj(h, lp.shared_expert_gate, "TD,D->T")
-            shared = jax.nn.sigmoid(g)[:, None] * shared
-        y = y + shared
-    return y
+def add_shared_expert(lp: LayerParams, h: jax.Array, y: jax.Array) -> jax.Array:
+    """``y`` [T, D] plus the (gated) shared expert's output of h [T, D] when the layer has one
+    (Qwen2-MoE), else ``y``."""
+    if lp.shared_w_gate is None:
+        return y
+    f32 = jnp.float32
+
+    def proj(x, w, spec):
+        if isinstance(w, QTensor):  # int8 shared expert, as a dense MLP's projections
+            return qlinear(x, w, spec)
+        return jnp.einsum(spec, x, w, preferred_element_type=f32).astype(h.dtype)
+
+    gate = proj(h, lp.shared_w_gate, "TD,DU->TU")
+    up = proj(h, lp.shared_w_up, "TD,DU->TU")
+    shared = proj(jax.nn.silu(gate) * up, lp.shared_w_down, "TU,UD->TD")
+    if lp.shared_expert_gate is not None:
+        g = proj(h, lp.shared_expert_gate, "TD,D->T")
+        shared = jax.nn.sigmoid(g)[:, None] * shared
+    return y + shared

@@ -51,16 +51,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import ShardingError
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.expert_sharding import expert_field_spec, plan_experts, prepare_expert
 from jaxinfer.models.params import Params, params_from_flat
 
 AXES = ("data", "model")
 KV_SPEC = P(None, "model")  # [L, K, ...]: KV heads on axis 1 (also fits [L, K, P, Z] scale arrays)
-
-
-class ShardingError(JaxinferError, ValueError):
-    """A model cannot be split as asked (the message names the sizes) or the mesh is impossible."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +81,14 @@ class ShardingPlan:
     cfg: ModelConfig
 
 
-def plan_sharding(cfg: ModelConfig, tp: int) -> ShardingPlan:
-    """The partitioning of ``cfg`` over ``tp`` devices (see the module docstring for the rules).
+def plan_sharding(cfg: ModelConfig, tp: int, enable_expert_parallel: bool = False) -> ShardingPlan:
+    """The partitioning of ``cfg`` over ``tp`` devices (see the module docstring for the rules;
+    a mixture-of-experts model's experts: ``expert_sharding.plan_experts``, expert parallel with
+    ``enable_expert_parallel``, else each expert's width split).
 
     Raises:
-        ShardingError: the heads or the embedding cannot be split over ``tp`` devices.
+        ShardingError: the heads or the embedding cannot be split over ``tp`` devices; the
+            experts cannot be split as asked (``plan_experts``).
     """
     n, k, f, d, v = (
         cfg.num_heads,
@@ -125,6 +125,7 @@ def plan_sharding(cfg: ModelConfig, tp: int) -> ShardingPlan:
             f"nor vocab_size={v} is divisible by {tp}"
         )
     run_cfg = dataclasses.replace(cfg, num_kv_heads=k * r, intermediate_size=ffn)
+    run_cfg = plan_experts(run_cfg, tp, enable_expert_parallel)
     return ShardingPlan(tp, r, ffn, embed_axis, head_axis, run_cfg)
 
 
@@ -164,7 +165,9 @@ def field_spec(plan: ShardingPlan, field: str) -> P:
     if field == "lm_head":
         return P(None, "model") if plan.head_axis == "vocab" else P("model", None)
     if field.startswith("layers."):
-        return _LAYER_SPECS.get(field.split(".", 1)[1], P())
+        name = field.split(".", 1)[1]
+        moe = expert_field_spec(plan.cfg, name)
+        return moe if moe is not None else _LAYER_SPECS.get(name, P())
     return P()  # final_norm
 
 
@@ -233,6 +236,7 @@ def param_specs(plan: ShardingPlan, params: Params) -> Params:
 def prepare(plan: ShardingPlan, field: str, x: np.ndarray) -> np.ndarray:
     """Applies the exactness rules to one host tensor: repeats KV heads, zero-pads the MLP width."""
     name = field.split(".", 1)[-1]
+    x = prepare_expert(plan.cfg, plan.tp, name, x)
     if plan.kv_repeat > 1 and name in ("wk", "wv", "bk", "bv"):
         x = np.repeat(x, plan.kv_repeat, axis=2 if name in ("wk", "wv") else 1)
     f_axis = {"w_gate": 2, "w_up": 2, "w_down": 1}.get(name)
@@ -328,8 +332,10 @@ class ShardedPlacer:
         tensor_parallel_size: int | None = None,
         data_parallel_size: int | None = None,
         devices: Sequence[jax.Device] | None = None,
+        enable_expert_parallel: bool = False,
     ):
         self.tp, self.dp, self.devices = tensor_parallel_size, data_parallel_size, devices
+        self.enable_expert_parallel = enable_expert_parallel
         self.mesh: Mesh | None = None
         self.plan: ShardingPlan | None = None
 
@@ -340,13 +346,7 @@ class ShardedPlacer:
         if tp is None and dp is None:
             tp, dp = default_parallelism(cfg, dtype, self.devices)
         tp, dp = tp or 1, dp or 1
-        if cfg.is_moe and tp * dp > 1:
-            raise ShardingError(
-                f"tensor_parallel_size={tp}, data_parallel_size={dp}: mixture-of-experts models "
-                f"({cfg.model_type!r}, num_experts={cfg.num_experts}) run on one device only; "
-                "tensor, data and expert parallel are not supported for them yet"
-            )
-        self.plan = plan_sharding(cfg, tp)
+        self.plan = plan_sharding(cfg, tp, self.enable_expert_parallel)
         if tp * dp > 1:
             self.mesh = make_mesh(tp, dp, self.devices)
 
