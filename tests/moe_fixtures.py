@@ -68,6 +68,23 @@ CASES: dict[str, tuple[str, dict]] = {
     ),
 }
 
+# Expert parallel on 8 devices (tests/test_moe_parallel.py, not in CASES): a Qwen3-MoE whose 8
+# query heads and 8 experts split over tp = 8; 2 KV heads (repeated for tp > 2), the first of 2
+# layers dense.
+EP_CASE = (
+    "qwen3_moe",
+    dict(
+        num_attention_heads=8,
+        head_dim=16,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
+)
+
 WEIGHT_STD = 0.2
 NORM_STD = 0.2
 ROUTER_STD = 0.5
@@ -89,11 +106,12 @@ def _randomize(model, seed: int):
 
 
 def build_checkpoint(name: str, path: str, seed: int = 0) -> str:
-    """Saves the random tiny model of ``CASES[name]`` to ``path``; returns ``path``."""
+    """Saves the random tiny model of ``CASES[name]`` (or ``EP_CASE`` for "ep") to ``path``;
+    returns ``path``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, overrides = CASES[name]
+    model_type, overrides = EP_CASE if name == "ep" else CASES[name]
     config = AutoConfig.for_model(model_type, **{**_BASE, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")

@@ -57,9 +57,9 @@ class _NoTokenizer:
         return ""
 
 
-def build(path, tp: int, dp: int):
+def build(path, tp: int, dp: int, enable_expert_parallel: bool = False):
     """Engines (one per replica) of the checkpoint on a tp x dp mesh, as ``LLM`` builds them."""
-    placer = ShardedPlacer(tp, dp)
+    placer = ShardedPlacer(tp, dp, enable_expert_parallel=enable_expert_parallel)
     loaded = load(path, dtype="float32", place=placer)
     tok = loaded.tokenizer or _NoTokenizer()
     # Layers unrolled (the CPU default) on one device and the 2 x 1 mesh; under lax.scan (the

@@ -55,6 +55,10 @@ FLAGS = [
     ),
     (["--speculative", "ngram", "--num-speculative-tokens", "2"], dict(num_speculative_tokens=2)),
     (["--no-multihost"], dict(multihost=False)),
+    (
+        ["--enable-expert-parallel", "--tensor-parallel-size", "4"],
+        dict(enable_expert_parallel=True),
+    ),
 ]
 
 
