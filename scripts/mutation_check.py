@@ -80,6 +80,8 @@ LOOP = "tests/test_engine_loop.py"
 KV = "tests/test_kv_manager.py"
 GPT_OSS_MOE = "tests/test_gpt_oss_moe.py"
 GMM = "tests/test_grouped_matmul.py"
+EXPERT_SHARDING = "jaxinfer/models/expert_sharding.py"
+MOE_PARALLEL = "tests/test_moe_parallel.py"
 MUTATIONS: list[Mutation] = [
     # ---- quantization scales
     M(
@@ -1596,10 +1598,59 @@ MUTATIONS: list[Mutation] = [
     M(
         "moe_scan_layer_kind_inverted",
         "jaxinfer/models/forward.py",
-        "return jax.lax.cond(sparse, lambda h: moe_mlp(",
-        "return jax.lax.cond(~sparse, lambda h: moe_mlp(",
+        "return jax.lax.cond(sparse, lambda h: moe(cfg",
+        "return jax.lax.cond(~sparse, lambda h: moe(cfg",
         ("tests/test_moe_parity.py",),
         "speculative",
+    ),
+    # ---- expert parallelism (models/expert_sharding.py)
+    M(
+        "ep_group_offset_is_shard_index",
+        EXPERT_SHARDING,
+        "first = jax.lax.axis_index(AXIS) * gate_up.shape[0] if by_experts else 0",
+        "first = jax.lax.axis_index(AXIS) if by_experts else 0",
+        (MOE_PARALLEL,),
+        "eight_devices",
+    ),
+    M(
+        "ep_experts_per_shard_off_by_one",
+        EXPERT_SHARDING,
+        "first = jax.lax.axis_index(AXIS) * gate_up.shape[0] if by_experts else 0",
+        "first = jax.lax.axis_index(AXIS) * (gate_up.shape[0] + 1) if by_experts else 0",
+        (MOE_PARALLEL,),
+        "eight_devices",
+    ),
+    M(
+        "ep_partials_not_summed",
+        EXPERT_SHARDING,
+        "return jax.lax.psum(y, AXIS)",
+        "return y",
+        (MOE_PARALLEL,),
+        "eight_devices",
+    ),
+    M(
+        "ep_expert_down_split_on_width",
+        EXPERT_SHARDING,
+        '"expert_down": P(None, AXIS, None, None),',
+        '"expert_down": P(None, None, AXIS, None),',
+        (MOE_PARALLEL,),
+        "eight_devices",
+    ),
+    M(
+        "ep_gate_up_bias_by_global_expert",
+        "jaxinfer/models/moe.py",
+        "local = row_experts - first_expert",
+        "local = row_experts",
+        (MOE_PARALLEL,),
+        "eight_devices",
+    ),
+    M(
+        "width_split_gate_up_not_per_shard",
+        EXPERT_SHARDING,
+        "both = np.stack([gate.reshape(*lead, tp, per), up.reshape(*lead, tp, per)], axis=-2)",
+        "both = np.concatenate([gate, up], axis=-1)",
+        (MOE_PARALLEL,),
+        "width_split or eight_devices",
     ),
     # ---- int8 mixture of experts (quant/grouped.py, quant/tensor.py)
     M(
