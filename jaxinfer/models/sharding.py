@@ -21,6 +21,7 @@ Partitioning rules (``param_specs``; ``tp`` = size of "model"):
 | lm_head | [D, V] | V (logits are all-gathered); D when V is not divisible |
 | norms, q/k norms | [L, D], [L, H], [D] | replicated |
 | KV pool k/v_pages | [L, K, P, Z, H] | K (axis 1; any per-page scale array follows axis 1) |
+| router, experts, shared expert | | ``expert_sharding`` (experts: E or I; shared: U) |
 
 Rules that keep the numbers exact when a size does not divide (applied at load by ``prepare``; the
 engine runs with the adjusted config ``ShardingPlan.cfg``):
