@@ -60,9 +60,12 @@ class _Step:
 
 @dataclasses.dataclass(eq=False)
 class _Launched:
-    """A step whose forward is dispatched and whose sampling is not yet (``_launch``)."""
+    """A dispatched step (``_launch``): a constrained one (flags ending in ``MASKED``) has only
+    its forward dispatched (``fwd``), its sampling waits for the masks; another is dispatched
+    whole (``out``)."""
 
-    fwd: Forwarded
+    fwd: Forwarded | None
+    out: StepOutput | None
     sampled: list[tuple[Sequence, int]]  # (sequence, row) of each row that samples a token
     num_logprobs: int
     prompt_lp: plp.StepPlan | None
@@ -387,8 +390,9 @@ class EngineCore:
         return self._sample(self._launch(step, prev))
 
     def _launch(self, step: _Step, prev: _InFlight | None) -> _Launched:
-        """Builds the step's host inputs and dispatches its forward (``ModelRunner.run_forward``);
-        advances ``num_computed`` and marks each sampled token pending."""
+        """Builds the step's host inputs and dispatches them: a constrained step its forward only
+        (``ModelRunner.run_forward``), another the whole step (``ModelRunner.run``); advances
+        ``num_computed`` and marks each sampled token pending."""
         sched, bk = step.sched, step.buckets
         self.buckets.dispatching(step.need, bk)
         batch, bk = build_step_batch(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq, bk)
@@ -404,7 +408,11 @@ class EngineCore:
             step.flags,
             None if plan is None else plan.targets,
         )
-        fwd = self.runner.run_forward(inputs, None if prev is None else prev.out.next_tokens)
+        prev_tokens = None if prev is None else prev.out.next_tokens
+        if step.flags[-1] == MASKED:
+            fwd, out = self.runner.run_forward(inputs, prev_tokens), None
+        else:
+            fwd, out = None, self.runner.run(inputs, prev_tokens)
         sampled = []
         for row, r in rows:
             seq = row.seq
@@ -419,15 +427,14 @@ class EngineCore:
             ) or seq.num_tokens >= self.ecfg.max_model_len:
                 seq.pending_final = True  # finishes on this token whatever it is
             sampled.append((seq, r))
-        return _Launched(fwd, sampled, step.flags[1], plan)
+        return _Launched(fwd, out, sampled, step.flags[1], plan)
 
     def _sample(self, launched: _Launched) -> _InFlight:
         """Dispatches a launched step's sampling (``ModelRunner.run_sample``), with the token
         bitmask of its constrained rows when its flags end in ``MASKED``: each such row's
         grammar has accepted every token before the one sampled now (all read back)."""
-        fwd = launched.fwd
-        bitmask = None
-        if fwd.inputs.flags[-1] == MASKED:
+        out, fwd = launched.out, launched.fwd
+        if out is None:
             b = len(fwd.inputs.batch.logits_indices)
             bitmask = full_bitmask(b, self.cfg.vocab_size)
             rows = []
@@ -442,7 +449,7 @@ class EngineCore:
                     )
                 rows.append((req.grammar, r))
             self.grammars.fill_bitmask(rows, bitmask)
-        out = self.runner.run_sample(fwd, bitmask)
+            out = self.runner.run_sample(fwd, bitmask)
         return _InFlight(out, launched.sampled, launched.num_logprobs, launched.prompt_lp)
 
     def _collect(self, done: _InFlight) -> list[RequestOutput]:
