@@ -554,7 +554,7 @@ class EngineCore:
         try:
             reason = self._advance(req, tok, lp)
         except GrammarViolation as e:  # a bug, never the model's choice: fail loudly
-            return self.fail_request(seq.request_id, f"internal error: {e}")
+            return self.fail_request(seq.request_id, str(e))
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._output(req)

@@ -178,6 +178,7 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     if voc.tokenizer_json is not None:
         return llg.LLTokenizer(voc.tokenizer_json, n_vocab=vocab_size, eos_token=eos)
     tokens = list(voc.token_bytes) + [b""] * max(0, vocab_size - len(voc.token_bytes))
+    greedy = _GreedyEncoder(tokens)
 
     class _Vocab:  # what llguidance's TokenizerWrapper reads
         eos_token_id = eos[0]
@@ -188,11 +189,44 @@ def ll_tokenizer(tokenizer, vocab_size: int):
             self.tokens = tokens
 
         def __call__(self, text):
-            if isinstance(text, bytes):
-                text = text.decode("utf-8", errors="replace")
-            return voc.encode(text)
+            # llguidance tokenizes the bytes a grammar forces with this: it must give back
+            # exactly those bytes. SentencePiece's normaliser drops or merges spaces (" " ->
+            # no ids), so such texts take a lossless greedy encoding instead.
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
+            try:
+                ids = voc.encode(data.decode("utf-8"))
+            except UnicodeDecodeError:
+                ids = None
+            if ids is None or b"".join(tokens[i] for i in ids) != data:
+                ids = greedy.encode(data)
+            return ids
 
     return llg.LLTokenizer(llg.TokenizerWrapper(_Vocab()), n_vocab=vocab_size, eos_token=eos)
+
+
+class _GreedyEncoder:
+    """Longest-match encoding of bytes over a vocabulary's token bytes (lossless where every byte
+    has a token: SentencePiece byte fallback, byte-level BPE); bytes without one are skipped."""
+
+    def __init__(self, tokens: list[bytes]):
+        self._ids: dict[bytes, int] = {}
+        for i, t in enumerate(tokens):
+            if t:
+                self._ids.setdefault(t, i)
+        self._longest = max((len(t) for t in self._ids), default=1)
+
+    def encode(self, data: bytes) -> list[int]:
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                tid = self._ids.get(data[i : i + n])
+                if tid is not None:
+                    out.append(tid)
+                    i += n
+                    break
+            else:
+                i += 1
+        return out
 
 
 class GrammarMatcher:
@@ -216,8 +250,14 @@ class GrammarMatcher:
         """Advances the state by one sampled token.
 
         Raises:
-            GrammarViolation: the grammar does not allow ``token`` here.
+            GrammarViolation: the grammar does not allow ``token`` here, or llguidance gave up
+                on the grammar before it (a limit of its parser: the message says which).
         """
+        if self._m.is_error():
+            raise GrammarViolation(
+                f"{self.field}: the grammar engine (llguidance) failed at output index "
+                f"{self.num_accepted}: {_first_lines(self._m.get_error(), 2)}"
+            )
         if not self._m.consume_token(int(token)):
             raise GrammarViolation(
                 f"{self.field}: token {int(token)} at output index {self.num_accepted} is not "
@@ -330,7 +370,7 @@ class Grammars:
         )
 
 
-def _first_lines(msg: str, n: int = 3) -> str:
+def _first_lines(msg: str, n: int = 5) -> str:
     """The first ``n`` lines of an llguidance error (it appends the parser state and grammar)."""
     lines = [ln for ln in msg.strip().splitlines() if ln.strip()]
     return " ".join(lines[:n]) if lines else "invalid grammar"
