@@ -1665,7 +1665,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "so_mask_after_sampling",
         "jaxinfer/engine/step.py",
-        "    if bitmask is not None:\n        logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)\n",
+        "    if bitmask is not None:\n"
+        "        logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)\n",
         "",
         (SO,),
     ),
