@@ -110,7 +110,7 @@ def bench_model(name: str, n: int, max_tokens: int, max_num_seqs: int) -> dict:
 
     def run(params) -> tuple[float, int, list]:
         t = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts[: len(params)], params)
         wall = time.perf_counter() - t
         return wall, sum(len(o.token_ids) for o in outs), outs
 
