@@ -5,14 +5,14 @@
 
 For each model: a batch of N requests (default 64, one prompt each, temperature 1.0, seeded)
 run twice on one warm ``LLM``: every request constrained by a JSON schema (an array of at least
-ten small objects, no whitespace: outputs reach ``max_tokens`` as the unconstrained ones do), then the same requests unconstrained
-(``ignore_eos``). Reported: output tokens/s of each (the slowdown in %), the host's mask time
-per token per row (µs, ``Grammars.fill_bitmask`` timed around each call, divided by the rows it
-filled) and the matcher's advance time per token, the first-request cost of a schema (the
-llguidance tokenizer, then the grammar compiled) and the same with the schema cached. Each
-configuration is run once warm-up first (compilations excluded). The summary also gives the
-CPU model, the commit and the load average; it is appended to
-``results/bench_structured.jsonl``.
+ten small objects, no whitespace: outputs reach ``max_tokens`` as the unconstrained ones do),
+then the same requests unconstrained (``ignore_eos``). Reported: output tokens/s of each (the
+slowdown in %), the host's mask time per token per row (µs: ``Grammars.fill_bitmask`` timed
+around each call, divided by the rows it filled), the matcher's advance time per token, the
+first-request cost of a schema (the llguidance tokenizer, then the grammar compiled) and the
+same with the schema cached. Both configurations run once before they are timed (compilations
+excluded). The summary also gives the CPU model, the commit and the load average; it is
+appended to ``results/bench_structured.jsonl``.
 """
 
 from __future__ import annotations
