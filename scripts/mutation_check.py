@@ -78,6 +78,7 @@ EA = "tests/test_engine_args.py"
 CTO = "tests/test_chat_template_option.py"
 LOOP = "tests/test_engine_loop.py"
 KV = "tests/test_kv_manager.py"
+SO = "tests/test_structured_outputs.py"
 GPT_OSS_MOE = "tests/test_gpt_oss_moe.py"
 GMM = "tests/test_grouped_matmul.py"
 EXPERT_SHARDING = "jaxinfer/models/expert_sharding.py"
@@ -425,7 +426,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "greedy_variant_never_run",
         "jaxinfer/engine/runner.py",
-        "greedy=flags == GREEDY_FLAGS,",
+        "greedy=flags[:3] == GREEDY_FLAGS,",
         "greedy=False,",
         ("tests/test_bucket_reuse.py",),
         "tail",
@@ -1695,6 +1696,43 @@ MUTATIONS: list[Mutation] = [
         "lead = 1  # [L, E, *in, *out]",
         ("tests/test_moe_quant.py",),
         "checkpoint",
+    ),
+    # ---- structured outputs (issue 31)
+    M(
+        "so_mask_off_by_one_word",
+        "jaxinfer/sampling/sampler.py",
+        "    bits = jnp.right_shift(bitmask[:, :, None], shifts) & 1  # i32[B, W, 32]",
+        "    bits = jnp.right_shift(jnp.roll(bitmask, 1, axis=1)[:, :, None], shifts) & 1",
+        (SO,),
+    ),
+    M(
+        "so_eos_always_allowed",
+        "jaxinfer/engine/core.py",
+        "            self.grammars.fill_bitmask(rows, bitmask)\n",
+        "            self.grammars.fill_bitmask(rows, bitmask)\n"
+        "            bitmask[:, 0] |= 1 << 2  # EOS (id 2 on stories260K)\n",
+        (SO,),
+    ),
+    M(
+        "so_mask_after_sampling",
+        "jaxinfer/engine/step.py",
+        "    if bitmask is not None:\n"
+        "        logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)\n",
+        "",
+        (SO,),
+    ),
+    M(
+        "so_stale_mask",
+        "jaxinfer/engine/core.py",
+        "        results = self._collect(done)\n"
+        "        self.recovery.culprits = [row.seq for row in nxt.sched.rows]\n"
+        "        try:\n"
+        "            self._inflight = self._sample(launched)\n",
+        "        self.recovery.culprits = [row.seq for row in nxt.sched.rows]\n"
+        "        try:\n"
+        "            self._inflight = self._sample(launched)  # before the tokens in flight\n"
+        "            results = self._collect(done)\n",
+        (SO,),
     ),
 ]
 
