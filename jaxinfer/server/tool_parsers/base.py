@@ -194,6 +194,20 @@ def parse_calls_from(
             i += len(sep)
 
 
+def json_list_calls(text: str, i: int, content: str) -> Parsed:
+    """The calls of a JSON list of call objects (``[{"name": ..., "arguments"|"parameters":
+    ...}, ...]``) whose ``[`` is at ``text[i - 1]``, after ``content``; ``ok`` only when the
+    list is closed and nothing but whitespace follows."""
+    calls: list[PartialCall] = []
+    end, ok = parse_calls_from(text, i, ",", calls, until="]")
+    if not ok:
+        return Parsed(content, tuple(calls), ok=False)
+    end = skip_ws(text, end)
+    closed = end < len(text) and text[end] == "]"
+    tail_ok = skip_ws(text, end + 1) == len(text) if closed else end == len(text)
+    return Parsed(content, tuple(calls), ok=closed and tail_ok)
+
+
 def split_content(text: str, marker: str, final: bool) -> tuple[str, int]:
     """The content before the first ``marker`` in ``text`` and the marker's index (-1 if
     absent). Content before a marker loses its trailing whitespace; while the text may grow
@@ -215,6 +229,7 @@ __all__ = [
     "ToolParser",
     "call_from_object",
     "content_or_none",
+    "json_list_calls",
     "parse_calls_from",
     "split_content",
     "strict_calls",

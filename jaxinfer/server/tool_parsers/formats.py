@@ -8,6 +8,7 @@ from jaxinfer.server.tool_parsers.base import (
     PartialCall,
     ToolParser,
     call_from_object,
+    json_list_calls,
     parse_calls_from,
     split_content,
 )
@@ -104,18 +105,8 @@ class MistralParser(ToolParser):
         if i >= n:
             return Parsed(content, (), ok=not final)
         if text[i] == "[":
-            return self._json_list(text, i + 1, content)
+            return json_list_calls(text, i + 1, content)
         return self._named(text, i, content, final)
-
-    def _json_list(self, text: str, i: int, content: str) -> Parsed:
-        calls: list[PartialCall] = []
-        end, ok = parse_calls_from(text, i, ",", calls, until="]")
-        if not ok:
-            return Parsed(content, tuple(calls), ok=False)
-        end = skip_ws(text, end)
-        closed = end < len(text) and text[end] == "]"
-        tail_ok = skip_ws(text, end + 1) == len(text) if closed else end == len(text)
-        return Parsed(content, tuple(calls), ok=closed and tail_ok)
 
     def _named(self, text: str, i: int, content: str, final: bool) -> Parsed:
         calls: list[PartialCall] = []
@@ -141,3 +132,29 @@ class MistralParser(ToolParser):
             if not text.startswith(self.TAG, m):
                 return Parsed(content, tuple(calls), ok=False)
             i = skip_ws(text, m + len(self.TAG))
+
+
+class RequiredParser(ToolParser):
+    """The output of ``tool_choice: "required"``: the grammar makes it a JSON list of
+    ``{"name": ..., "parameters": {...}}`` objects (``tool_choice.required_schema``)."""
+
+    name = "required"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        i = skip_ws(text, 0)
+        if i >= len(text):
+            return Parsed("", (), ok=not final)
+        if text[i] != "[":
+            return Parsed("", (), ok=False)
+        return json_list_calls(text, i + 1, "")
+
+
+class NamedParser(ToolParser):
+    """The output of a named ``tool_choice``: the grammar makes the whole output the
+    function's arguments (a JSON object of its parameters' schema)."""
+
+    def __init__(self, function: str):
+        self.name = function
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        return Parsed("", (PartialCall(self.name, text.lstrip(), final),))
