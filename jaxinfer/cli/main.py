@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import textwrap
 import time
@@ -227,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
         "position ('prompt_logprobs' in the record: null, then one per prompt token)",
     )
     s.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="a JSON schema file every output must match (structured_outputs.json: the "
+        "output is one JSON value valid against it, constrained while it is generated); a "
+        "record's own structured_outputs or response_format replaces it",
+    )
+    s.add_argument(
         "--sampling-seed",
         type=int,
         default=d["seed"],
@@ -255,6 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_json_schema(path: str) -> str:
+    """The text of ``--json-schema FILE`` (raises UsageError when it cannot be read or is not a
+    JSON object or boolean; whether the grammar library accepts it is checked per request)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--json-schema: cannot read {path}: {e}") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--json-schema: {path} is not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise UsageError(f"--json-schema: {path} holds a {type(schema).__name__}, not a schema")
+    return text
+
+
 def sampling_defaults_from_args(args: argparse.Namespace) -> dict:
     """The command line's sampling defaults as a SamplingParams dict (raises UsageError)."""
     d = {
@@ -275,6 +300,8 @@ def sampling_defaults_from_args(args: argparse.Namespace) -> dict:
         "n": args.n,
         "prompt_logprobs": args.prompt_logprobs,
     }
+    if args.json_schema is not None:
+        d["structured_outputs"] = {"json": read_json_schema(args.json_schema)}
     try:
         SamplingParams.from_dict(d)
     except RequestError as e:

@@ -81,7 +81,7 @@ def run_settings(args) -> dict:
 def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
     """sha256 (hex) of a request's prompt token ids and sampling params (canonical JSON; ``n``
     left out when 1, so n = 1 fingerprints are those written before ``n`` existed; likewise
-    ``prompt_logprobs`` when None)."""
+    ``prompt_logprobs`` and ``structured_outputs`` when None)."""
     sampling = dataclasses.asdict(params)
     if sampling["n"] == 1:
         del sampling["n"]
@@ -89,6 +89,9 @@ def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
         sampling.pop("prompt_logprobs", None)
     if sampling.get("prompt_logprobs_from") == 1:
         sampling.pop("prompt_logprobs_from", None)
+    for k in ("structured_outputs", "guided_decoding"):  # from before they existed
+        if sampling.get(k) is None:
+            sampling.pop(k, None)
     blob = json.dumps(
         {"prompt_token_ids": [int(t) for t in prompt_ids], "sampling": sampling},
         sort_keys=True,

@@ -38,6 +38,8 @@ from jaxinfer.errors import RequestError
 from jaxinfer.sampling.params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+CONSTRAINT_KEYS = ("structured_outputs", "guided_decoding", "response_format")
+"""A record's output constraint (one of them; it replaces ``--json-schema``'s)."""
 DUPLICATE_PREFIX = "duplicate id"
 """The error of a repeated input id says this after its line number."""
 MAX_LINE_BYTES = 64 * 2**20
@@ -352,6 +354,22 @@ def _parse_record(ln: _Line, defaults: dict, max_line_bytes: int = MAX_LINE_BYTE
     key = next(k for k in PROMPT_KEYS if k in rec)
     value = rec.pop(key)
     job.prompt = value if key == "prompt" else {key: value}
+    if any(k in rec for k in CONSTRAINT_KEYS):  # the record's constraint replaces the default
+        defaults = {k: v for k, v in defaults.items() if k not in CONSTRAINT_KEYS}
+    if "response_format" in rec:
+        try:
+            so = structured_outputs_of(rec.pop("response_format"))
+        except RequestError as e:
+            job.error, job.prompt = _clip(f"line {n}: {e}"), None
+            return job
+        if so is not None:
+            if "structured_outputs" in rec or "guided_decoding" in rec:
+                job.error, job.prompt = (
+                    _clip(f"line {n}: set response_format or structured_outputs, not both"),
+                    None,
+                )
+                return job
+            rec["structured_outputs"] = so
     merged = {**defaults, **rec}
     try:
         SamplingParams.from_dict(merged)
@@ -360,6 +378,48 @@ def _parse_record(ln: _Line, defaults: dict, max_line_bytes: int = MAX_LINE_BYTE
         return job
     job.sampling = merged
     return job
+
+
+def structured_outputs_of(response_format: Any) -> dict | None:
+    """OpenAI's ``response_format`` as ``structured_outputs`` fields: ``{"type": "text"}`` ->
+    None (no constraint), ``{"type": "json_object"}`` -> ``{"json_object": True}``,
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`` ->
+    ``{"json": schema}`` (the output always follows the schema: ``strict`` false is not looser).
+
+    Raises:
+        RequestError: any other shape, naming the field.
+    """
+
+    def fail(msg: str):
+        raise RequestError(f"response_format: {msg}")
+
+    if not isinstance(response_format, dict):
+        fail(f"expected an object, got {_got(response_format)}")
+    kind = response_format.get("type")
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+    if kind not in allowed:
+        fail(f'type must be "text", "json_object" or "json_schema", got {_got(kind)}')
+    extra = sorted(set(response_format) - allowed[kind])
+    if extra:
+        fail(f"unknown field(s) {', '.join(extra)} for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    js = response_format.get("json_schema")
+    if not isinstance(js, dict):
+        fail(f"json_schema must be an object with a schema, got {_got(js)}")
+    extra = sorted(set(js) - {"name", "schema", "strict", "description"})
+    if extra:
+        fail(f"json_schema: unknown field(s) {', '.join(extra)}")
+    if "name" in js and not isinstance(js["name"], str):
+        fail(f"json_schema.name must be a string, got {_got(js['name'])}")
+    if "strict" in js and not isinstance(js["strict"], bool | None):
+        fail(f"json_schema.strict must be a boolean, got {_got(js['strict'])}")
+    schema = js.get("schema")
+    if not isinstance(schema, dict | bool):
+        fail(f"json_schema.schema must be a JSON schema object, got {_got(schema)}")
+    return {"json": schema}
 
 
 def _record_problem(rec: dict, bad_utf8: bool) -> str | None:

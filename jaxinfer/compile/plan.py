@@ -34,7 +34,7 @@ from jaxinfer.compile.buckets import BackgroundCompiler
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.resume import ResumeState
-from jaxinfer.engine.runner import Capabilities, StepInputs, StepOutput, step_keys
+from jaxinfer.engine.runner import Capabilities, Forwarded, StepInputs, StepOutput, step_keys
 from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.sampler import SampleOutput, SamplingParams
 
@@ -88,13 +88,20 @@ class PlanRunner:
 
         return step_keys(buckets, flags, num_top(self.cfg.vocab_size) if prompt_logprobs else 0)
 
-    def run(self, inputs: StepInputs, prev_tokens=None) -> StepOutput:
+    def run(self, inputs: StepInputs, prev_tokens=None, bitmask=None) -> StepOutput:
+        return self.run_sample(self.run_forward(inputs, prev_tokens), bitmask)
+
+    def run_forward(self, inputs: StepInputs, prev_tokens=None) -> Forwarded:
         self.compile_keys.update(
             self.step_keys(inputs.buckets, inputs.flags, inputs.prompt_targets is not None)
         )
         for k in self.compile_keys.order[len(self.first_step) :]:  # background ones too
             self.first_step[k] = self.num_runs
         self.num_runs += 1
+        return Forwarded(inputs, None)
+
+    def run_sample(self, fwd: Forwarded, bitmask=None) -> StepOutput:
+        inputs = fwd.inputs
         b, n = len(inputs.batch.logits_indices), inputs.flags[1]
         out = SampleOutput(
             tokens=np.full(b, self.token, np.int32),
@@ -112,6 +119,30 @@ class PlanRunner:
 
 
 _PLAN_TOKENIZER = types.SimpleNamespace(has_text=False, eos_ids=(), bos_id=None, path="<job plan>")
+
+
+class _AnyToken:
+    """A grammar state that accepts every token and never completes (a planned constrained
+    request runs to its ``max_tokens``, as the plan's other requests)."""
+
+    done = False
+
+    def accept(self, token: int) -> None:
+        pass
+
+
+class _PlanGrammars:
+    """``structured.Grammars``'s API for the plan: constrained requests take the masked
+    sampling keys, but no grammar is compiled and every mask allows everything."""
+
+    def check(self, so) -> None:
+        pass
+
+    def matcher(self, so) -> _AnyToken:
+        return _AnyToken()
+
+    def fill_bitmask(self, rows, bitmask) -> None:
+        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +225,12 @@ def plan_job(
     banned = {t for p in plist for t in p.stop_token_ids}
     token = next(t for t in range(vocab_size) if t not in banned)
     runner = PlanRunner(ecfg, vocab_size, token)
-    eng = EngineCore(runner, _PLAN_TOKENIZER, compiler=BackgroundCompiler(runner, inline=True))
+    eng = EngineCore(
+        runner,
+        _PLAN_TOKENIZER,
+        compiler=BackgroundCompiler(runner, inline=True),
+        grammars=_PlanGrammars(),
+    )
     rng = np.random.default_rng(0)
     for i in range(n):
         ids = (

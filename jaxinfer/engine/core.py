@@ -34,7 +34,7 @@ from jaxinfer.engine.kv_manager import make_kv_manager
 from jaxinfer.engine.recovery import StepRecovery
 from jaxinfer.engine.request_output import RequestState, advance, build_output
 from jaxinfer.engine.resume import ResumeState, check_resume
-from jaxinfer.engine.runner import Capabilities, ModelRunner, StepInputs, StepOutput
+from jaxinfer.engine.runner import Capabilities, Forwarded, ModelRunner, StepInputs, StepOutput
 from jaxinfer.engine.scheduler import ScheduleOutput, Scheduler
 from jaxinfer.engine.sequence import SeqStatus, Sequence
 from jaxinfer.engine.step import LogitsControls
@@ -42,7 +42,8 @@ from jaxinfer.engine.step_controls import has_penalties, logits_controls, needs_
 from jaxinfer.errors import RequestError
 from jaxinfer.models.sharding import to_host
 from jaxinfer.outputs import RequestOutput, TokenLogprob
-from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams, draw_seed, sample_flags
+from jaxinfer.sampling.sampler import MASKED, MAX_LOGPROBS, SamplingParams, draw_seed, sample_flags
+from jaxinfer.sampling.structured import Grammars, GrammarViolation, full_bitmask
 from jaxinfer.tokenizers import Tokenizer
 
 
@@ -55,6 +56,19 @@ class _Step:
     buckets: Buckets  # the buckets it runs padded to (bucket reuse)
     flags: tuple  # ``sampling.sample_flags``
     forward_key: tuple  # its forward compile key (``ModelRunner.step_keys``)
+
+
+@dataclasses.dataclass(eq=False)
+class _Launched:
+    """A dispatched step (``_launch``): a constrained one (flags ending in ``MASKED``) has only
+    its forward dispatched (``fwd``), its sampling waits for the masks; another is dispatched
+    whole (``out``)."""
+
+    fwd: Forwarded | None
+    out: StepOutput | None
+    sampled: list[tuple[Sequence, int]]  # (sequence, row) of each row that samples a token
+    num_logprobs: int
+    prompt_lp: plp.StepPlan | None
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,6 +95,9 @@ class EngineCore:
         speculative: a ``SpeculativeStrategy`` whose rounds replace the plain step, or None.
         compiler: bucket reuse's ``BackgroundCompiler``; default one over ``runner`` when the
             runner supports background compiles, else None.
+        grammars: the structured-outputs compiler (``structured.Grammars``); default one over
+            ``tokenizer`` and the model's vocabulary (its llguidance tokenizer is built on the
+            first constrained request).
 
     The runner's ``ecfg`` is a resolved config (``jaxinfer.engine.config.resolve``: sizes
     checked, backend defaults applied), which the core only reads.
@@ -97,6 +114,7 @@ class EngineCore:
         *,
         speculative=None,
         compiler: BackgroundCompiler | None = None,
+        grammars: Grammars | None = None,
     ):
         ecfg, cfg = runner.ecfg, runner.cfg
         self.runner, self.speculative = runner, speculative
@@ -115,6 +133,7 @@ class EngineCore:
         )
         self._rng = np.random.default_rng(ecfg.seed)
         self._requests: dict[str, RequestState] = {}
+        self.grammars = grammars if grammars is not None else Grammars(tokenizer, cfg.vocab_size)
         if compiler is None and caps.background_compiles:
             compiler = BackgroundCompiler(runner)
         self.buckets = BucketReuse(runner, ecfg.reuse_compiled_buckets, compiler)
@@ -186,6 +205,8 @@ class EngineCore:
             max_model_len=self.ecfg.max_model_len,
             tokenizer=self.tokenizer,
             prompt_logprobs_refused_by=self._prompt_logprobs_refused_by(),
+            check_grammar=self.grammars.check,
+            structured_refused_by=None if self.speculative is None else "speculative decoding",
         )
         if resume is not None:
             self.validate_resume(prompt_ids, params, resume)
@@ -244,6 +265,8 @@ class EngineCore:
             check_resume(resume, params, self.cfg.vocab_size)
         seed = self.draw_seed(params) if resume is None else resume.seed
         req = new_request_state(request_id, prompt_ids, params, prompt, seed, self.tokenizer)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.matcher(params.structured_outputs)
         if resume is not None:
             replay(req, resume, self._advance)
         return req
@@ -302,6 +325,8 @@ class EngineCore:
                 if nxt.forward_key not in self.compile_keys:  # a new shape compiles
                     return self._collect_then_dispatch(done, nxt)
                 self.recovery.culprits = [row.seq for row in sched.rows]
+                if nxt.flags[-1] == MASKED:  # masks need the tokens of the step in flight
+                    return self._launch_collect_sample(done, nxt)
                 self._inflight = self._dispatch(nxt, done)
         self.recovery.culprits = [seq for seq, _ in done.sampled]
         return self._collect(done)
@@ -316,6 +341,7 @@ class EngineCore:
             (r.seq.params for r in rows),
             any(needs_controls(r.seq) for r in rows),
             min(MAX_LOGPROBS, self.cfg.vocab_size) if want_lp else 0,
+            masked=any(r.seq.params.structured_outputs is not None for r in rows),
         )
         want_plp = any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)
         bk = self.buckets.choose(need, flags, exact=want_plp)
@@ -343,10 +369,30 @@ class EngineCore:
                 return results + self._recover(e)
         return results
 
+    def _launch_collect_sample(self, done: _InFlight, nxt: _Step) -> list[RequestOutput]:
+        """Async scheduling when the next step has constrained rows (structured outputs): their
+        masks depend on the tokens of the step in flight. Dispatches the next step's forward
+        (it reads those tokens on device), reads the step in flight back while the forward runs
+        (advancing each grammar), computes the masks, then dispatches the sampling."""
+        launched = self._launch(nxt, done)
+        self.recovery.culprits = [seq for seq, _ in done.sampled]
+        results = self._collect(done)
+        self.recovery.culprits = [row.seq for row in nxt.sched.rows]
+        try:
+            self._inflight = self._sample(launched)
+        except Exception as e:  # noqa: BLE001 - as step(): the collected tokens are kept
+            return results + self._recover(e)
+        return results
+
     def _dispatch(self, step: _Step, prev: _InFlight | None) -> _InFlight:
-        """Builds the step's host inputs and dispatches them (``ModelRunner.run``); advances
-        ``num_computed`` and marks each sampled token pending. Returns without waiting for the
-        device."""
+        """Builds the step's host inputs and dispatches them (``_launch``, then ``_sample``).
+        Returns without waiting for the device."""
+        return self._sample(self._launch(step, prev))
+
+    def _launch(self, step: _Step, prev: _InFlight | None) -> _Launched:
+        """Builds the step's host inputs and dispatches them: a constrained step its forward only
+        (``ModelRunner.run_forward``), another the whole step (``ModelRunner.run``); advances
+        ``num_computed`` and marks each sampled token pending."""
         sched, bk = step.sched, step.buckets
         self.buckets.dispatching(step.need, bk)
         batch, bk = build_step_batch(sched, self.ecfg.page_size, self.ecfg.max_pages_per_seq, bk)
@@ -362,7 +408,11 @@ class EngineCore:
             step.flags,
             None if plan is None else plan.targets,
         )
-        out = self.runner.run(inputs, None if prev is None else prev.out.next_tokens)
+        prev_tokens = None if prev is None else prev.out.next_tokens
+        if step.flags[-1] == MASKED:
+            fwd, out = self.runner.run_forward(inputs, prev_tokens), None
+        else:
+            fwd, out = None, self.runner.run(inputs, prev_tokens)
         sampled = []
         for row, r in rows:
             seq = row.seq
@@ -377,7 +427,30 @@ class EngineCore:
             ) or seq.num_tokens >= self.ecfg.max_model_len:
                 seq.pending_final = True  # finishes on this token whatever it is
             sampled.append((seq, r))
-        return _InFlight(out, sampled, step.flags[1], plan)
+        return _Launched(fwd, out, sampled, step.flags[1], plan)
+
+    def _sample(self, launched: _Launched) -> _InFlight:
+        """Dispatches a launched step's sampling (``ModelRunner.run_sample``), with the token
+        bitmask of its constrained rows when its flags end in ``MASKED``: each such row's
+        grammar has accepted every token before the one sampled now (all read back)."""
+        out, fwd = launched.out, launched.fwd
+        if out is None:
+            b = len(fwd.inputs.batch.logits_indices)
+            bitmask = full_bitmask(b, self.cfg.vocab_size)
+            rows = []
+            for seq, r in launched.sampled:
+                req = self._requests.get(seq.request_id)
+                if seq.status is SeqStatus.FINISHED or req is None or req.grammar is None:
+                    continue  # finished meanwhile: its token is dropped
+                if len(seq.pending) != 1:
+                    raise RuntimeError(
+                        f"structured outputs: request {seq.request_id} has {len(seq.pending)} "
+                        "tokens pending; its mask would be stale"
+                    )
+                rows.append((req.grammar, r))
+            self.grammars.fill_bitmask(rows, bitmask)
+            out = self.runner.run_sample(fwd, bitmask)
+        return _InFlight(out, launched.sampled, launched.num_logprobs, launched.prompt_lp)
 
     def _collect(self, done: _InFlight) -> list[RequestOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and appends them."""
@@ -478,7 +551,10 @@ class EngineCore:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
-        reason = self._advance(req, tok, lp)
+        try:
+            reason = self._advance(req, tok, lp)
+        except GrammarViolation as e:  # a bug, never the model's choice: fail loudly
+            return self.fail_request(seq.request_id, f"internal error: {e}")
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._output(req)

@@ -12,6 +12,8 @@ from jaxinfer.engine.sequence import Sequence
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import TokenLogprob
 from jaxinfer.sampling.sampler import MAX_LOGPROBS, SamplingParams
+from jaxinfer.sampling.structured import GrammarViolation
+from jaxinfer.sampling.structured_params import StructuredOutputsParams
 from jaxinfer.tokenizers import IncrementalDetokenizer, Tokenizer
 from jaxinfer.tokenizers.ids_only import no_tokenizer_message
 
@@ -24,12 +26,17 @@ def check_request(
     max_model_len: int,
     tokenizer: Tokenizer,
     prompt_logprobs_refused_by: str | None,
+    check_grammar: Callable[[StructuredOutputsParams], None] | None = None,
+    structured_refused_by: str | None = None,
 ) -> None:
     """Raises RequestError when a request of ``prompt_ids`` (int[n]) with ``params`` cannot run
     on an engine of this vocabulary and ``max_model_len`` (tokens): an empty or too long prompt,
     ids outside the vocabulary, too many logprobs, stop ids that could never be generated, stop
     strings without a tokenizer, prompt logprobs the engine cannot give
-    (``prompt_logprobs_refused_by``: what refuses them, e.g. "speculative decoding", or None)."""
+    (``prompt_logprobs_refused_by``: what refuses them, e.g. "speculative decoding", or None),
+    a constraint (``params.structured_outputs``) the engine refuses (``structured_refused_by``),
+    combined with ``min_tokens``, or that does not compile (``check_grammar``: the engine's
+    ``structured.Grammars.check``, raising RequestError naming the field)."""
     if len(prompt_ids) == 0:
         raise RequestError("prompt has zero tokens (empty prompt on a tokenizer that adds no BOS)")
     if len(prompt_ids) >= max_model_len:
@@ -53,12 +60,34 @@ def check_request(
             "and could never be generated"
         )
     if params.structured_outputs is not None:
-        raise RequestError(
-            "structured_outputs: constrained decoding is not built yet in this engine; "
-            "send the request without it"
-        )
+        check_structured(params, check_grammar, structured_refused_by)
     check_stop_strings(params, tokenizer)
     check_prompt_logprobs(params, vocab_size, prompt_logprobs_refused_by, len(prompt_ids))
+
+
+def check_structured(
+    params: SamplingParams,
+    check_grammar: Callable[[StructuredOutputsParams], None] | None,
+    refused_by: str | None,
+) -> None:
+    """Raises RequestError when ``params.structured_outputs`` cannot run here: the engine refuses
+    constraints (``refused_by``, e.g. "speculative decoding"), ``min_tokens`` is set (its EOS ban
+    could leave a complete grammar no token to sample), or the constraint does not compile
+    (``check_grammar``; None: the engine cannot compile grammars)."""
+    so = params.structured_outputs
+    if refused_by is not None:
+        raise RequestError(
+            f"structured_outputs ({so.kind}) is not supported with {refused_by}: the drafts "
+            "are not checked against the grammar; run the request on an engine without it"
+        )
+    if params.min_tokens:
+        raise RequestError(
+            f"structured_outputs with min_tokens={params.min_tokens} is not supported (the "
+            "grammar decides where the output may end); send min_tokens=0"
+        )
+    if check_grammar is None:
+        raise RequestError("structured_outputs: this engine cannot compile grammars")
+    check_grammar(so)
 
 
 def check_stop_strings(params: SamplingParams, tokenizer: Tokenizer) -> None:
@@ -96,11 +125,18 @@ def replay(
 ) -> None:
     """Replays a partial output's tokens (``resume.token_ids``, with their logprobs) through
     ``advance`` (the engine's ``request_output.advance``: the same checks that appended them the
-    first time), rebuilding ``req``'s host state. Raises RequestError when the partial output has
-    already finished."""
+    first time; a constrained request's grammar is replayed over them too), rebuilding ``req``'s
+    host state. Raises RequestError when the partial output has already finished or breaks the
+    request's grammar."""
     lps = resume.logprobs or [None] * len(resume.token_ids)
     for i, (tok, lp) in enumerate(zip(resume.token_ids, lps, strict=True)):
-        if (reason := advance(req, int(tok), lp)) is not None:
+        try:
+            reason = advance(req, int(tok), lp)
+        except GrammarViolation as e:
+            raise RequestError(
+                f"the partial output does not match the request's structured_outputs: {e}"
+            ) from None
+        if reason is not None:
             raise RequestError(
                 f"the partial output has already finished ({reason!r} at "
                 f"output token {i} of {len(resume.token_ids)})"

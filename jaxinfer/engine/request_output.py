@@ -26,6 +26,8 @@ class RequestState:
     error: str | None = None  # why the request failed (finish_reason "error")
     resumed: int = 0  # output tokens carried over from a partial output (``add_request``)
     prompt_logprobs: list | None = None  # [None, TokenLogprob...] when asked (prompt_logprobs)
+    # structured outputs: the request's ``structured.GrammarMatcher`` (None: unconstrained)
+    grammar: object | None = None
 
 
 def advance(
@@ -41,11 +43,21 @@ def advance(
         stop_ids: the engine's EOS ids (ignored with ``ignore_eos``).
         max_model_len: prompt + output tokens at which a request ends ("length").
 
+    A constrained request (``req.grammar``) advances its grammar first; a token that completes
+    the grammar (no token but EOS may follow) finishes it "stop", the EOS not sampled (vLLM
+    samples it one step later).
+
     Returns:
         The finish reason the token causes ("stop", "length") or None.
+
+    Raises:
+        GrammarViolation: (``jaxinfer.sampling.structured``) the grammar does not allow ``tok``;
+            the token is not appended.
     """
     seq = req.seq
     p = seq.params
+    if req.grammar is not None:
+        req.grammar.accept(tok)
     seq.output_ids.append(tok)
     if lp is not None:
         seq.logprobs.append(lp)
@@ -66,6 +78,8 @@ def advance(
                     stop = max((s for s in p.stop if req.text.startswith(s, cut)), key=len)
                 req.text = req.text[:cut]
                 reason, seq.stop_reason = "stop", stop
+    if reason is None and req.grammar is not None and req.grammar.done:
+        reason, seq.stop_reason = "stop", None
     if reason is None:
         if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
             reason = "length"

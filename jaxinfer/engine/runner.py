@@ -10,7 +10,9 @@ A compile key names one XLA program a step runs:
 - ``("forward", (Td, Tp, Bp, M))``: ``step.forward_step`` of a bucket tuple (``batch.Buckets``);
 - ``("forward_prompt_logprobs", (Td, Tp, Bp, M), K)``: the same with prompt logprobs (top K);
 - ``("sample", B', controls, num_logprobs)``: ``step.sample_step_padded``'s general variant, or
-  ``("sample", B', False, 0, "greedy")`` its all-greedy one (``sampling.sample_flags``);
+  ``("sample", B', False, 0, "greedy")`` its all-greedy one (``sampling.sample_flags``); either
+  with ``"masked"`` appended when a row is constrained (structured outputs: a token bitmask is
+  applied before sampling);
 - ``("spec_round", (T, B, M), controls, num_logprobs)``: a speculative round
   (``jaxinfer.speculative``).
 
@@ -42,7 +44,13 @@ from jaxinfer.engine.step import (
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.kv_cache import KVCache, init_kv_cache
 from jaxinfer.models.params import Params, out_in_projections, unstack_layers
-from jaxinfer.sampling.sampler import GREEDY_FLAGS, SampleOutput, SamplingParams, SamplingTensors
+from jaxinfer.sampling.sampler import (
+    GREEDY_FLAGS,
+    MASKED,
+    SampleOutput,
+    SamplingParams,
+    SamplingTensors,
+)
 
 Key = tuple
 """A compile key (module docstring)."""
@@ -111,6 +119,26 @@ class StepOutput:
     sampled: SampleOutput
     next_tokens: jax.Array | None
     prompt_logprobs: plp.PromptLogprobsOut | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Forwarded:
+    """A step whose forward is dispatched and whose sampling is not (``ModelRunner.run_forward``):
+    structured outputs compute the masks between the two.
+
+    Attributes:
+        inputs: the step's host inputs.
+        logits: f32[B', V] device logits of each sampled row (not waited for).
+        prompt_logprobs: ``prompt_logprobs.PromptLogprobsOut`` or None.
+    """
+
+    inputs: StepInputs
+    logits: jax.Array
+    prompt_logprobs: plp.PromptLogprobsOut | None = None
+
+
+def _masked(flags: tuple) -> bool:
+    return bool(flags) and flags[-1] == MASKED
 
 
 def step_keys(buckets: Buckets, flags: tuple, prompt_logprobs_top: int = 0) -> list[Key]:
@@ -245,7 +273,11 @@ class ModelRunner:
                 [SamplingParams(temperature=0.0)] * b, [0] * b, [0] * b, pad_to=b
             )
             return self._sample.lower(
-                logits, st, self._dummy_controls(b, flags), **self._sample_static(flags)
+                logits,
+                st,
+                self._dummy_controls(b, flags),
+                self._dummy_bitmask(b, flags),
+                **self._sample_static(flags),
             )
         raise ValueError(
             f"ModelRunner.lower: cannot lower key {key!r}: expected a 'forward', "
@@ -259,15 +291,28 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- running
 
-    def run(self, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> StepOutput:
-        """Dispatches one step, forward then sampling, and counts its keys; returns without
-        waiting for the device. The pool is donated to the forward and replaced by its result.
+    def run(
+        self,
+        inputs: StepInputs,
+        prev_tokens: jax.Array | None = None,
+        bitmask: np.ndarray | None = None,
+    ) -> StepOutput:
+        """Dispatches one step, forward then sampling (``run_forward``, ``run_sample``), and
+        counts its keys; returns without waiting for the device.
 
         Args:
             inputs: the step's host inputs.
             prev_tokens: i32[num_slots] the previous step's ``StepOutput.next_tokens`` when
                 ``inputs.batch`` holds placeholders for them (async scheduling), else None.
+            bitmask: i32[B', ceil(V / 32)] allowed tokens per row when ``inputs.flags`` ends in
+                ``sampling.MASKED`` (structured outputs), else None.
         """
+        return self.run_sample(self.run_forward(inputs, prev_tokens), bitmask)
+
+    def run_forward(self, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> Forwarded:
+        """The forward half of ``run``: dispatches the model over the step's tokens and counts
+        the step's keys; the pool is donated to it and replaced by its result. Returns without
+        waiting (``run_sample`` then samples from its logits)."""
         plp_on = inputs.prompt_targets is not None
         self.compile_keys.update(self.step_keys(inputs.buckets, inputs.flags, plp_on))
         prev = self._no_prev if prev_tokens is None else prev_tokens
@@ -287,10 +332,26 @@ class ModelRunner:
                 num_top=plp.num_top(self.cfg.vocab_size),
                 **static,
             )
+        return Forwarded(inputs, logits, plp_out)
+
+    def run_sample(self, fwd: Forwarded, bitmask: np.ndarray | None = None) -> StepOutput:
+        """The sampling half of ``run``: dispatches the sampling of ``fwd``'s logits, with the
+        token ``bitmask`` (i32[B', ceil(V / 32)]) applied first when the step's flags end in
+        ``sampling.MASKED``. Returns without waiting.
+
+        Raises:
+            ValueError: a bitmask given to an unmasked variant, or none to a masked one.
+        """
+        inputs = fwd.inputs
+        if (bitmask is not None) != _masked(inputs.flags):
+            raise ValueError(
+                f"run_sample: flags {inputs.flags} and bitmask "
+                f"{'given' if bitmask is not None else 'None'} disagree"
+            )
         sampled, next_tokens = self._sample_call(
-            logits, inputs.sampling, inputs.controls, inputs.flags
+            fwd.logits, inputs.sampling, inputs.controls, inputs.flags, bitmask
         )
-        return StepOutput(sampled, next_tokens, plp_out)
+        return StepOutput(sampled, next_tokens, fwd.prompt_logprobs)
 
     def run_padding(
         self, buckets: Buckets, flags: Sequence[tuple], prev_tokens: jax.Array | None = None
@@ -310,7 +371,9 @@ class ModelRunner:
         )
         for f in flags:
             self.compile_keys.add(("sample", b, *f))
-            _, prev = self._sample_call(logits, st, self._dummy_controls(b, tuple(f)), tuple(f))
+            f = tuple(f)
+            bm = self._dummy_bitmask(b, f)
+            _, prev = self._sample_call(logits, st, self._dummy_controls(b, f), f, bm)
         jax.block_until_ready((logits, prev))
         return prev
 
@@ -327,13 +390,18 @@ class ModelRunner:
     def _sample_static(self, flags: tuple) -> dict:
         return dict(
             num_logprobs=flags[1],
-            greedy=flags == GREEDY_FLAGS,
+            greedy=flags[:3] == GREEDY_FLAGS,
             num_slots=self.num_slots,
             batch_invariant=self.ecfg.batch_invariant,
         )
 
-    def _sample_call(self, logits, st, controls, flags: tuple):
-        return self._sample(logits, st, controls, **self._sample_static(flags))
+    def _sample_call(self, logits, st, controls, flags: tuple, bitmask=None):
+        return self._sample(logits, st, controls, bitmask, **self._sample_static(flags))
+
+    def _dummy_bitmask(self, b: int, flags: tuple) -> np.ndarray | None:
+        if not _masked(flags):
+            return None
+        return np.full((b, -(-self.cfg.vocab_size // 32)), -1, np.int32)
 
     def _dummy_controls(self, b: int, flags: tuple) -> LogitsControls | None:
         if not flags[0]:

@@ -26,6 +26,7 @@ from jaxinfer.sampling.sampler import (
     SampleOutput,
     SamplingTensors,
     apply_penalties,
+    apply_token_bitmask,
     sample,
     sample_greedy,
 )
@@ -159,6 +160,7 @@ def sample_step_padded(
     logits: jax.Array,
     sampling: SamplingTensors,
     controls: LogitsControls | None,
+    bitmask: jax.Array | None = None,
     *,
     num_logprobs: int = 0,
     num_slots: int,
@@ -172,7 +174,14 @@ def sample_step_padded(
     (static): the host found every row greedy with no controls and no logprobs
     (``sampling.sample_flags``): run ``sampling.sample_greedy`` (an argmax, the same tokens; no
     log-softmax, logprobs NaN; an argmax of one row never depends on B, so no tiles either).
+    ``bitmask``: i32[B, ceil(V / 32)] the allowed tokens of each row (structured outputs,
+    ``sampling.apply_token_bitmask``), applied to the logits before anything else, so every
+    sampler and the returned logprobs see the masked logits (vLLM applies the grammar bitmask
+    before its sampler too); None (a step without constrained rows): nothing is applied, and the
+    variant compiles without it.
     Raises ValueError when B > num_slots, or ``greedy`` with controls or num_logprobs > 0."""
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)
     if greedy:
         if controls is not None or num_logprobs:
             raise ValueError(

@@ -31,7 +31,9 @@ __all__ = [
     "SampleOutput",
     "SamplingParams",
     "SamplingTensors",
+    "MASKED",
     "apply_penalties",
+    "apply_token_bitmask",
     "argmax_lowest",
     "draw_seed",
     "find_stop_string",
@@ -45,6 +47,11 @@ __all__ = [
 GREEDY_FLAGS = (False, 0, "greedy")
 """The greedy-only sampling variant's flags, the tail of its compile key
 ``("sample", B', False, 0, "greedy")`` (`sample_flags`, `sample_greedy`)."""
+
+
+MASKED = "masked"
+"""The last flag of a sampling variant that applies a token bitmask (structured outputs): the
+key ``("sample", B', *flags, "masked")`` (`sample_flags`, `apply_token_bitmask`)."""
 
 
 @jax.tree_util.register_dataclass
@@ -364,7 +371,31 @@ def sample(
     )
 
 
-def sample_flags(params: Iterable[SamplingParams], controls: bool, num_logprobs: int) -> tuple:
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """f32[B, V] ``logits`` with every token whose bit is clear in ``bitmask`` set to -inf.
+
+    Args:
+        logits: f32[B, V].
+        bitmask: i32[B, W], W = ceil(V / 32): token t is allowed when bit ``t % 32`` (least
+            significant first) of word ``t // 32`` is set (llguidance's and xgrammar's packed
+            layout; an unconstrained row is all ones, -1, and keeps its logits bit for bit).
+
+    Raises:
+        ValueError: ``bitmask`` is not [B, ceil(V / 32)].
+    """
+    B, V = logits.shape
+    W = -(-V // 32)
+    if bitmask.shape != (B, W):
+        raise ValueError(f"apply_token_bitmask: bitmask {bitmask.shape} != ({B}, {W})")
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = jnp.right_shift(bitmask[:, :, None], shifts) & 1  # i32[B, W, 32]
+    allowed = bits.reshape(B, W * 32)[:, :V] != 0  # bool[B, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def sample_flags(
+    params: Iterable[SamplingParams], controls: bool, num_logprobs: int, masked: bool = False
+) -> tuple:
     """The flags of a step's sampling variant: the tail of its key ``("sample", B', *flags)``.
 
     `GREEDY_FLAGS` when every row is greedy (`SamplingParams.greedy`: temperature <
@@ -377,10 +408,15 @@ def sample_flags(params: Iterable[SamplingParams], controls: bool, num_logprobs:
         params: the sampling parameters of the step's live rows (padding rows are greedy).
         controls: whether the step passes logits controls (penalties, banned tokens).
         num_logprobs: the step's static number of top logprobs (0: no row asked for logprobs).
+        masked: some row is constrained (structured outputs): `MASKED` is appended, and the
+            step applies a token bitmask before sampling (`apply_token_bitmask`). A step without
+            constrained rows compiles and runs without it.
     """
     if not controls and num_logprobs == 0 and all(p.greedy for p in params):
-        return GREEDY_FLAGS
-    return (bool(controls), int(num_logprobs))
+        flags = GREEDY_FLAGS
+    else:
+        flags = (bool(controls), int(num_logprobs))
+    return (*flags, MASKED) if masked else flags
 
 
 def argmax_lowest(x: jax.Array) -> jax.Array:

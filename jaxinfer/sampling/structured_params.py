@@ -23,9 +23,10 @@ class StructuredOutputsParams:
     """One request's output constraint; exactly one of the kinds is set (vLLM's semantics).
 
     Attributes:
-        json: a JSON schema (a JSON string or a mapping, stored as a canonical JSON string, keys
-            sorted, so equal schemas share one compiled grammar); the output is one JSON value
-            valid against it.
+        json: a JSON schema (a JSON string or a mapping, stored as a compact JSON string in the
+            schema's own key order: the output's properties come in the order ``properties``
+            lists them, as OpenAI's structured outputs); the output is one JSON value valid
+            against it.
         regex: a regular expression the whole output must match (``re.fullmatch``).
         choice: the output is exactly one of these strings (a list or tuple, stored as a tuple).
         grammar: a Lark grammar (llguidance's Lark dialect) the output must parse with.
@@ -65,7 +66,7 @@ class StructuredOutputsParams:
         if js is not None:
             if isinstance(js, Mapping):
                 try:
-                    js = json.dumps(js, sort_keys=True, separators=(",", ":"))
+                    js = json.dumps(js, separators=(",", ":"))
                 except (TypeError, ValueError) as e:
                     fail(f"json: the schema is not JSON-serialisable: {e}")
             elif isinstance(js, str):
@@ -75,7 +76,7 @@ class StructuredOutputsParams:
                     fail(f"json: the schema is not valid JSON: {e}")
                 if not isinstance(obj, dict | bool):
                     fail(f"json: a schema is a JSON object or a boolean, got {type(obj).__name__}")
-                js = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+                js = json.dumps(obj, separators=(",", ":"))
             else:
                 fail(f"json must be a JSON schema (a string or an object), got {js!r}")
             setf("json", js)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from jaxinfer.errors import TokenizerError
@@ -80,6 +81,19 @@ class Tokenizer:
             skip_special_tokens and token_id in self._special_ids
         )
 
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """What a grammar engine needs to know of this vocabulary (``GrammarVocabulary``), for
+        constrained decoding (``jaxinfer.sampling.structured``).
+
+        Raises:
+            TokenizerError: the tokenizer cannot describe its tokens as bytes (the default:
+                ``IdsOnlyTokenizer`` and duck-typed tokenizers).
+        """
+        raise TokenizerError(
+            f"{self.path}: this tokenizer ({type(self).__name__}) cannot list its tokens as "
+            "bytes, which constrained decoding (structured_outputs) needs"
+        )
+
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is a special (control) token: BOS, EOS or a marked added token."""
         return token_id == self.bos_id or token_id in self.eos_ids or token_id in self._special_ids
@@ -127,6 +141,27 @@ class Tokenizer:
             **self._special_tokens,
         )
         return render_chat_template(self.chat_template, variables, where=str(self.path))
+
+
+@dataclasses.dataclass(frozen=True)
+class GrammarVocabulary:
+    """A vocabulary as a grammar engine (llguidance) reads it: either the ``tokenizer.json``
+    text (``tokenizer_json``: the library reads the tokens itself), or each id's bytes inside a
+    text (``token_bytes``: b"" for control, unknown and special ids, which a grammar never
+    allows) with an encoder of text that continues a text (``encode``: no BOS, no dummy-prefix
+    space), used for the tokens a grammar forces.
+
+    Attributes:
+        tokenizer_json: a Hugging Face ``tokenizer.json`` as text, or None.
+        token_bytes: bytes[vocab_size] per id, or None (with ``tokenizer_json``).
+        encode: text -> ids, or None (with ``tokenizer_json``).
+        special_ids: control / special ids (never allowed by a grammar; EOS apart).
+    """
+
+    tokenizer_json: str | None = None
+    token_bytes: tuple[bytes, ...] | None = None
+    encode: Callable[[str], list[int]] | None = None
+    special_ids: tuple[int, ...] = ()
 
 
 class SideFiles:

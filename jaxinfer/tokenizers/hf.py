@@ -9,7 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxinfer.errors import TokenizerError
-from jaxinfer.tokenizers.base import SideFiles, Tokenizer, incomplete_utf8_suffix, unique_ids
+from jaxinfer.tokenizers.base import (
+    GrammarVocabulary,
+    SideFiles,
+    Tokenizer,
+    incomplete_utf8_suffix,
+    unique_ids,
+)
 
 _USUAL_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
 
@@ -71,6 +77,13 @@ class HFTokenizer(Tokenizer):
             elif ids and ids[0] == self.bos_id:
                 ids = ids[1:]
         return ids
+
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """The ``tokenizer.json`` as ``tokenizers`` holds it (added tokens included); the
+        grammar engine reads its tokens itself."""
+        return GrammarVocabulary(
+            tokenizer_json=self._tok.to_str(), special_ids=tuple(sorted(self._special_ids))
+        )
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The ``tokenizers`` decoding, except for invalid byte tokens under a ``ByteFallback``

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from jaxinfer.errors import TokenizerError
 from jaxinfer.tokenizers.base import (
+    GrammarVocabulary,
     SideFiles,
     Tokenizer,
     incomplete_utf8_suffix,
@@ -112,6 +113,23 @@ class Llama2cTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """Each piece's bytes (``<0xNN>`` as byte NN; BOS, EOS and ``<unk>`` b""), and run.c's
+        encoder without the dummy-prefix space (a text that continues another)."""
+        special = set(self._special_ids) | {0}
+
+        def piece_bytes(i: int) -> bytes:
+            if i in special:
+                return b""
+            m = _BYTE_PIECE.fullmatch(self._pieces[i])
+            return bytes([int(m.group(1), 16)]) if m else self._pieces[i]
+
+        return GrammarVocabulary(
+            token_bytes=tuple(piece_bytes(i) for i in range(self.vocab_size)),
+            encode=lambda text: self._encode_text(text, prefix=False),
+            special_ids=tuple(sorted(special)),
+        )
 
     def decode_partial(
         self, ids: Sequence[int], skip_special_tokens: bool = True, continued: bool = False

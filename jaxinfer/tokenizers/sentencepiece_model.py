@@ -7,6 +7,7 @@ from pathlib import Path
 
 from jaxinfer.errors import TokenizerError
 from jaxinfer.tokenizers.base import (
+    GrammarVocabulary,
     SideFiles,
     Tokenizer,
     incomplete_utf8_suffix,
@@ -70,13 +71,35 @@ class SentencePieceTokenizer(Tokenizer):
             elif k == 0:
                 ids += self._sp.encode(part)
             else:
-                # transformers' SentencePiece tokenizer (legacy=False): encode "<unk>" + text and
-                # drop the pieces of "<unk>", so SentencePiece adds no dummy prefix to the text.
-                ids += self._sp.encode(self._unk_text + part)[self._unk_len :]
+                ids += self._encode_continuation(part)
         return [self.bos_id, *ids] if add_special_tokens and self.add_bos else ids
+
+    def _encode_continuation(self, text: str) -> list[int]:
+        # transformers' SentencePiece tokenizer (legacy=False): encode "<unk>" + text and
+        # drop the pieces of "<unk>", so SentencePiece adds no dummy prefix to the text.
+        return self._sp.encode(self._unk_text + text)[self._unk_len :]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._decode(ids, skip_special_tokens, at_start=True)
+
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """Each piece's bytes (U+2581 as a space, ``<0xNN>`` as byte NN, control and unknown
+        pieces b""), and the encoder of a text that continues another (no dummy prefix)."""
+        sp = self._sp
+
+        def piece_bytes(i: int) -> bytes:
+            if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i) or i in self._special_ids:
+                return b""
+            p = sp.id_to_piece(i)
+            if sp.is_byte(i):
+                return bytes([int(p[3:5], 16)])
+            return p.replace("\u2581", " ").encode("utf-8")
+
+        return GrammarVocabulary(
+            token_bytes=tuple(piece_bytes(i) for i in range(self.vocab_size)),
+            encode=self._encode_continuation,
+            special_ids=tuple(sorted(self._special_ids | {sp.unk_id()})),
+        )
 
     def _decode(self, ids: Sequence[int], skip_special_tokens: bool, at_start: bool) -> str:
         # SentencePiece drops control ids itself (a run of byte pieces ends there) and strips the

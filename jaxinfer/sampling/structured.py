@@ -1,0 +1,336 @@
+"""Structured outputs on the host: grammars compiled by llguidance, one matcher per request, and
+the packed allowed-token bitmask of each constrained row (issue 31).
+
+The grammar library is llguidance (the Rust engine behind ``guidance``, one of vLLM's structured
+output backends), rather than xgrammar, for three reasons:
+
+- mask cost on CPU: llguidance computes a mask lazily, walking the token trie with the lexer's
+  DFA and the Earley parser, without precomputing per-state token tables; on stories260K a mask
+  costs about 10 µs per token per row (docs/structured_output.md has the figures), so the host
+  finishes the next step's masks well inside a decode step;
+- coverage: JSON schema (with ``$ref``, ``anyOf`` / ``oneOf``, ``pattern``, numeric bounds,
+  ``minItems`` / ``maxItems``, ``additionalProperties``; an unsupported keyword is an error, not
+  silently ignored), regex, Lark grammars (with embedded JSON schemas and lazy lexemes, on which
+  vLLM's structural tags are built) and choices in one grammar language;
+- weight: one wheel (a Rust extension and a few Python files) with no Python dependencies (no
+  torch, no transformers), imported by the engine for any tokenizer (its own
+  ``TokenizerWrapper`` takes our token bytes; a Hugging Face ``tokenizer.json`` is read
+  directly).
+
+What lives here: ``Grammars`` (an engine's compiler: the llguidance tokenizer of its vocabulary
+and an LRU cache of compiled grammars keyed by the request's ``StructuredOutputsParams``, which
+holds the kind and the spec; one ``Grammars`` per tokenizer), ``GrammarMatcher`` (a request's
+parser state: ``accept`` each sampled token, ``done`` when the grammar is complete) and
+``Grammars.fill_bitmask`` (the step's masks, int32[B, W], W = ceil(V / 32): bit ``t % 32`` of word
+``t // 32`` set when token t is allowed, llguidance's and xgrammar's layout). The device applies
+the mask before sampling (``jaxinfer.sampling.sampler.apply_token_bitmask``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+
+import numpy as np
+
+from jaxinfer.errors import RequestError, TokenizerError
+from jaxinfer.sampling.structured_params import StructuredOutputsParams
+
+WORD_BITS = 32
+"""Tokens per word of the packed bitmask."""
+
+CACHE_SIZE = 256
+"""Compiled grammars an engine keeps (least recently used dropped first)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """W, the int32 words of one row's bitmask: ceil(vocab_size / 32)."""
+    return -(-vocab_size // WORD_BITS)
+
+
+def full_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """int32[rows, W] with every bit set: every token allowed (an unconstrained row's mask)."""
+    return np.full((rows, bitmask_words(vocab_size)), -1, np.int32)
+
+
+def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool[B, V] of an int32[B, W] bitmask (numpy; tests and checks)."""
+    words = np.ascontiguousarray(bitmask, np.int32).view(np.uint8)
+    bits = np.unpackbits(words, axis=-1, bitorder="little")
+    return bits[:, :vocab_size].astype(bool)
+
+
+class GrammarViolation(RuntimeError):
+    """A token the request's grammar does not allow reached its matcher. The device mask forbids
+    such tokens, so this is a bug (a stale or misapplied mask), never a model's choice."""
+
+
+def _llguidance():
+    import llguidance
+
+    return llguidance
+
+
+def _no_additional_properties(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say
+    otherwise (vLLM's ``disable_additional_properties``)."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _json_options(so: StructuredOutputsParams) -> dict:
+    opts: dict = {"whitespace_flexible": not so.disable_any_whitespace}
+    if so.whitespace_pattern is not None:
+        opts["whitespace_pattern"] = so.whitespace_pattern
+    return opts
+
+
+def grammar_source(so: StructuredOutputsParams) -> str:
+    """llguidance's grammar text for ``so`` (what vLLM's llguidance backend builds: a JSON schema
+    with flexible whitespace unless ``disable_any_whitespace``; ``json_object`` as the schema
+    ``{"type": "object"}``; a choice as a Lark alternation of the literal strings; a structural
+    tag as llguidance's ``StructTag`` grammar). Checks nothing; ``Grammars.compile`` does.
+
+    Raises:
+        RequestError: a structural tag that is not vLLM's ``{"structures": [...], "triggers":
+            [...]}`` shape.
+    """
+    llg = _llguidance()
+    kind = so.kind
+    if kind in ("json", "json_object"):
+        schema = json.loads(so.json) if kind == "json" else {"type": "object"}
+        if so.disable_additional_properties:
+            schema = _no_additional_properties(schema)
+        return llg.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), overrides=_json_options(so)
+        )
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(so.regex)
+    if kind == "choice":
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, so.choice)))
+    if kind == "grammar":
+        return llg.grammar_from("grammar", so.grammar)  # Lark, or GBNF converted to Lark
+    return _struct_tag_grammar(so.structural_tag)
+
+
+def _struct_tag_grammar(spec: str) -> str:
+    """vLLM's structural tag (``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``)
+    as llguidance's ``StructTag`` grammar, as vLLM's llguidance backend builds it."""
+    llg = _llguidance()
+
+    def fail(msg: str):
+        raise RequestError(f"structured_outputs.structural_tag: {msg}")
+
+    try:
+        tag = json.loads(spec)
+    except ValueError as e:
+        fail(f"not valid JSON: {e}")
+    if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list):
+        fail('expected {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}')
+    triggers = tag.get("triggers")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        fail("triggers must be a list of non-empty strings")
+    tags = []
+    for i, s in enumerate(tag["structures"]):
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            fail(f"structures[{i}] must have string begin and end")
+        trig = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trig is None:
+            fail(f"structures[{i}].begin {s['begin']!r} starts with none of the triggers")
+        schema = s.get("schema", {})
+        if not isinstance(schema, dict | bool):
+            fail(f"structures[{i}].schema must be a JSON schema")
+        tags.append(llg.StructTag(trigger=trig, begin=s["begin"], grammar=schema, end=s["end"]))
+    if not tags:
+        fail("structures is empty")
+    return llg.StructTag.to_grammar(tags)
+
+
+def ll_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's ``LLTokenizer`` of ``tokenizer`` (``Tokenizer.grammar_vocabulary``) over a
+    model vocabulary of ``vocab_size`` ids (ids past the tokenizer's are never allowed); EOS are
+    the tokenizer's ``eos_ids``, allowed only where the grammar can end.
+
+    Raises:
+        RequestError: the tokenizer cannot describe its tokens (no tokenizer, a duck-typed one).
+    """
+    llg = _llguidance()
+    get = getattr(tokenizer, "grammar_vocabulary", None)
+    try:
+        if get is None:
+            raise TokenizerError(f"{type(tokenizer).__name__} has no grammar_vocabulary()")
+        voc = get()
+    except TokenizerError as e:
+        raise RequestError(f"structured_outputs needs the model's tokenizer: {e}") from None
+    eos = [int(i) for i in tokenizer.eos_ids]
+    if not eos:
+        raise RequestError(
+            "structured_outputs: the tokenizer names no EOS id, so a constrained output could "
+            "never end"
+        )
+    if voc.tokenizer_json is not None:
+        return llg.LLTokenizer(voc.tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+    tokens = list(voc.token_bytes) + [b""] * max(0, vocab_size - len(voc.token_bytes))
+
+    class _Vocab:  # what llguidance's TokenizerWrapper reads
+        eos_token_id = eos[0]
+        bos_token_id = tokenizer.bos_id
+        special_token_ids = list(voc.special_ids)
+
+        def __init__(self):
+            self.tokens = tokens
+
+        def __call__(self, text):
+            if isinstance(text, bytes):
+                text = text.decode("utf-8", errors="replace")
+            return voc.encode(text)
+
+    return llg.LLTokenizer(llg.TokenizerWrapper(_Vocab()), n_vocab=vocab_size, eos_token=eos)
+
+
+class GrammarMatcher:
+    """One request's grammar state (an llguidance ``LLMatcher``).
+
+    Attributes:
+        field: the constraint's field (``structured_outputs.json``, ...) for messages.
+    """
+
+    def __init__(self, matcher, field: str):
+        self._m = matcher
+        self.field = field
+        self.num_accepted = 0
+
+    @property
+    def llmatcher(self):
+        """The llguidance ``LLMatcher`` (tests compare masks against the library's own)."""
+        return self._m
+
+    def accept(self, token: int) -> None:
+        """Advances the state by one sampled token.
+
+        Raises:
+            GrammarViolation: the grammar does not allow ``token`` here.
+        """
+        if not self._m.consume_token(int(token)):
+            raise GrammarViolation(
+                f"{self.field}: token {int(token)} at output index {self.num_accepted} is not "
+                f"allowed by the grammar (the device mask should have forbidden it): "
+                f"{self._m.get_error().splitlines()[0] if self._m.get_error() else ''}"
+            )
+        self.num_accepted += 1
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: no token but EOS may follow (the request finishes "stop")."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is a complete match (EOS is allowed now)."""
+        return self._m.is_accepting()
+
+
+class Grammars:
+    """An engine's grammar compiler (module docstring): the llguidance tokenizer of its
+    vocabulary, built on first use, and compiled grammars cached by constraint.
+
+    Args:
+        tokenizer: the engine's ``Tokenizer``.
+        vocab_size: V, the model's vocabulary (logits width).
+        cache_size: compiled grammars kept.
+        num_threads: llguidance's mask threads (``LLExecutor``; None: its default, 80% of the
+            CPUs up to 32).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, num_threads=None):
+        self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
+        self._num_threads = num_threads
+        self._ll_tok = None
+        self._executor = None
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()  # validation may run on a server thread
+        self.num_compiled = 0  # grammars compiled (cache misses)
+
+    @property
+    def ll_tokenizer(self):
+        """The llguidance ``LLTokenizer`` (built once). Raises RequestError (``ll_tokenizer``)."""
+        if self._ll_tok is None:
+            self._ll_tok = ll_tokenizer(self.tokenizer, self.vocab_size)
+        return self._ll_tok
+
+    def compile(self, so: StructuredOutputsParams):
+        """A fresh llguidance matcher of ``so``'s grammar, from the cache or compiled.
+
+        Raises:
+            RequestError: the schema, regex or grammar is invalid or uses what llguidance does
+                not support (an unknown JSON-schema keyword, a bad regex, an undefined Lark
+                rule); the message names the field (``structured_outputs.json``, ...).
+        """
+        field = f"structured_outputs.{so.kind}"
+        with self._lock:
+            hit = self._cache.get(so)
+            if hit is not None:
+                self._cache.move_to_end(so)
+                return hit.deep_copy()
+        llg = _llguidance()
+        source = grammar_source(so)
+        matcher = llg.LLMatcher(self.ll_tokenizer, source, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"{field}: {_first_lines(matcher.get_error())}")
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[so] = matcher
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return matcher.deep_copy()
+
+    def check(self, so: StructuredOutputsParams) -> None:
+        """Compiles ``so`` (cached). Raises RequestError as ``compile``."""
+        self.compile(so)
+
+    def matcher(self, so: StructuredOutputsParams) -> GrammarMatcher:
+        """A new request's matcher at the grammar's start. Raises RequestError as ``compile``."""
+        return GrammarMatcher(self.compile(so), f"structured_outputs.{so.kind}")
+
+    def fill_bitmask(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        """Writes each matcher's allowed tokens into row r of ``bitmask`` (int32[B, W], C
+        contiguous; the other rows are left as they are), on llguidance's threads.
+
+        Raises:
+            ValueError: ``bitmask`` of the wrong dtype, shape or layout, or a row out of range.
+        """
+        b, w = bitmask.shape
+        if bitmask.dtype != np.int32 or w != bitmask_words(self.vocab_size):
+            raise ValueError(
+                f"fill_bitmask: expected int32[B, {bitmask_words(self.vocab_size)}], got "
+                f"{bitmask.dtype}{list(bitmask.shape)}"
+            )
+        if not bitmask.flags["C_CONTIGUOUS"]:
+            raise ValueError("fill_bitmask: the bitmask must be C contiguous")
+        if any(not 0 <= r < b for _, r in rows):
+            raise ValueError(f"fill_bitmask: a row outside [0, {b})")
+        if not rows:
+            return
+        if len(rows) == 1:
+            m, r = rows[0]
+            row = bitmask[r]
+            m.llmatcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            return
+        if self._executor is None:
+            self._executor = _llguidance().LLExecutor(num_threads=self._num_threads)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m.llmatcher, r) for m, r in rows], bitmask.ctypes.data, w * 4, b
+        )
+
+
+def _first_lines(msg: str, n: int = 3) -> str:
+    """The first ``n`` lines of an llguidance error (it appends the parser state and grammar)."""
+    lines = [ln for ln in msg.strip().splitlines() if ln.strip()]
+    return " ".join(lines[:n]) if lines else "invalid grammar"
