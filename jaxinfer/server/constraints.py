@@ -129,9 +129,9 @@ def structured_from_request(
             return _params(src, json_object=True, whitespace_pattern=ws), src
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError(
-                'response_format: type "json_schema" needs json_schema.schema (the JSON schema '
-                "the output must follow)",
-                param="response_format.json_schema",
+                'response_format.json_schema.schema is required with type "json_schema" (the '
+                "JSON schema the output must follow)",
+                param="response_format.json_schema.schema",
             )
         return _params(src, json=rf.json_schema.schema_, whitespace_pattern=ws), src
     if src == "structured_outputs":
@@ -168,7 +168,10 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
             defs[name] = schema
         branches.append(
             {
-                "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params},
+                "properties": {
+                    "name": {"type": "string", "enum": [f["name"]]},
+                    "parameters": params,
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }

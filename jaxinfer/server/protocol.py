@@ -293,9 +293,7 @@ class DetokenizeRequest(_Strict):
 _FIELD = re.compile(r"^SamplingParams: (\w+)")
 
 
-def to_sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, plan=None
-) -> SamplingParams:
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, plan=None) -> SamplingParams:
     """The request's ``SamplingParams`` (fields it leaves null keep SamplingParams' defaults;
     ``temperature`` 1.0 as OpenAI's), with ``plan``'s output constraint and
     ``skip_special_tokens`` (a ``constraints.OutputPlan``) when given.

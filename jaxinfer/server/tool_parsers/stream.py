@@ -40,11 +40,11 @@ class ToolCallStream:
         self.text += delta
         parsed = self.parser.parse(self.text, final)
         if final and not self.ids and not strict_calls(parsed):
-            content = self.text
-        else:
-            content = parsed.content
-        new_content = content[self.content_sent :]
-        self.content_sent = max(self.content_sent, len(content))
+            new_content = self.text[self.content_sent :]  # no call: all of it is content
+            self.content_sent = len(self.text)
+            return new_content, []
+        new_content = parsed.content[self.content_sent :]
+        self.content_sent = max(self.content_sent, len(parsed.content))
         entries: list[dict] = []
         for k, call in enumerate(parsed.calls):
             if k == len(self.ids):
