@@ -15,6 +15,11 @@ As vLLM's OpenAI server (``vllm/entrypoints/openai/protocol.py``, ``serving_chat
   message);
 - ``"none"`` passes the tools to the chat template all the same and reads no calls.
 
+The grammar of a forced call admits no whitespace between JSON tokens (compact arguments, as
+OpenAI's): a model free to add whitespace can add it without end (a small model does).
+``response_format`` keeps vLLM's default (any whitespace; ``guided_whitespace_pattern`` or
+``structured_outputs.disable_any_whitespace`` narrow it).
+
 Every refusal is an ``APIError`` (400) naming the request field at fault.
 """
 
@@ -238,7 +243,8 @@ def plan_output(req: CompletionRequest | ChatCompletionRequest, opts: ToolOption
             schema = f.get("parameters") or EMPTY_PARAMETERS
         else:
             schema = required_schema(tools, req.parallel_tool_calls is not False)
-        structured, param = _params("tools", json=schema), "tools"
+        structured = _params("tools", json=schema, disable_any_whitespace=True)
+        param = "tools"
     if structured is not None and opts.reasoning is not None:
         raise APIError(
             f"{param}: output constraints are not supported on a server with "

@@ -28,14 +28,14 @@ from jaxinfer.engine import inputs
 from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.server.chat_output import ChoiceReader, needs_reading
+from jaxinfer.server.constraints import plan_output
 from jaxinfer.server.engine_thread import (
     OutputStream,
     Overloaded,
     ShuttingDown,
     completion_key,
 )
-from jaxinfer.server.chat_output import ChoiceReader, needs_reading
-from jaxinfer.server.constraints import plan_output
 from jaxinfer.server.errors import APIError, error_body
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 
