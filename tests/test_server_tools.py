@@ -336,7 +336,10 @@ def test_a_named_tool_choice_gives_that_call(server, constrained):
     ]
 
 
-HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+HERMES_CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+    "</tool_call>"
+)
 
 
 def test_auto_reads_the_models_hermes_calls(server, constrained):
