@@ -56,6 +56,8 @@ from jaxinfer.options import (
     render,
 )
 from jaxinfer.quant.tensor import MODES
+from jaxinfer.server.reasoning_parsers import REASONING_PARSERS
+from jaxinfer.server.tool_parsers import TOOL_PARSERS
 from jaxinfer.speculative.config import SPECULATIVE_METHODS
 
 SEED_MAX = 2**63 - 1
@@ -65,13 +67,17 @@ QUANTIZATIONS = (None, "none", *MODES)
 # ------------------------------------------------------------------------- options
 
 
-MODEL, ENGINE, TUNING, PARALLEL, SPEC = (
+MODEL, ENGINE, TUNING, PARALLEL, SPEC, SERVING = (
     "model",
     "engine",
     "engine tuning (same outputs; defaults chosen per backend)",
     "parallelism",
     "speculative decoding",
+    "serving: tool calls and reasoning",
 )
+SERVE_ONLY = ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")
+"""Options only the server reads (``jaxinfer.server``: how replies are parsed); ``jaxinfer
+generate`` has no flag for them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +331,35 @@ class EngineArgs:
         group=SPEC,
         changes_outputs=True,
     )
+    tool_call_parser: str | None = option(
+        None,
+        "the model's tool-call format, read back as OpenAI's tool_calls when a chat request "
+        "has tool_choice auto (vLLM's --tool-call-parser): hermes (Hermes, Qwen2.5, Qwen3: "
+        "<tool_call>JSON</tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS])",
+        Choice((None, *TOOL_PARSERS), cli=tuple(TOOL_PARSERS)),
+        group=SERVING,
+        default_text="none: tool_choice auto is refused",
+        metavar="FORMAT",
+    )
+    enable_auto_tool_choice: bool = option(
+        False,
+        "let chat requests use tool_choice auto (the model decides; its calls are read with "
+        "{tool_call_parser}, which it needs), as vLLM's --enable-auto-tool-choice",
+        Switch(),
+        group=SERVING,
+        negative="--no-auto-tool-choice",
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "the reasoning model's format: its <think>...</think> text returned as "
+        "reasoning_content apart from the content (vLLM's --reasoning-parser): deepseek_r1 "
+        "(the output starts inside the reasoning) or qwen3 (reasoning when the output starts "
+        "with <think>)",
+        Choice((None, *REASONING_PARSERS), cli=tuple(REASONING_PARSERS)),
+        group=SERVING,
+        default_text="none: the text is all content",
+        metavar="FORMAT",
+    )
     origin: str = dataclasses.field(default="python", kw_only=True, compare=False, repr=False)
 
     def __post_init__(self):
@@ -358,6 +393,11 @@ class EngineArgs:
                     f"KV page holds tokens of one sequence; give a {self.name('page_size')} of "
                     f"at most {self.name('max_model_len')} (8 or 16 usually)"
                 )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                f"{self.spell('enable_auto_tool_choice')} needs {self.name('tool_call_parser')} "
+                "(the model's tool-call format: " + ", ".join(TOOL_PARSERS) + ")"
+            )
         if self.scan_layers_from_tokens and self.batch_invariant:
             raise ValueError(
                 f"{self.spell('scan_layers_from_tokens')} with {self.spell('batch_invariant')}: a "

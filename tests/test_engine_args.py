@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from jaxinfer.args import EngineArgs, flag_of, negative_of, option_fields
+from jaxinfer.args import SERVE_ONLY, EngineArgs, flag_of, negative_of, option_fields
 from jaxinfer.cli import main as cli
 
 BASE = ["generate", "--model", "m", "--prompts", "p", "--out", "o"]
@@ -26,8 +26,11 @@ def _parse(*argv, command="generate"):
 
 
 def test_every_option_is_a_flag_of_its_field_and_defaults_round_trip():
-    actions = _actions()
+    actions, serve = _actions(), _actions("serve")
     for f in option_fields():
+        if f.name in SERVE_ONLY:  # how the server reads replies: serve's flags alone
+            assert flag_of(f.name) not in actions and serve[flag_of(f.name)].dest == f.name
+            continue
         a = actions[flag_of(f.name)]
         assert a.dest == f.name, f.name
         if isinstance(f.default, bool) or f.name in ("async_scheduling", "multihost"):
@@ -346,3 +349,35 @@ def test_environment_switches_are_options_now(monkeypatch):
     assert not multihost_requested(None) and multihost_requested(True)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a,host-b")
     assert multihost_requested(None) and not multihost_requested(False)
+
+
+def test_tool_call_and_reasoning_parser_flags():
+    args = EngineArgs.from_cli_args(
+        _parse(
+            "--tool-call-parser",
+            "hermes",
+            "--enable-auto-tool-choice",
+            "--reasoning-parser",
+            "qwen3",
+            command="serve",
+        ),
+        multihost=False,
+    )
+    assert (args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser) == (
+        "hermes",
+        True,
+        "qwen3",
+    )
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        EngineArgs.from_cli_args(_parse("--enable-auto-tool-choice", command="serve"))
+    with pytest.raises(ValueError, match="enable_auto_tool_choice=True needs tool_call_parser"):
+        EngineArgs("m", enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser='qwen' is not supported; supported"):
+        EngineArgs("m", tool_call_parser="qwen")
+    with pytest.raises(SystemExit):
+        _parse("--tool-call-parser", "hermes")  # generate has no such flag
+    from jaxinfer.server.app import tool_options
+
+    opts = tool_options(args)
+    assert opts.parser.name == "hermes" and opts.auto and opts.reasoning.name == "qwen3"
+    assert tool_options(EngineArgs("m")) == type(opts)()

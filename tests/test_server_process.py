@@ -145,8 +145,10 @@ def test_serve_takes_every_engine_flag_of_generate():
 
     titles = {option_of(f.name).group for f in option_fields()}  # model, engine, parallelism, ...
     engine = flags(gen, titles) - {"--multihost", "--no-multihost"}
+    serving = {"--tool-call-parser", "--enable-auto-tool-choice", "--no-auto-tool-choice"}
+    serving |= {"--reasoning-parser"}  # serve's alone: how the server reads replies
     assert "--kv-cache-dtype" in engine and "--no-prefix-caching" in engine
-    assert engine == flags(serve, titles)
+    assert engine | serving == flags(serve, titles) and not serving & engine
     assert {
         "--model",
         "--tokenizer",

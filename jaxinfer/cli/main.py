@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxinfer.args import EngineArgs
+from jaxinfer.args import SERVE_ONLY, EngineArgs
 from jaxinfer.cli.generate import EXIT_INTERRUPTED, EXIT_WRITE_FAILED, Terminated, run_jobs
 from jaxinfer.cli.generate import check_terminated as _check_terminated  # noqa: F401 - tests
 from jaxinfer.cli.generate import error_record as _error_record  # noqa: F401 - tests
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flight) this often, and on SIGTERM/Ctrl-C, so a rerun continues them; 0 = only on "
         "SIGTERM/Ctrl-C. Removed when the job completes",
     )
-    EngineArgs.add_cli_args(g)
+    EngineArgs.add_cli_args(g, exclude=SERVE_ONLY)
 
     d = _sampling_defaults()
     s = g.add_argument_group(

@@ -22,7 +22,8 @@ from jaxinfer.sampling.params import SamplingParams
 
 PromptLike = str | Sequence[int] | dict
 """A prompt: text, token ids, or a dict with ``"prompt"``, ``"prompt_token_ids"`` or
-``"messages"`` (a chat, rendered with the tokenizer's chat template)."""
+``"messages"`` (a chat, rendered with the tokenizer's chat template; ``"tools"`` beside it: the
+functions the template offers the model)."""
 ResumeLike = ResumeState | Sequence[ResumeState | None] | None
 """A request's resume state; a sequence of n states for a request with ``n`` > 1."""
 
@@ -108,7 +109,8 @@ def encode_prompt(tok, prompt: PromptLike) -> tuple[list[int], str | None]:
                 raise RequestError("prompt_token_ids must be a list of integers")
             return list(ids), None
         if "messages" in prompt:
-            text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
+            tools = {"tools": prompt["tools"]} if prompt.get("tools") else {}
+            text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True, **tools)
             return tok.encode(text, add_special_tokens=False), text
         if "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):

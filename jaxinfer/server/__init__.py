@@ -4,7 +4,10 @@ Modules, one concern each: ``command`` (the CLI subcommand; imports no server li
 runs), ``app`` (FastAPI routes and lifespan), ``serving`` (completions and chat: validate,
 submit, stream or collect), ``protocol`` (pydantic request bodies -> ``SamplingParams``),
 ``engine_thread`` (the background thread that steps the engine for every client),
-``formatting`` (logprobs, usage, SSE), ``metrics`` (Prometheus), ``errors`` (OpenAI error bodies).
+``formatting`` (logprobs, usage, SSE), ``metrics`` (Prometheus), ``errors`` (OpenAI error bodies),
+``constraints`` (``response_format`` / ``tools`` -> ``StructuredOutputsParams``), ``chat_output``
+(tool calls and reasoning read from a chat reply), ``tool_parsers`` and ``reasoning_parsers``
+(the models' formats, pure text).
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).
 """
 

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxinfer.server.serving as serving
 from jaxinfer.errors import JaxinferError
+from jaxinfer.server.constraints import ToolOptions
 from jaxinfer.server.engine_thread import AsyncEngine
 from jaxinfer.server.errors import APIError, install_error_handlers
 from jaxinfer.server.metrics import ServerMetrics
@@ -40,9 +41,29 @@ class ServerState:
     engine: AsyncEngine
     metrics: ServerMetrics
     created: int
+    tools: ToolOptions = ToolOptions()
 
 
-def create_app(llm, model_name: str | None = None, max_queue: int | None = None) -> FastAPI:
+def tool_options(args) -> ToolOptions:
+    """The server's tool-calling options from an ``EngineArgs`` (``tool_call_parser``,
+    ``enable_auto_tool_choice``, ``reasoning_parser``)."""
+    from jaxinfer.server.reasoning_parsers import get_reasoning_parser
+    from jaxinfer.server.tool_parsers import get_tool_parser
+
+    parser, reasoning = args.tool_call_parser, args.reasoning_parser
+    return ToolOptions(
+        get_tool_parser(parser) if parser else None,
+        bool(args.enable_auto_tool_choice),
+        get_reasoning_parser(reasoning) if reasoning else None,
+    )
+
+
+def create_app(
+    llm,
+    model_name: str | None = None,
+    max_queue: int | None = None,
+    tools: ToolOptions | None = None,
+) -> FastAPI:
     """The OpenAI-compatible app serving ``llm``.
 
     Args:
@@ -51,6 +72,8 @@ def create_app(llm, model_name: str | None = None, max_queue: int | None = None)
             name is a 404.
         max_queue: most sequences waiting beyond ``max_num_seqs`` (per replica) before new
             requests get 503; None = no limit.
+        tools: the tool-call and reasoning parsers (default: ``llm.args``' options,
+            ``tool_options``).
 
     Raises:
         ValueError: ``max_queue`` is negative.
@@ -59,7 +82,14 @@ def create_app(llm, model_name: str | None = None, max_queue: int | None = None)
         raise ValueError(f"max_queue must be >= 0 or None, got {max_queue}")
     engine = AsyncEngine(llm, max_queue=max_queue)
     name = model_name or llm.model_path
-    state = ServerState(llm, name, engine, ServerMetrics(llm, engine, name), int(time.time()))
+    state = ServerState(
+        llm,
+        name,
+        engine,
+        ServerMetrics(llm, engine, name),
+        int(time.time()),
+        tools if tools is not None else tool_options(llm.args),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -11,6 +11,7 @@ non-default value is a 400 naming the field (``errors.APIError``), never ignored
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -28,6 +29,24 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (with the above)
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` accepted: the
+    schema is always enforced)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON valid against a
+    schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Strict):
@@ -55,6 +74,15 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    # the output constraint (``structured``): OpenAI's, vLLM's, and vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     def _common(self) -> dict[str, Any]:
         if self.logit_bias:
@@ -132,21 +160,85 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    """A call of an earlier assistant turn (OpenAI's ``message.tool_calls[i]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning (Qwen3's templates)
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as a chat template reads it: content as one string (text parts joined
-        by newlines, as vLLM's "string" content format)."""
+        by newlines, as vLLM's "string" content format); a call's ``arguments`` as the object
+        its JSON holds (what Hugging Face tool templates iterate or ``tojson``, as vLLM passes
+        them), the string itself when it is not a JSON object."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(p.text for p in content)
         d: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _args(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
         return d
+
+
+def _args(text: str):
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return v if isinstance(v, dict) else text
+
+
+class FunctionDefinition(_Strict):
+    """A tool's function: ``parameters`` is the JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -158,6 +250,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def sampling_fields(self) -> tuple[dict[str, Any], dict[str, str]]:
         d = self._common()
@@ -198,14 +293,20 @@ class DetokenizeRequest(_Strict):
 _FIELD = re.compile(r"^SamplingParams: (\w+)")
 
 
-def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, plan=None) -> SamplingParams:
     """The request's ``SamplingParams`` (fields it leaves null keep SamplingParams' defaults;
-    ``temperature`` 1.0 as OpenAI's).
+    ``temperature`` 1.0 as OpenAI's), with ``plan``'s output constraint and
+    ``skip_special_tokens`` (a ``constraints.OutputPlan``) when given.
 
     Raises:
         APIError: 400 naming the request field whose value SamplingParams refuses.
     """
     fields, rename = req.sampling_fields()
+    if plan is not None:
+        if plan.structured is not None:
+            fields["structured_outputs"] = plan.structured
+        if plan.skip_special_tokens is not None:
+            fields["skip_special_tokens"] = plan.skip_special_tokens
     try:
         return SamplingParams(**fields)
     except RequestError as e:

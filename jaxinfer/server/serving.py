@@ -28,6 +28,8 @@ from jaxinfer.engine import inputs
 from jaxinfer.errors import JaxinferError
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.server.chat_output import ChoiceReader, needs_reading
+from jaxinfer.server.constraints import plan_output
 from jaxinfer.server.engine_thread import (
     OutputStream,
     Overloaded,
@@ -51,6 +53,7 @@ class _Choice:
     final: RequestOutput | None = None
     echo_sent: bool = False
     completion: int = 0  # its completion of the engine request (choice index % n)
+    reader: ChoiceReader | None = None  # chat: reasoning and tool calls read from the text
 
 
 class _SSEResponse(StreamingResponse):
@@ -69,8 +72,11 @@ def check_model(state, model: str | None) -> None:
         raise APIError(f"The model `{model}` does not exist.", param="model", status=404)
 
 
-def _validate_param(msg: str, kind: str) -> str | None:
-    """The request field an ``EngineLoop.process`` error is about."""
+def _validate_param(msg: str, kind: str, constraint: str | None = None) -> str | None:
+    """The request field an ``EngineLoop.process`` error is about (``constraint``: the field
+    the output constraint came from)."""
+    if msg.startswith("structured_outputs") and constraint is not None:
+        return constraint
     if msg.startswith("logprobs"):
         return "top_logprobs" if kind == "chat" else "logprobs"
     if msg.startswith("stop_token_ids"):
@@ -94,10 +100,11 @@ def _prompts(req: CompletionRequest) -> list:
 
 
 def _process_all(
-    loop, base: str, prompts: list, sp: SamplingParams, kind: str
+    loop, base: str, prompts: list, sp: SamplingParams, kind: str, constraint: str | None = None
 ) -> list[inputs.ProcessedRequest]:
     """Each prompt as an engine request ``<base>-<i>``, encoded and validated by the engine
-    loop (runs in a worker thread). Raises APIError (400) naming the field a refusal is about."""
+    loop (runs in a worker thread). Raises APIError (400) naming the field a refusal is about
+    (``constraint``: the field an output-constraint refusal names)."""
     procs = []
     for i, p in enumerate(prompts):
         where = "" if len(prompts) == 1 else f" (prompt {i})"
@@ -109,7 +116,10 @@ def _process_all(
         try:
             procs.append(loop.process(inputs.Request(f"{base}-{i}", prompt, sp)))
         except JaxinferError as e:
-            raise APIError(f"{head}{e}{where}", param=_validate_param(str(e), kind)) from None
+            param = _validate_param(str(e), kind, constraint)
+            if param == constraint:
+                raise APIError(f"{param}: {e}{where}", param=param) from None
+            raise APIError(f"{head}{e}{where}", param=param) from None
     return procs
 
 
@@ -132,13 +142,20 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
     """Answers one completions or chat request (JSON, or an SSE stream)."""
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
     check_model(state, req.model)
-    sp = to_sampling_params(req)
+    plan = plan_output(req, state.tools)
+    sp = to_sampling_params(req, plan)
     if kind == "chat":
-        prompts = [{"messages": req.template_messages()}]
+        prompt = {"messages": req.template_messages()}
+        if plan.template_tools:
+            prompt["tools"] = plan.template_tools
+        prompts = [prompt]
     else:
         prompts = _prompts(req)
     base = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    procs = await asyncio.to_thread(_process_all, state.engine.loop, base, prompts, sp, kind)
+    procs = await asyncio.to_thread(
+        _process_all, state.engine.loop, base, prompts, sp, kind, plan.param
+    )
+    reading = kind == "chat" and needs_reading(plan, state.tools.reasoning)
     choices = []
     for i, proc in enumerate(procs):
         echo = (proc.prompt_text or "") if kind == "completion" and req.echo else ""
@@ -152,6 +169,7 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
                     echo,
                     text_offset=len(echo),
                     completion=j,
+                    reader=ChoiceReader(plan, state.tools.reasoning) if reading else None,
                 )
             )
     cap = state.engine.capacity
@@ -263,11 +281,16 @@ class _Run:
                 if out.logprobs is not None
                 else None
             )
+            if c.reader is not None:
+                message = c.reader.message(text)
+                reason = c.reader.finish_reason(out.finish_reason)
+            else:
+                message, reason = {"role": "assistant", "content": text}, out.finish_reason
             return {
                 "index": c.index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": lps,
-                "finish_reason": out.finish_reason,
+                "finish_reason": reason,
                 "stop_reason": out.stop_reason,
             }
         lps = (
@@ -331,9 +354,20 @@ class _Run:
         new_tokens = len(out.token_ids) > c.tok_sent
         c.tok_sent = max(c.tok_sent, len(out.token_ids))
         text = out.delta_text or ""
+        reason = out.finish_reason if out.finished else None
+        if c.reader is not None:  # reasoning and tool calls: only what is new, if anything
+            delta = c.reader.delta(text, out.finished)
+            if not delta and lps is None and not out.finished:
+                return None
+            return {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": lps,
+                "finish_reason": c.reader.finish_reason(reason),
+                "stop_reason": out.stop_reason if out.finished else None,
+            }
         if not text and lps is None and not new_tokens and not out.finished:
             return None
-        reason = out.finish_reason if out.finished else None
         if self.kind == "chat":
             return {
                 "index": c.index,

@@ -98,10 +98,14 @@ class Tokenizer:
         """Whether ``token_id`` is a special (control) token: BOS, EOS or a marked added token."""
         return token_id == self.bos_id or token_id in self.eos_ids or token_id in self._special_ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
         """Renders ``messages`` with the tokenizer's chat template, as transformers'
-        ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)``, within the
-        time, size and depth limits of ``chat_template.py``.
+        ``apply_chat_template(messages, tools=..., tokenize=False, add_generation_prompt=...)``,
+        within the time, size and depth limits of ``chat_template.py``. ``tools``: the
+        functions the model may call (OpenAI's ``[{"type": "function", "function": {...}}]``),
+        the template's ``tools`` variable.
 
         Raises:
             TokenizerError: the tokenizer has no chat template.
@@ -132,7 +136,7 @@ class Tokenizer:
         variables = dict(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            tools=None,
+            tools=tools or None,
             documents=None,
             **self._special_tokens,
         )

@@ -128,6 +128,8 @@ class IdsOnlyTokenizer(Tokenizer):
         """Raises RequestError: there is no vocabulary to decode with."""
         raise RequestError(no_tokenizer_message(self.path, "decoding text"))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
         """Raises RequestError: chat needs a tokenizer."""
         raise RequestError(no_tokenizer_message(self.path, "a chat ('messages') request"))
