@@ -43,12 +43,12 @@ def record_logits(engine) -> dict:
     sample = runner.__dict__.setdefault("_unhooked_sample", runner._sample)
     seen = {}
 
-    def hook(logits, st, controls, **kw):
+    def hook(logits, st, *rest, **kw):  # rest: the logits controls, the grammar bitmask
         lg, seeds, steps = np.asarray(logits), np.asarray(st.seeds), np.asarray(st.steps)
         for r in range(lg.shape[0]):
             if seeds[r]:  # padding rows have seed 0
                 seen[int(seeds[r]), int(steps[r])] = lg[r].copy()
-        return sample(logits, st, controls, **kw)
+        return sample(logits, st, *rest, **kw)
 
     runner._sample = hook
     return seen

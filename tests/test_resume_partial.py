@@ -601,6 +601,8 @@ def test_fingerprint_covers_the_prompt_and_every_sampling_field():
         "n": 2,
         "prompt_logprobs": 0,
         "prompt_logprobs_from": 2,
+        "structured_outputs": {"regex": "[ab]+"},
+        "guided_decoding": {"json_object": True},  # moved into structured_outputs
     }
     assert set(changes) == {f.name for f in dataclasses.fields(SamplingParams)}
     for name, value in changes.items():
