@@ -39,20 +39,7 @@ V, R, N = 8, 2, 3000
 ALPHA = 1e-3  # a correct rule fails one test in a thousand; wrong rules give p-values ~ 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_persistent_cache_writes_for_speculative_rounds():
-    """This module's compiles are not written to the persistent compilation cache.
-
-    Twice (CI at stop 41, a local full run at stop 42) an xdist worker died of a segfault inside
-    jax's cache write (``compilation_cache.put_executable_and_time`` -> XLA:CPU's
-    ``executable.serialize()``) while compiling a speculative round late in a long-lived
-    process; the same tests pass alone with a cold cache. CI's cache starts cold, so nothing is
-    lost by not writing these entries; the crash is XLA's, recorded in docs/speculative.md."""
-    key = "jax_persistent_cache_min_compile_time_secs"
-    before = getattr(jax.config, key)
-    jax.config.update(key, 1e9)
-    yield
-    jax.config.update(key, before)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")
 
 
 def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:

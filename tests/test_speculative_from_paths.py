@@ -19,6 +19,8 @@ from jaxinfer.cli import main as cli
 from jaxinfer.sampling.sampler import SamplingParams
 from tests.conftest import STORIES, stories_reference
 
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # see conftest
+
 # XLA computes max|w| / 127 as a product with the reciprocal: within one float32 ulp of numpy's.
 F32_EPS = float(np.finfo(np.float32).eps)
 
