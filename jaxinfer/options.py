@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxinfer.loaders import WEIGHT_DTYPES
-from jaxinfer.models.config import INT32_MAX
+from jaxinfer.models.checks import INT32_MAX
 
 
 def _is_int(v) -> bool:

@@ -1407,7 +1407,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "yarn_beta_swapped",
-        "jaxinfer/models/config.py",
+        "jaxinfer/models/rope.py",
         "low = correction_dim(scaling.beta_fast)\n    high = correction_dim(scaling.beta_slow)",
         "low = correction_dim(scaling.beta_slow)\n    high = correction_dim(scaling.beta_fast)",
         ("tests/test_gpt_oss_config.py",),

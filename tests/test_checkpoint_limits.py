@@ -29,7 +29,8 @@ from jaxinfer import memory_limits
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import CheckpointWarning
 from jaxinfer.loaders.hf import config_from_hf, load_hf
-from jaxinfer.models.config import ModelConfig, check_float
+from jaxinfer.models.checks import check_float
+from jaxinfer.models.config import ModelConfig
 
 MiB = 2**20
 

@@ -13,7 +13,7 @@ import pytest
 
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.hf_gpt_oss import gpt_oss_config_from_hf, min_checkpoint_bytes
-from jaxinfer.models.config import RopeScaling, rope_attention_scaling, rope_inv_freq
+from jaxinfer.models.rope import RopeScaling, rope_attention_scaling, rope_inv_freq
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

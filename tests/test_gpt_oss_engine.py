@@ -16,9 +16,10 @@ from conftest import engine_config
 
 from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.models.config import ModelConfig, RopeScaling
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import dense_greedy
 from jaxinfer.models.params import init_random
+from jaxinfer.models.rope import RopeScaling
 from jaxinfer.sampling.sampler import SamplingParams
 
 CFG = ModelConfig(

@@ -18,7 +18,8 @@ from jaxinfer.models.attn_dispatch import (
     engine_attn_impl,
     resolve_attn_impl,
 )
-from jaxinfer.models.config import INT32_MAX, ModelConfig
+from jaxinfer.models.checks import INT32_MAX
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.kv_cache import kv_bytes_per_token
 
 KV_CACHE_DTYPES = ("auto", "int8")

@@ -17,7 +17,9 @@ import math
 import os
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.config import INT32_MAX, ModelConfig, RopeScaling, num_params
+from jaxinfer.models.checks import INT32_MAX
+from jaxinfer.models.config import ModelConfig, num_params
+from jaxinfer.models.rope import RopeScaling
 
 SUPPORTED_MODEL_TYPES = (
     "llama",

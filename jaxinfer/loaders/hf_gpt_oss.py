@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.config import INT32_MAX, ModelConfig, RopeScaling
+from jaxinfer.models.checks import INT32_MAX
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.rope import RopeScaling
 
 MODEL_TYPE = "gpt_oss"
 MIN_FILE_DTYPE_BYTES = 2  # the narrowest float dtype read (F16, BF16), as hf_config

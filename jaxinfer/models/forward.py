@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.expert_sharding import sharded_moe_mlp
 from jaxinfer.models.moe import moe_mlp
 from jaxinfer.models.params import LayerParams, OutInWeight, Params
+from jaxinfer.models.rope import rope_attention_scaling, rope_inv_freq
 from jaxinfer.quant.matmul import qlinear, qlinear_flat
 from jaxinfer.quant.tensor import QTensor
 

@@ -31,8 +31,9 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checks import check_fits
 from jaxinfer.loaders.detect import detect_format
 from jaxinfer.loaders.llama2c import is_llama2c_tokenizer_file
-from jaxinfer.models.config import ModelConfig, RopeScaling
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.params import LayerParams, Params, param_shapes
+from jaxinfer.models.rope import RopeScaling
 from jaxinfer.quant.tensor import MODES, QTensor, quant_mode
 
 METADATA_FILE = "jaxinfer_quant.json"
