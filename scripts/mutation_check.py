@@ -1807,6 +1807,14 @@ MUTATIONS: list[Mutation] = [
         "            results = self._collect(done)\n",
         (SO,),
     ),
+    M(
+        "so_forcing_limit_fails_request",
+        "jaxinfer/sampling/structured.py",
+        "        if not is_forcing_limit(self._m.get_error()):\n            return False\n",
+        "        return False\n",
+        (SO,),
+        "forced_endless",
+    ),
 ]
 
 

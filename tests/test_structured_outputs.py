@@ -280,6 +280,68 @@ def test_endless_grammar_finishes_length_and_ends_early_when_complete(stories_ll
     assert 2 not in outs[1].token_ids  # the complete grammar ends it: no EOS sampled
 
 
+RECURSIVE = {  # every object must hold another: {"a":{"a":... without end
+    "type": "object",
+    "properties": {"a": {"$ref": "#"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def test_forced_endless_grammars_finish_length(stories_llm, stories_dir):
+    """Grammars that force their bytes without end (llguidance's forcing runs into its item
+    limit) run to max_tokens ("length"), every token allowed: the text is a prefix of the only
+    sentence, lark's parser takes it, and llguidance's own matcher (byte forcing off, built here)
+    consumes the tokens. Grammars with no sentence are refused up front, or fail their request
+    with a message where the output reaches a dead end; the engine serves the next request."""
+    grammars = [
+        ('start: "a" "b" start', lambda t: "ab" * 64, True),
+        ('start: "x" b\nb: "yz" b', lambda t: "x" + "yz" * 64, False),
+        (None, lambda t: '{"a":' * 64, False),
+    ]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=s,
+            max_tokens=12,
+            structured_outputs=StructuredOutputsParams(grammar=g)
+            if g
+            else StructuredOutputsParams(json=RECURSIVE, disable_any_whitespace=True),
+        )
+        for g, _, _ in grammars
+        for s in range(2)
+    ]
+    dead_end = StructuredOutputsParams(grammar='start: "a" b\nb: b "c"')  # nothing after "a"
+    params.append(SamplingParams(max_tokens=12, structured_outputs=dead_end))
+    *outs, stuck = stories_llm.generate([PROMPT] * len(params), params)
+    assert stuck.finish_reason == "error" and stuck.text == "a"
+    assert "allows no token after output index 1, not even EOS" in stuck.error
+    llt = _reference_tokenizer(stories_dir / "tok512.model")
+    for i, o in enumerate(outs):
+        g, sentence, single_chars = grammars[i // 2]
+        assert o.error is None and o.finish_reason == "length", (o.error, o.text)
+        assert len(o.token_ids) == 12 and 2 not in o.token_ids
+        assert sentence(o.text).startswith(o.text) and len(o.text) >= 12, o.text
+        if single_chars:  # every lark terminal one character: any prefix lexes whole
+            lark.Lark(g, parser="lalr").parse_interactive(o.text).exhaust_lexer()
+        grammar = (
+            llguidance.grammar_from("grammar", g)
+            if g
+            else "start: %json "
+            + json.dumps({**RECURSIVE, "x-guidance": {"whitespace_flexible": False}})
+        )
+        ref = llguidance.LLMatcher(llt, '%llguidance {"no_forcing": true}\n' + grammar)
+        assert ref.consume_tokens(o.token_ids), ref.get_error()
+        assert not ref.is_accepting()
+    for kind, spec in (("grammar", 'start: start "a"'), ("regex", r"[^\s\S]")):
+        so = StructuredOutputsParams(**{kind: spec})
+        bad = SamplingParams(max_tokens=5, structured_outputs=so)
+        with pytest.raises(RequestError, match=rf"structured_outputs.{kind}: .*matches no output"):
+            stories_llm.engine.validate([1, 2], bad)
+    nxt = stories_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    assert nxt.error is None and len(nxt.token_ids) == 5
+
+
 def test_n_and_resume_replay_the_grammar(stories_llm):
     sp = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=300, structured_outputs=_json())
     ref = stories_llm.generate([PROMPT], sp)[0]
