@@ -1815,6 +1815,22 @@ MUTATIONS: list[Mutation] = [
         (SO,),
         "forced_endless",
     ),
+    M(
+        "so_cli_whitespace_flag_dropped",
+        "jaxinfer/cli/main.py",
+        '            d["structured_outputs"]["disable_any_whitespace"] = True\n',
+        "            pass\n",
+        (SO,),
+        "cli",
+    ),
+    M(
+        "so_server_options_dropped",
+        "jaxinfer/server/constraints.py",
+        "        return _params(src, json=rf.json_schema.schema_, **options), src\n",
+        "        return _params(src, json=rf.json_schema.schema_), src\n",
+        ("tests/test_server_tools.py",),
+        "options_apply",
+    ),
 ]
 
 

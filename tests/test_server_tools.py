@@ -24,6 +24,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from json_text import whitespace_outside_strings
 
 from jaxinfer.sampling.params import SamplingParams
 
@@ -257,6 +258,26 @@ def test_json_schema_replies_validate_streamed_and_not(server, constrained):
     assert r.choices[0].text in {a + b + c for a in "abc" for b in "abc" for c in "abc"}
 
 
+def test_structured_outputs_options_apply_to_response_format(server, constrained):
+    """vLLM's way to ask for compact JSON: ``structured_outputs`` holding only
+    ``disable_any_whitespace`` beside ``response_format``; no whitespace outside strings."""
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    r = server.client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        response_format=rf,
+        temperature=1.0,
+        seed=11,
+        n=3,
+        max_tokens=120,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
+    for ch in r.choices:
+        assert ch.finish_reason == "stop", ch.message.content
+        assert whitespace_outside_strings(ch.message.content) == [], ch.message.content
+        jsonschema.validate(json.loads(ch.message.content), SCHEMA)
+
+
 class Pet(pydantic.BaseModel):
     kind: Literal["cat", "dog"]
     legs: int = pydantic.Field(ge=0, le=4)
@@ -456,6 +477,19 @@ BAD = [
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
     ({"guided_json": "{not json"}, "guided_json"),
+    (
+        {"guided_json": {"type": "object"}, "structured_outputs": {"disable_any_whitespace": 1}},
+        "structured_outputs",
+    ),
+    (
+        {
+            "guided_json": {"type": "object"},
+            "guided_whitespace_pattern": " ",
+            "structured_outputs": {"whitespace_pattern": ""},
+        },
+        "guided_whitespace_pattern",
+    ),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),

@@ -14,6 +14,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 import pytest
+from json_text import whitespace_outside_strings
 
 from jaxinfer import SamplingParams, StructuredOutputsParams
 from jaxinfer.engine.intake import check_structured
@@ -73,6 +74,46 @@ def test_200_json_samples_validate(stories_llm):
         obj = json.loads(o.text)
         jsonschema.validate(obj, SCHEMA)
         assert list(obj) == [k for k in SCHEMA["properties"] if k in obj]  # the schema's order
+
+
+SPACED = {  # strings may hold spaces: only the whitespace between JSON tokens is banned
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+        "n": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_disable_any_whitespace_leaves_none_outside_strings(stories_llm):
+    """With disable_any_whitespace every output validates and holds no whitespace outside its
+    strings (a scanner of its own judges, beside ``json`` and ``jsonschema``); the same seeds
+    without it pad with whitespace (the check sees it)."""
+    seeds = range(8)
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=s,
+            max_tokens=60,
+            structured_outputs=StructuredOutputsParams(json=SPACED, disable_any_whitespace=off),
+        )
+        for off in (True, False)
+        for s in seeds
+    ]
+    outs = stories_llm.generate([PROMPT] * len(params), params)
+    compact, loose = outs[: len(seeds)], outs[len(seeds) :]
+    for o in compact:
+        assert o.finish_reason == "stop", o.text
+        assert whitespace_outside_strings(o.text) == [], o.text
+        jsonschema.validate(json.loads(o.text), SPACED)
+    assert any(whitespace_outside_strings(o.text) for o in loose), [o.text for o in loose]
+    assert whitespace_outside_strings('{"a b": [1, "c\\" d"]}') == [7, 11]  # the scanner
 
 
 def test_regex_choice_and_lark_outputs_parse(stories_llm):
@@ -386,7 +427,8 @@ def test_cli_records_and_json_schema_flag(tmp_path, capsys):
     from jaxinfer.cli import main as cli
 
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"enum": [1, 2, 3]}))
+    default = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3}
+    schema.write_text(json.dumps(default))
     recs = [
         {"id": "default", "prompt": PROMPT},
         {
@@ -422,6 +464,7 @@ def test_cli_records_and_json_schema_flag(tmp_path, capsys):
             str(out),
             "--json-schema",
             str(schema),
+            "--disable-any-whitespace",
             "--temperature",
             "1",
             "--max-tokens",
@@ -431,7 +474,8 @@ def test_cli_records_and_json_schema_flag(tmp_path, capsys):
     )
     assert rc == 0, capsys.readouterr().err
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert json.loads(got["default"]["text"]) in (1, 2, 3)
+    jsonschema.validate(json.loads(got["default"]["text"]), default)
+    assert whitespace_outside_strings(got["default"]["text"]) == [], got["default"]["text"]
     assert got["obj"]["finish_reason"] == "length" or isinstance(
         json.loads(got["obj"]["text"]), dict
     )
@@ -458,3 +502,6 @@ def test_cli_records_and_json_schema_flag(tmp_path, capsys):
         == 2
     )
     assert "--json-schema" in capsys.readouterr().err
+    alone = ["--prompts", str(prompts), "--out", str(tmp_path / "o3.jsonl")]
+    assert cli.main(["generate", "--model", str(STORIES), *alone, "--disable-any-whitespace"]) == 2
+    assert "--disable-any-whitespace applies to --json-schema" in capsys.readouterr().err

@@ -18,7 +18,9 @@ As vLLM's OpenAI server (``vllm/entrypoints/openai/protocol.py``, ``serving_chat
 The grammar of a forced call admits no whitespace between JSON tokens (compact arguments, as
 OpenAI's): a model free to add whitespace can add it without end (a small model does).
 ``response_format`` keeps vLLM's default (any whitespace; ``guided_whitespace_pattern`` or
-``structured_outputs.disable_any_whitespace`` narrow it).
+``structured_outputs: {"disable_any_whitespace": true}`` narrow it: a ``structured_outputs``
+holding only such options applies them to the constraint another field sets, as vLLM's
+``to_sampling_params``).
 
 Every refusal is an ``APIError`` (400) naming the request field at fault.
 """
@@ -43,6 +45,8 @@ GUIDED = {
     "guided_grammar": "grammar",
 }
 """vLLM's older request fields and the ``StructuredOutputsParams`` field each sets."""
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+"""``structured_outputs`` fields that shape a JSON constraint without being one."""
 BACKENDS = ("auto", "guidance", "llguidance")
 """``guided_decoding_backend`` values accepted (the engine compiles every grammar with
 llguidance; a request naming another backend is refused)."""
@@ -114,6 +118,11 @@ def structured_from_request(
     sources = [n for n in ("structured_outputs", *GUIDED) if getattr(req, n) is not None]
     if rf is not None and rf.type != "text":
         sources.insert(0, "response_format")
+    options = _options_only(req.structured_outputs)
+    if options is not None and len(sources) > 1:  # vLLM: the options go with the other kind
+        sources.remove("structured_outputs")
+    else:
+        options = {}
     if len(sources) > 1:
         raise APIError(
             f"{sources[1]}: set one output constraint, got {' and '.join(sources)}",
@@ -126,25 +135,50 @@ def structured_from_request(
             "response_format); put it in structured_outputs.whitespace_pattern otherwise",
             param="guided_whitespace_pattern",
         )
+    if ws is not None:
+        if "whitespace_pattern" in options:
+            raise APIError(
+                "guided_whitespace_pattern: set it or structured_outputs.whitespace_pattern, "
+                "not both",
+                param="guided_whitespace_pattern",
+            )
+        options = {**options, "whitespace_pattern": ws}
     if not sources:
         return None, None
     src = sources[0]
     if src == "response_format":
         if rf.type == "json_object":
-            return _params(src, json_object=True, whitespace_pattern=ws), src
+            return _params(src, json_object=True, **options), src
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError(
                 'response_format.json_schema.schema is required with type "json_schema" (the '
                 "JSON schema the output must follow)",
                 param="response_format.json_schema.schema",
             )
-        return _params(src, json=rf.json_schema.schema_, whitespace_pattern=ws), src
+        return _params(src, json=rf.json_schema.schema_, **options), src
     if src == "structured_outputs":
         try:
             return StructuredOutputsParams.from_dict(req.structured_outputs), src
         except RequestError as e:
             raise APIError(str(e), param=src) from None
-    return _params(src, **{GUIDED[src]: getattr(req, src)}, whitespace_pattern=ws), src
+    return _params(src, **{GUIDED[src]: getattr(req, src)}, **options), src
+
+
+def _options_only(fields: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``structured_outputs`` when it sets only options (``OPTIONS``), no constraint kind: as
+    vLLM, they then apply to the kind that ``response_format`` or a ``guided_*`` field sets.
+    None otherwise.
+
+    Raises:
+        APIError: an option of the wrong type (``structured_outputs``).
+    """
+    if not fields or not isinstance(fields, dict) or not set(fields) <= set(OPTIONS):
+        return None
+    try:
+        StructuredOutputsParams(json_object=True, **fields)  # checks the options' types
+    except RequestError as e:
+        raise APIError(str(e), param="structured_outputs") from None
+    return fields
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
