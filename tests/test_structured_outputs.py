@@ -356,7 +356,7 @@ def test_forced_endless_grammars_finish_length(stories_llm, stories_dir):
     params.append(SamplingParams(max_tokens=12, structured_outputs=dead_end))
     *outs, stuck = stories_llm.generate([PROMPT] * len(params), params)
     assert stuck.finish_reason == "error" and stuck.text == "a"
-    assert "allows no token after output index 1, not even EOS" in stuck.error
+    assert "allows no token at output index 1, not even EOS" in stuck.error
     llt = _reference_tokenizer(stories_dir / "tok512.model")
     for i, o in enumerate(outs):
         g, sentence, single_chars = grammars[i // 2]

@@ -273,19 +273,61 @@ class GrammarMatcher:
     of the allowed bytes is allowed), replaying the tokens accepted so far; such a grammar then
     runs to ``max_tokens`` ("length"), every token allowed by it.
 
+    With ``start_after`` (``StructuredOutputsParams.start_after``: a reasoning model's
+    end-of-reasoning marker) the grammar is dormant, its row unmasked, until the output ends
+    with those ids, and then starts at its beginning; with ``reasoning_start`` too, the first
+    output token decides: that id opens the reasoning (dormant), any other is the grammar's
+    first token (the first mask allows both).
+
     Attributes:
         field: the constraint's field (``structured_outputs.json``, ...) for messages.
-        num_accepted: tokens accepted.
+        num_accepted: tokens the grammar accepted (0 while it is dormant).
+        num_seen: output tokens seen, the dormant ones included.
         unforced: True once the request runs its grammar without forcing.
+        active: the grammar applies (False while it waits for ``start_after``).
     """
 
-    def __init__(self, matcher, field: str, unforced: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        matcher,
+        field: str,
+        unforced: Callable[[], object] | None = None,
+        start_after: tuple[int, ...] | None = None,
+        reasoning_start: int | None = None,
+    ):
         self._m = matcher
         self.field = field
         self.num_accepted = 0
+        self.num_seen = 0
         self._tokens: list[int] = []  # accepted by _m (replayed into an unforced matcher)
         self._make_unforced = unforced
         self.unforced = False
+        self._marker = tuple(start_after) if start_after else None
+        self._opener = reasoning_start
+        self._tail: list[int] = []  # dormant: the last output ids, up to len(_marker)
+        self.active = self._marker is None
+
+    @property
+    def needs_mask(self) -> bool:
+        """The next token is masked: the grammar is active, or the first token decides."""
+        return self.active or (self._opener is not None and self.num_seen == 0)
+
+    @property
+    def opener(self) -> int | None:
+        """The id the next mask also allows (``reasoning_start`` before the first token)."""
+        return self._opener if not self.active and self.num_seen == 0 else None
+
+    def _wait(self, token: int) -> bool:
+        """Dormant: notes an output token; True when the grammar stays dormant for it (the
+        first token is ``reasoning_start`` or, with none, anything; the marker starts the
+        grammar after it)."""
+        first, self.num_seen = self.num_seen == 0, self.num_seen + 1
+        if first and self._opener is not None and token != self._opener:
+            self.active = True  # no reasoning: this token is the grammar's first
+            return False
+        self._tail = (self._tail + [token])[-len(self._marker) :]
+        self.active = tuple(self._tail) == self._marker
+        return True
 
     @property
     def llmatcher(self):
@@ -312,23 +354,29 @@ class GrammarMatcher:
             GrammarViolation: the grammar does not allow ``token`` here, or llguidance gave up
                 on the grammar before it (a limit of its parser: the message says which).
         """
+        if not self.active:
+            if self._wait(int(token)):
+                return
+        else:
+            self.num_seen += 1
+        at = self.num_seen - 1  # the token's output index
         if self._m.is_error() and not self._go_unforced():
             error = self._m.get_error()
             if error.startswith("NoExtensionBias"):  # its last mask allowed nothing
                 raise GrammarViolation(
-                    f"{self.field}: the grammar allows no token after output index "
-                    f"{self.num_accepted}, not even EOS: no sentence of it starts with the "
-                    "output so far (a rule that never ends)"
+                    f"{self.field}: the grammar allows no token at output index {at}, not "
+                    "even EOS: no sentence of it starts with the output so far (a rule that "
+                    "never ends)"
                 )
             raise GrammarViolation(
                 f"{self.field}: the grammar engine (llguidance) failed at output index "
-                f"{self.num_accepted}: {_first_lines(error, 2)}"
+                f"{at}: {_first_lines(error, 2)}"
             )
         if not self._m.consume_token(int(token)) and not (
             self._go_unforced() and self._m.consume_token(int(token))
         ):
             raise GrammarViolation(
-                f"{self.field}: token {int(token)} at output index {self.num_accepted} is not "
+                f"{self.field}: token {int(token)} at output index {at} is not "
                 f"allowed by the grammar (the device mask should have forbidden it): "
                 f"{self._m.get_error().splitlines()[0] if self._m.get_error() else ''}"
             )
@@ -343,12 +391,12 @@ class GrammarMatcher:
     @property
     def done(self) -> bool:
         """The grammar is complete: no token but EOS may follow (the request finishes "stop")."""
-        return self._m.is_stopped()
+        return self.active and self._m.is_stopped()
 
     @property
     def accepting(self) -> bool:
         """The output so far is a complete match (EOS is allowed now)."""
-        return self._m.is_accepting()
+        return self.active and self._m.is_accepting()
 
 
 class Grammars:
@@ -389,6 +437,7 @@ class Grammars:
                 rule); the message names the field (``structured_outputs.json``, ...).
         """
         field = f"structured_outputs.{so.kind}"
+        so = so.grammar_only
         key = so if forcing else ("no_forcing", so)
         with self._lock:
             hit = self._cache.get(key)
@@ -417,20 +466,37 @@ class Grammars:
         return matcher.deep_copy()
 
     def check(self, so: StructuredOutputsParams) -> None:
-        """Compiles ``so`` (cached). Raises RequestError as ``compile``."""
+        """Compiles ``so`` (cached) and checks its token ids against the vocabulary.
+
+        Raises:
+            RequestError: as ``compile``; a ``start_after`` or ``reasoning_start`` id outside
+                the model's vocabulary [0, V).
+        """
+        ids = {"start_after": so.start_after or (), "reasoning_start": (so.reasoning_start,)}
+        for name, vals in ids.items():
+            bad = [i for i in vals if i is not None and i >= self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"structured_outputs.{name}: token id {bad[0]} is outside the model's "
+                    f"vocabulary (ids 0 to {self.vocab_size - 1})"
+                )
         self.compile(so)
 
     def matcher(self, so: StructuredOutputsParams) -> GrammarMatcher:
-        """A new request's matcher at the grammar's start. Raises RequestError as ``compile``."""
+        """A new request's matcher at the grammar's start (dormant with ``start_after``).
+        Raises RequestError as ``compile``."""
         return GrammarMatcher(
             self.compile(so),
             f"structured_outputs.{so.kind}",
             unforced=lambda: self.compile(so, forcing=False),
+            start_after=so.start_after,
+            reasoning_start=so.reasoning_start,
         )
 
     def fill_bitmask(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Writes each matcher's allowed tokens into row r of ``bitmask`` (int32[B, W], C
-        contiguous; the other rows are left as they are), on llguidance's threads.
+        contiguous; the other rows, and those of dormant grammars (``start_after``), are left
+        as they are), on llguidance's threads.
 
         Raises:
             ValueError: ``bitmask`` of the wrong dtype, shape or layout, or a row out of range.
@@ -445,6 +511,7 @@ class Grammars:
             raise ValueError("fill_bitmask: the bitmask must be C contiguous")
         if any(not 0 <= r < b for _, r in rows):
             raise ValueError(f"fill_bitmask: a row outside [0, {b})")
+        rows = [(m, r) for m, r in rows if m.needs_mask]  # a dormant grammar: row left free
         if not rows:
             return
         if len(rows) == 1:
@@ -461,6 +528,10 @@ class Grammars:
             if m.check_mask():
                 row = bitmask[r]
                 m.llmatcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if m.opener is not None:  # the first token may open the reasoning instead
+                bitmask[r].view(np.uint32)[m.opener // WORD_BITS] |= np.uint32(
+                    1 << (m.opener % WORD_BITS)
+                )
 
 
 def _first_lines(msg: str, n: int = 5) -> str:
