@@ -262,3 +262,39 @@ def test_partial_file_fingerprints_keep_their_old_value():
     assert partial.fingerprint([1, 2], sp) == old
     marked = SamplingParams(structured_outputs={"regex": "a+", "start_after": [3]})
     assert partial.fingerprint([1, 2], marked) != old
+
+
+def test_markers_of_a_tokenizer_json_with_think_tokens(tmp_path):
+    """A byte-level BPE tokenizer.json with Qwen3's ``<think>`` / ``</think>`` added (not
+    special) tokens: the server's marker ids are those the ``tokenizers`` library gives them,
+    and qwen3's optional reasoning adds ``reasoning_start``; text of several tokens is none."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxinfer.server.constraints import marker_id, reasoning_fields
+    from jaxinfer.server.reasoning_parsers import get_reasoning_parser
+    from jaxinfer.tokenizers.loader import load_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["Once upon a time, there was a little girl."] * 20, trainer)
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    ours = load_tokenizer(tmp_path)
+    start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    assert marker_id(ours, "</think>") == end and marker_id(ours, "<think>") == start
+    assert marker_id(ours, "Once upon") is None
+    assert reasoning_fields(get_reasoning_parser("qwen3"), ours, "x") == {
+        "start_after": (end,),
+        "reasoning_start": start,
+    }
+    assert reasoning_fields(get_reasoning_parser("deepseek_r1"), ours, "x") == {
+        "start_after": (end,)
+    }
