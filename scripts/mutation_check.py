@@ -79,6 +79,7 @@ CTO = "tests/test_chat_template_option.py"
 LOOP = "tests/test_engine_loop.py"
 KV = "tests/test_kv_manager.py"
 SO = "tests/test_structured_outputs.py"
+SOR = "tests/test_structured_reasoning.py"
 GPT_OSS_MOE = "tests/test_gpt_oss_moe.py"
 GMM = "tests/test_grouped_matmul.py"
 EXPERT_SHARDING = "jaxinfer/models/expert_sharding.py"
@@ -1806,6 +1807,74 @@ MUTATIONS: list[Mutation] = [
         "            self._inflight = self._sample(launched)  # before the tokens in flight\n"
         "            results = self._collect(done)\n",
         (SO,),
+    ),
+    M(
+        "so_forcing_limit_fails_request",
+        "jaxinfer/sampling/structured.py",
+        "        if not is_forcing_limit(self._m.get_error()):\n            return False\n",
+        "        return False\n",
+        (SO,),
+        "forced_endless",
+    ),
+    M(
+        "so_cli_whitespace_flag_dropped",
+        "jaxinfer/cli/main.py",
+        '            d["structured_outputs"]["disable_any_whitespace"] = True\n',
+        "            pass\n",
+        (SO,),
+        "cli",
+    ),
+    M(
+        "so_server_options_dropped",
+        "jaxinfer/server/constraints.py",
+        "        return _params(src, json=rf.json_schema.schema_, **options), src\n",
+        "        return _params(src, json=rf.json_schema.schema_), src\n",
+        ("tests/test_server_tools.py",),
+        "options_apply",
+    ),
+    # ---- structured outputs after a reasoning (start_after, reasoning_start)
+    M(
+        "so_reasoning_grammar_from_the_start",
+        "jaxinfer/sampling/structured.py",
+        "        self.active = self._marker is None\n",
+        "        self.active = True\n",
+        (SOR,),
+        "free_until_the_marker",
+    ),
+    M(
+        "so_reasoning_marker_matched_on_the_prompt",
+        "jaxinfer/engine/core.py",
+        "            req.grammar = self.grammars.matcher(params.structured_outputs)\n",
+        "            req.grammar = self.grammars.matcher(params.structured_outputs)\n"
+        "            if params.structured_outputs.start_after:  # the prompt ends it?\n"
+        "                for t in prompt_ids:\n"
+        "                    req.grammar.accept(t)\n",
+        (SOR,),
+        "prompt_starts_nothing",
+    ),
+    M(
+        "so_reasoning_opener_masked_out",
+        "jaxinfer/sampling/structured.py",
+        "            if m.opener is not None:  # the first token may open the reasoning instead\n",
+        "            if False:\n",
+        (SOR,),
+        "reasoning_start",
+    ),
+    M(
+        "so_reasoning_ids_unchecked",
+        "jaxinfer/sampling/structured.py",
+        "            bad = [i for i in vals if i is not None and i >= self.vocab_size]\n",
+        "            bad = []\n",
+        (SOR,),
+        "vocabulary",
+    ),
+    M(
+        "so_server_reasoning_markers_dropped",
+        "jaxinfer/server/constraints.py",
+        "        structured = dataclasses.replace(structured, **fields)\n",
+        "",
+        (SOR,),
+        "server",
     ),
 ]
 

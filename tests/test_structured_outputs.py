@@ -14,6 +14,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 import pytest
+from json_text import whitespace_outside_strings
 
 from jaxinfer import SamplingParams, StructuredOutputsParams
 from jaxinfer.engine.intake import check_structured
@@ -73,6 +74,46 @@ def test_200_json_samples_validate(stories_llm):
         obj = json.loads(o.text)
         jsonschema.validate(obj, SCHEMA)
         assert list(obj) == [k for k in SCHEMA["properties"] if k in obj]  # the schema's order
+
+
+SPACED = {  # strings may hold spaces: only the whitespace between JSON tokens is banned
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+        "n": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_disable_any_whitespace_leaves_none_outside_strings(stories_llm):
+    """With disable_any_whitespace every output validates and holds no whitespace outside its
+    strings (a scanner of its own judges, beside ``json`` and ``jsonschema``); the same seeds
+    without it pad with whitespace (the check sees it)."""
+    seeds = range(8)
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=s,
+            max_tokens=60,
+            structured_outputs=StructuredOutputsParams(json=SPACED, disable_any_whitespace=off),
+        )
+        for off in (True, False)
+        for s in seeds
+    ]
+    outs = stories_llm.generate([PROMPT] * len(params), params)
+    compact, loose = outs[: len(seeds)], outs[len(seeds) :]
+    for o in compact:
+        assert o.finish_reason == "stop", o.text
+        assert whitespace_outside_strings(o.text) == [], o.text
+        jsonschema.validate(json.loads(o.text), SPACED)
+    assert any(whitespace_outside_strings(o.text) for o in loose), [o.text for o in loose]
+    assert whitespace_outside_strings('{"a b": [1, "c\\" d"]}') == [7, 11]  # the scanner
 
 
 def test_regex_choice_and_lark_outputs_parse(stories_llm):
@@ -280,6 +321,68 @@ def test_endless_grammar_finishes_length_and_ends_early_when_complete(stories_ll
     assert 2 not in outs[1].token_ids  # the complete grammar ends it: no EOS sampled
 
 
+RECURSIVE = {  # every object must hold another: {"a":{"a":... without end
+    "type": "object",
+    "properties": {"a": {"$ref": "#"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def test_forced_endless_grammars_finish_length(stories_llm, stories_dir):
+    """Grammars that force their bytes without end (llguidance's forcing runs into its item
+    limit) run to max_tokens ("length"), every token allowed: the text is a prefix of the only
+    sentence, lark's parser takes it, and llguidance's own matcher (byte forcing off, built here)
+    consumes the tokens. Grammars with no sentence are refused up front, or fail their request
+    with a message where the output reaches a dead end; the engine serves the next request."""
+    grammars = [
+        ('start: "a" "b" start', lambda t: "ab" * 64, True),
+        ('start: "x" b\nb: "yz" b', lambda t: "x" + "yz" * 64, False),
+        (None, lambda t: '{"a":' * 64, False),
+    ]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=s,
+            max_tokens=12,
+            structured_outputs=StructuredOutputsParams(grammar=g)
+            if g
+            else StructuredOutputsParams(json=RECURSIVE, disable_any_whitespace=True),
+        )
+        for g, _, _ in grammars
+        for s in range(2)
+    ]
+    dead_end = StructuredOutputsParams(grammar='start: "a" b\nb: b "c"')  # nothing after "a"
+    params.append(SamplingParams(max_tokens=12, structured_outputs=dead_end))
+    *outs, stuck = stories_llm.generate([PROMPT] * len(params), params)
+    assert stuck.finish_reason == "error" and stuck.text == "a"
+    assert "allows no token at output index 1, not even EOS" in stuck.error
+    llt = _reference_tokenizer(stories_dir / "tok512.model")
+    for i, o in enumerate(outs):
+        g, sentence, single_chars = grammars[i // 2]
+        assert o.error is None and o.finish_reason == "length", (o.error, o.text)
+        assert len(o.token_ids) == 12 and 2 not in o.token_ids
+        assert sentence(o.text).startswith(o.text) and len(o.text) >= 12, o.text
+        if single_chars:  # every lark terminal one character: any prefix lexes whole
+            lark.Lark(g, parser="lalr").parse_interactive(o.text).exhaust_lexer()
+        grammar = (
+            llguidance.grammar_from("grammar", g)
+            if g
+            else "start: %json "
+            + json.dumps({**RECURSIVE, "x-guidance": {"whitespace_flexible": False}})
+        )
+        ref = llguidance.LLMatcher(llt, '%llguidance {"no_forcing": true}\n' + grammar)
+        assert ref.consume_tokens(o.token_ids), ref.get_error()
+        assert not ref.is_accepting()
+    for kind, spec in (("grammar", 'start: start "a"'), ("regex", r"[^\s\S]")):
+        so = StructuredOutputsParams(**{kind: spec})
+        bad = SamplingParams(max_tokens=5, structured_outputs=so)
+        with pytest.raises(RequestError, match=rf"structured_outputs.{kind}: .*matches no output"):
+            stories_llm.engine.validate([1, 2], bad)
+    nxt = stories_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    assert nxt.error is None and len(nxt.token_ids) == 5
+
+
 def test_n_and_resume_replay_the_grammar(stories_llm):
     sp = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=300, structured_outputs=_json())
     ref = stories_llm.generate([PROMPT], sp)[0]
@@ -324,7 +427,8 @@ def test_cli_records_and_json_schema_flag(tmp_path, capsys):
     from jaxinfer.cli import main as cli
 
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"enum": [1, 2, 3]}))
+    default = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3}
+    schema.write_text(json.dumps(default))
     recs = [
         {"id": "default", "prompt": PROMPT},
         {
@@ -360,6 +464,7 @@ def test_cli_records_and_json_schema_flag(tmp_path, capsys):
             str(out),
             "--json-schema",
             str(schema),
+            "--disable-any-whitespace",
             "--temperature",
             "1",
             "--max-tokens",
@@ -369,7 +474,8 @@ def test_cli_records_and_json_schema_flag(tmp_path, capsys):
     )
     assert rc == 0, capsys.readouterr().err
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert json.loads(got["default"]["text"]) in (1, 2, 3)
+    jsonschema.validate(json.loads(got["default"]["text"]), default)
+    assert whitespace_outside_strings(got["default"]["text"]) == [], got["default"]["text"]
     assert got["obj"]["finish_reason"] == "length" or isinstance(
         json.loads(got["obj"]["text"]), dict
     )
@@ -396,3 +502,6 @@ def test_cli_records_and_json_schema_flag(tmp_path, capsys):
         == 2
     )
     assert "--json-schema" in capsys.readouterr().err
+    alone = ["--prompts", str(prompts), "--out", str(tmp_path / "o3.jsonl")]
+    assert cli.main(["generate", "--model", str(STORIES), *alone, "--disable-any-whitespace"]) == 2
+    assert "--disable-any-whitespace applies to --json-schema" in capsys.readouterr().err

@@ -236,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
         "record's own structured_outputs or response_format replaces it",
     )
     s.add_argument(
+        "--disable-any-whitespace",
+        action="store_true",
+        help="--json-schema's JSON without whitespace between its tokens "
+        "(structured_outputs.disable_any_whitespace; whitespace inside strings stays): a model "
+        "that knows no JSON otherwise may pad with whitespace until --max-tokens; a record's "
+        "own constraint sets its own",
+    )
+    s.add_argument(
         "--sampling-seed",
         type=int,
         default=d["seed"],
@@ -302,6 +310,13 @@ def sampling_defaults_from_args(args: argparse.Namespace) -> dict:
     }
     if args.json_schema is not None:
         d["structured_outputs"] = {"json": read_json_schema(args.json_schema)}
+        if args.disable_any_whitespace:
+            d["structured_outputs"]["disable_any_whitespace"] = True
+    elif args.disable_any_whitespace:
+        raise UsageError(
+            "--disable-any-whitespace applies to --json-schema's constraint: give --json-schema "
+            "FILE too (a record's own constraint sets structured_outputs.disable_any_whitespace)"
+        )
     try:
         SamplingParams.from_dict(d)
     except RequestError as e:

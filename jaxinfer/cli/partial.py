@@ -81,7 +81,8 @@ def run_settings(args) -> dict:
 def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
     """sha256 (hex) of a request's prompt token ids and sampling params (canonical JSON; ``n``
     left out when 1, so n = 1 fingerprints are those written before ``n`` existed; likewise
-    ``prompt_logprobs`` and ``structured_outputs`` when None)."""
+    ``prompt_logprobs`` and ``structured_outputs`` when None, and ``structured_outputs``'
+    ``start_after`` and ``reasoning_start``)."""
     sampling = dataclasses.asdict(params)
     if sampling["n"] == 1:
         del sampling["n"]
@@ -92,6 +93,10 @@ def fingerprint(prompt_ids: list[int], params: SamplingParams) -> str:
     for k in ("structured_outputs", "guided_decoding"):  # from before they existed
         if sampling.get(k) is None:
             sampling.pop(k, None)
+    so = sampling.get("structured_outputs")
+    for k in ("start_after", "reasoning_start"):  # likewise
+        if so is not None and so.get(k) is None:
+            so.pop(k, None)
     blob = json.dumps(
         {"prompt_token_ids": [int(t) for t in prompt_ids], "sampling": sampling},
         sort_keys=True,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -64,6 +65,37 @@ def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
 class GrammarViolation(RuntimeError):
     """A token the request's grammar does not allow reached its matcher. The device mask forbids
     such tokens, so this is a bug (a stale or misapplied mask), never a model's choice."""
+
+
+FORCING_LIMIT = ("Too many items", "ff_tokens")
+"""Words of llguidance's error when forcing bytes runs into the parser's item limit
+(``step_max_items``; llguidance 1.x: "Too many items (limit 50000; ff_tokens)")."""
+
+NO_FORCING = '%llguidance {"no_forcing": true}\n'
+"""The Lark option that turns llguidance's byte forcing off for a whole grammar."""
+
+
+def is_forcing_limit(error: str) -> bool:
+    """Whether an llguidance error is the forcing limit (``FORCING_LIMIT``): a grammar forcing
+    bytes without end, not a token the grammar forbids."""
+    return all(w in error for w in FORCING_LIMIT)
+
+
+def without_forcing(source: str) -> str:
+    """``source`` (llguidance grammar text: Lark, or its JSON of ``{"grammars": [...]}``) with
+    byte forcing off in every grammar: Lark text gets ``NO_FORCING`` in front, a JSON-schema
+    grammar becomes the Lark grammar ``start: %json {schema}`` with it (the schema keeps its
+    ``x-guidance`` options)."""
+    if not source.lstrip().startswith("{"):
+        return NO_FORCING + source
+    top = json.loads(source)
+    for g in top["grammars"]:
+        if g.get("lark_grammar") is not None:
+            g["lark_grammar"] = NO_FORCING + g["lark_grammar"]
+        elif g.get("json_schema") is not None:
+            g["lark_grammar"] = NO_FORCING + "start: %json " + json.dumps(g["json_schema"])
+            g["json_schema"] = None
+    return json.dumps(top)
 
 
 def _llguidance():
@@ -232,19 +264,88 @@ class _GreedyEncoder:
 class GrammarMatcher:
     """One request's grammar state (an llguidance ``LLMatcher``).
 
+    llguidance forces the bytes a grammar allows alone (the one way on: a JSON key, a literal)
+    and tokenizes them canonically. A grammar that forces bytes without end (Lark ``start: "a"
+    start``, a schema whose required property is the schema itself) runs its forcing into the
+    parser's item limit, and the matcher then fails on the next token though the mask allowed it.
+    On that failure, and only on it (``is_forcing_limit``), the request goes on with the same
+    grammar compiled without forcing (``%llguidance {"no_forcing": true}``: every tokenization
+    of the allowed bytes is allowed), replaying the tokens accepted so far; such a grammar then
+    runs to ``max_tokens`` ("length"), every token allowed by it.
+
+    With ``start_after`` (``StructuredOutputsParams.start_after``: a reasoning model's
+    end-of-reasoning marker) the grammar is dormant, its row unmasked, until the output ends
+    with those ids, and then starts at its beginning; with ``reasoning_start`` too, the first
+    output token decides: that id opens the reasoning (dormant), any other is the grammar's
+    first token (the first mask allows both).
+
     Attributes:
         field: the constraint's field (``structured_outputs.json``, ...) for messages.
+        num_accepted: tokens the grammar accepted (0 while it is dormant).
+        num_seen: output tokens seen, the dormant ones included.
+        unforced: True once the request runs its grammar without forcing.
+        active: the grammar applies (False while it waits for ``start_after``).
     """
 
-    def __init__(self, matcher, field: str):
+    def __init__(
+        self,
+        matcher,
+        field: str,
+        unforced: Callable[[], object] | None = None,
+        start_after: tuple[int, ...] | None = None,
+        reasoning_start: int | None = None,
+    ):
         self._m = matcher
         self.field = field
         self.num_accepted = 0
+        self.num_seen = 0
+        self._tokens: list[int] = []  # accepted by _m (replayed into an unforced matcher)
+        self._make_unforced = unforced
+        self.unforced = False
+        self._marker = tuple(start_after) if start_after else None
+        self._opener = reasoning_start
+        self._tail: list[int] = []  # dormant: the last output ids, up to len(_marker)
+        self.active = self._marker is None
+
+    @property
+    def needs_mask(self) -> bool:
+        """The next token is masked: the grammar is active, or the first token decides."""
+        return self.active or (self._opener is not None and self.num_seen == 0)
+
+    @property
+    def opener(self) -> int | None:
+        """The id the next mask also allows (``reasoning_start`` before the first token)."""
+        return self._opener if not self.active and self.num_seen == 0 else None
+
+    def _wait(self, token: int) -> bool:
+        """Dormant: notes an output token; True when the grammar stays dormant for it (the
+        first token is ``reasoning_start`` or, with none, anything; the marker starts the
+        grammar after it)."""
+        first, self.num_seen = self.num_seen == 0, self.num_seen + 1
+        if first and self._opener is not None and token != self._opener:
+            self.active = True  # no reasoning: this token is the grammar's first
+            return False
+        self._tail = (self._tail + [token])[-len(self._marker) :]
+        self.active = tuple(self._tail) == self._marker
+        return True
 
     @property
     def llmatcher(self):
         """The llguidance ``LLMatcher`` (tests compare masks against the library's own)."""
         return self._m
+
+    def _go_unforced(self) -> bool:
+        """Replaces a matcher stopped by the forcing limit with the grammar without forcing,
+        replaying the accepted tokens. False: not that failure (or no unforced grammar)."""
+        if self.unforced or self._make_unforced is None:
+            return False
+        if not is_forcing_limit(self._m.get_error()):
+            return False
+        m = self._make_unforced()
+        if self._tokens and not m.consume_tokens(self._tokens):
+            return False  # cannot happen: the same bytes, any tokenization allowed
+        self._m, self.unforced = m, True
+        return True
 
     def accept(self, token: int) -> None:
         """Advances the state by one sampled token.
@@ -253,28 +354,49 @@ class GrammarMatcher:
             GrammarViolation: the grammar does not allow ``token`` here, or llguidance gave up
                 on the grammar before it (a limit of its parser: the message says which).
         """
-        if self._m.is_error():
+        if not self.active:
+            if self._wait(int(token)):
+                return
+        else:
+            self.num_seen += 1
+        at = self.num_seen - 1  # the token's output index
+        if self._m.is_error() and not self._go_unforced():
+            error = self._m.get_error()
+            if error.startswith("NoExtensionBias"):  # its last mask allowed nothing
+                raise GrammarViolation(
+                    f"{self.field}: the grammar allows no token at output index {at}, not "
+                    "even EOS: no sentence of it starts with the output so far (a rule that "
+                    "never ends)"
+                )
             raise GrammarViolation(
                 f"{self.field}: the grammar engine (llguidance) failed at output index "
-                f"{self.num_accepted}: {_first_lines(self._m.get_error(), 2)}"
+                f"{at}: {_first_lines(error, 2)}"
             )
-        if not self._m.consume_token(int(token)):
+        if not self._m.consume_token(int(token)) and not (
+            self._go_unforced() and self._m.consume_token(int(token))
+        ):
             raise GrammarViolation(
-                f"{self.field}: token {int(token)} at output index {self.num_accepted} is not "
+                f"{self.field}: token {int(token)} at output index {at} is not "
                 f"allowed by the grammar (the device mask should have forbidden it): "
                 f"{self._m.get_error().splitlines()[0] if self._m.get_error() else ''}"
             )
+        self._tokens.append(int(token))
         self.num_accepted += 1
+
+    def check_mask(self) -> bool:
+        """After a mask computation: True when it stopped the matcher on the forcing limit and
+        the matcher now runs unforced (its mask must be computed again)."""
+        return self._m.is_error() and self._go_unforced()
 
     @property
     def done(self) -> bool:
         """The grammar is complete: no token but EOS may follow (the request finishes "stop")."""
-        return self._m.is_stopped()
+        return self.active and self._m.is_stopped()
 
     @property
     def accepting(self) -> bool:
         """The output so far is a complete match (EOS is allowed now)."""
-        return self._m.is_accepting()
+        return self.active and self._m.is_accepting()
 
 
 class Grammars:
@@ -305,8 +427,9 @@ class Grammars:
             self._ll_tok = ll_tokenizer(self.tokenizer, self.vocab_size)
         return self._ll_tok
 
-    def compile(self, so: StructuredOutputsParams):
-        """A fresh llguidance matcher of ``so``'s grammar, from the cache or compiled.
+    def compile(self, so: StructuredOutputsParams, *, forcing: bool = True):
+        """A fresh llguidance matcher of ``so``'s grammar, from the cache or compiled;
+        ``forcing=False``: the grammar without byte forcing (``without_forcing``).
 
         Raises:
             RequestError: the schema, regex or grammar is invalid or uses what llguidance does
@@ -314,34 +437,66 @@ class Grammars:
                 rule); the message names the field (``structured_outputs.json``, ...).
         """
         field = f"structured_outputs.{so.kind}"
+        so = so.grammar_only
+        key = so if forcing else ("no_forcing", so)
         with self._lock:
-            hit = self._cache.get(so)
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(so)
+                self._cache.move_to_end(key)
                 return hit.deep_copy()
         llg = _llguidance()
         source = grammar_source(so)
+        if not forcing:
+            source = without_forcing(source)
         matcher = llg.LLMatcher(self.ll_tokenizer, source, log_level=0)
         if matcher.is_error():
             raise RequestError(f"{field}: {_first_lines(matcher.get_error())}")
+        probe = matcher.deep_copy()  # the first mask: does any output start?
+        probe.compute_bitmask()
+        if probe.is_error() and not is_forcing_limit(probe.get_error()):
+            raise RequestError(
+                f"{field}: the grammar matches no output: no token may start it, not even EOS "
+                f"(a rule that never ends, an empty language): {_first_lines(probe.get_error(), 1)}"
+            )
         with self._lock:
             self.num_compiled += 1
-            self._cache[so] = matcher
+            self._cache[key] = matcher
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return matcher.deep_copy()
 
     def check(self, so: StructuredOutputsParams) -> None:
-        """Compiles ``so`` (cached). Raises RequestError as ``compile``."""
+        """Compiles ``so`` (cached) and checks its token ids against the vocabulary.
+
+        Raises:
+            RequestError: as ``compile``; a ``start_after`` or ``reasoning_start`` id outside
+                the model's vocabulary [0, V).
+        """
+        ids = {"start_after": so.start_after or (), "reasoning_start": (so.reasoning_start,)}
+        for name, vals in ids.items():
+            bad = [i for i in vals if i is not None and i >= self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"structured_outputs.{name}: token id {bad[0]} is outside the model's "
+                    f"vocabulary (ids 0 to {self.vocab_size - 1})"
+                )
         self.compile(so)
 
     def matcher(self, so: StructuredOutputsParams) -> GrammarMatcher:
-        """A new request's matcher at the grammar's start. Raises RequestError as ``compile``."""
-        return GrammarMatcher(self.compile(so), f"structured_outputs.{so.kind}")
+        """A new request's matcher at the grammar's start (dormant with ``start_after``).
+        Raises RequestError as ``compile``."""
+        return GrammarMatcher(
+            self.compile(so),
+            f"structured_outputs.{so.kind}",
+            unforced=lambda: self.compile(so, forcing=False),
+            start_after=so.start_after,
+            reasoning_start=so.reasoning_start,
+        )
 
     def fill_bitmask(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Writes each matcher's allowed tokens into row r of ``bitmask`` (int32[B, W], C
-        contiguous; the other rows are left as they are), on llguidance's threads.
+        contiguous; the other rows, and those of dormant grammars (``start_after``), are left
+        as they are), on llguidance's threads.
 
         Raises:
             ValueError: ``bitmask`` of the wrong dtype, shape or layout, or a row out of range.
@@ -356,18 +511,27 @@ class Grammars:
             raise ValueError("fill_bitmask: the bitmask must be C contiguous")
         if any(not 0 <= r < b for _, r in rows):
             raise ValueError(f"fill_bitmask: a row outside [0, {b})")
+        rows = [(m, r) for m, r in rows if m.needs_mask]  # a dormant grammar: row left free
         if not rows:
             return
         if len(rows) == 1:
             m, r = rows[0]
             row = bitmask[r]
             m.llmatcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-            return
-        if self._executor is None:
-            self._executor = _llguidance().LLExecutor(num_threads=self._num_threads)
-        self._executor.unsafe_compute_mask_ptr(
-            [(m.llmatcher, r) for m, r in rows], bitmask.ctypes.data, w * 4, b
-        )
+        else:
+            if self._executor is None:
+                self._executor = _llguidance().LLExecutor(num_threads=self._num_threads)
+            self._executor.unsafe_compute_mask_ptr(
+                [(m.llmatcher, r) for m, r in rows], bitmask.ctypes.data, w * 4, b
+            )
+        for m, r in rows:  # a mask that hit the forcing limit: again, unforced
+            if m.check_mask():
+                row = bitmask[r]
+                m.llmatcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if m.opener is not None:  # the first token may open the reasoning instead
+                bitmask[r].view(np.uint32)[m.opener // WORD_BITS] |= np.uint32(
+                    1 << (m.opener % WORD_BITS)
+                )
 
 
 def _first_lines(msg: str, n: int = 5) -> str:

@@ -38,6 +38,17 @@ class StructuredOutputsParams:
         disable_additional_properties: JSON objects without properties the schema does not
             name, whatever its ``additionalProperties`` says.
         whitespace_pattern: a regex for the whitespace allowed between JSON tokens.
+        start_after: token ids (a reasoning model's end-of-reasoning marker, ``</think>``'s
+            id): the grammar is dormant (no mask: every token free, EOS included) until the
+            output first ends with these ids, and starts fresh after them (vLLM starts the
+            grammar where its reasoning parser sees the reasoning end). Only output tokens
+            count: the marker in the prompt starts nothing. None: the grammar applies from the
+            first output token. The server sets it from its ``--reasoning-parser``.
+        reasoning_start: with ``start_after``, a token id (Qwen3's ``<think>``, where thinking
+            may be off) that alone opens a reasoning: an output whose first token is another is
+            constrained from that first token (the first mask allows this id beside the
+            grammar's). None: the output starts inside the reasoning (DeepSeek-R1's template
+            opens ``<think>``).
 
     Raises:
         RequestError: when no kind or more than one is set, or a field has the wrong type (a
@@ -54,6 +65,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    start_after: tuple[int, ...] | None = None
+    reasoning_start: int | None = None
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -102,11 +115,33 @@ class StructuredOutputsParams:
                 setf(name, False)
             elif not isinstance(v, bool):
                 fail(f"{name} must be a bool, got {v!r}")
+        sa = self.start_after
+        if sa is not None:
+            if isinstance(sa, str | bytes | Mapping) or not isinstance(sa, Iterable):
+                fail(f"start_after must be a list of token ids, got {sa!r}")
+            sa = tuple(sa)
+            if not sa or not all(_is_id(i) for i in sa):
+                fail(f"start_after must be a non-empty list of token ids (ints >= 0), got {sa!r}")
+            setf("start_after", sa)
+        rs = self.reasoning_start
+        if rs is not None:
+            if not _is_id(rs):
+                fail(f"reasoning_start must be a token id (an int >= 0), got {rs!r}")
+            if sa is None:
+                fail("reasoning_start goes with start_after (the marker that ends the reasoning)")
         kinds = self.kinds
         if not kinds:
             fail(f"set one of {', '.join(KINDS)}")
         if len(kinds) > 1:
             fail(f"set only one constraint kind, got {', '.join(kinds)}")
+
+    @property
+    def grammar_only(self) -> StructuredOutputsParams:
+        """These params without ``start_after`` / ``reasoning_start``: what the grammar is
+        compiled from (one compiled grammar serves both)."""
+        if self.start_after is None:
+            return self
+        return dataclasses.replace(self, start_after=None, reasoning_start=None)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -142,6 +177,10 @@ class StructuredOutputsParams:
                 f"allowed: {', '.join(names)}"
             )
         return cls(**d)
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 GuidedDecodingParams = StructuredOutputsParams

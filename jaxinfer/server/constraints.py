@@ -18,7 +18,14 @@ As vLLM's OpenAI server (``vllm/entrypoints/openai/protocol.py``, ``serving_chat
 The grammar of a forced call admits no whitespace between JSON tokens (compact arguments, as
 OpenAI's): a model free to add whitespace can add it without end (a small model does).
 ``response_format`` keeps vLLM's default (any whitespace; ``guided_whitespace_pattern`` or
-``structured_outputs.disable_any_whitespace`` narrow it).
+``structured_outputs: {"disable_any_whitespace": true}`` narrow it: a ``structured_outputs``
+holding only such options applies them to the constraint another field sets, as vLLM's
+``to_sampling_params``).
+
+On a server with a reasoning parser, a constraint starts where the reasoning ends: its
+``StructuredOutputsParams`` get ``start_after`` (the end marker's token id) and, for a parser
+whose reasoning is optional (qwen3), ``reasoning_start`` (``reasoning_fields``); the engine
+leaves the reasoning free and the content follows the grammar.
 
 Every refusal is an ``APIError`` (400) naming the request field at fault.
 """
@@ -29,7 +36,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from jaxinfer.errors import RequestError
+from jaxinfer.errors import RequestError, TokenizerError
 from jaxinfer.sampling.structured_params import StructuredOutputsParams
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -43,6 +50,8 @@ GUIDED = {
     "guided_grammar": "grammar",
 }
 """vLLM's older request fields and the ``StructuredOutputsParams`` field each sets."""
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+"""``structured_outputs`` fields that shape a JSON constraint without being one."""
 BACKENDS = ("auto", "guidance", "llguidance")
 """``guided_decoding_backend`` values accepted (the engine compiles every grammar with
 llguidance; a request naming another backend is refused)."""
@@ -114,6 +123,11 @@ def structured_from_request(
     sources = [n for n in ("structured_outputs", *GUIDED) if getattr(req, n) is not None]
     if rf is not None and rf.type != "text":
         sources.insert(0, "response_format")
+    options = _options_only(req.structured_outputs)
+    if options is not None and len(sources) > 1:  # vLLM: the options go with the other kind
+        sources.remove("structured_outputs")
+    else:
+        options = {}
     if len(sources) > 1:
         raise APIError(
             f"{sources[1]}: set one output constraint, got {' and '.join(sources)}",
@@ -126,25 +140,96 @@ def structured_from_request(
             "response_format); put it in structured_outputs.whitespace_pattern otherwise",
             param="guided_whitespace_pattern",
         )
+    if ws is not None:
+        if "whitespace_pattern" in options:
+            raise APIError(
+                "guided_whitespace_pattern: set it or structured_outputs.whitespace_pattern, "
+                "not both",
+                param="guided_whitespace_pattern",
+            )
+        options = {**options, "whitespace_pattern": ws}
     if not sources:
         return None, None
     src = sources[0]
     if src == "response_format":
         if rf.type == "json_object":
-            return _params(src, json_object=True, whitespace_pattern=ws), src
+            return _params(src, json_object=True, **options), src
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError(
                 'response_format.json_schema.schema is required with type "json_schema" (the '
                 "JSON schema the output must follow)",
                 param="response_format.json_schema.schema",
             )
-        return _params(src, json=rf.json_schema.schema_, whitespace_pattern=ws), src
+        return _params(src, json=rf.json_schema.schema_, **options), src
     if src == "structured_outputs":
         try:
             return StructuredOutputsParams.from_dict(req.structured_outputs), src
         except RequestError as e:
             raise APIError(str(e), param=src) from None
-    return _params(src, **{GUIDED[src]: getattr(req, src)}, whitespace_pattern=ws), src
+    return _params(src, **{GUIDED[src]: getattr(req, src)}, **options), src
+
+
+def _options_only(fields: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``structured_outputs`` when it sets only options (``OPTIONS``), no constraint kind: as
+    vLLM, they then apply to the kind that ``response_format`` or a ``guided_*`` field sets.
+    None otherwise.
+
+    Raises:
+        APIError: an option of the wrong type (``structured_outputs``).
+    """
+    if not fields or not isinstance(fields, dict) or not set(fields) <= set(OPTIONS):
+        return None
+    try:
+        StructuredOutputsParams(json_object=True, **fields)  # checks the options' types
+    except RequestError as e:
+        raise APIError(str(e), param="structured_outputs") from None
+    return fields
+
+
+def marker_id(tokenizer, text: str) -> int | None:
+    """The id of the one token whose text is ``text`` (a reasoning model's ``</think>``, an
+    added token), or None when there is none or more than one (the tokenizer writes ``text``
+    with several tokens). Found by encoding ``text``, else among the token bytes of a
+    vocabulary that lists them (SentencePiece, whose encoder adds a space in front)."""
+    if tokenizer is None or not getattr(tokenizer, "has_text", False):
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=False) == text:
+        return ids[0]
+    try:
+        token_bytes = tokenizer.grammar_vocabulary().token_bytes
+    except TokenizerError:
+        return None
+    same = [i for i, b in enumerate(token_bytes or ()) if b == text.encode("utf-8")]
+    return same[0] if len(same) == 1 else None
+
+
+def reasoning_fields(parser: ReasoningParser, tokenizer, param: str) -> dict[str, Any]:
+    """``StructuredOutputsParams`` fields that start a constraint where ``parser``'s reasoning
+    ends (vLLM's structured outputs with a reasoning parser): ``start_after`` the end marker's
+    id, and for a parser whose reasoning is optional (``start_required``: qwen3)
+    ``reasoning_start``, the start marker's id.
+
+    Raises:
+        APIError: a marker is not one token of the model (vLLM's parsers need them in the
+            vocabulary too), naming ``param``.
+    """
+    fields: dict[str, Any] = {}
+    markers = [("start_after", parser.end)]
+    if parser.start_required:
+        markers.append(("reasoning_start", parser.start))
+    for name, text in markers:
+        tid = marker_id(tokenizer, text)
+        if tid is None:
+            raise APIError(
+                f"{param}: an output constraint on a server with --reasoning-parser "
+                f"{parser.name} starts where the reasoning ends, at the token {text!r}; this "
+                "model's tokenizer has no such single token, so the constraint cannot start "
+                "there (send the request without a constraint, or serve a reasoning model)",
+                param=param,
+            )
+        fields[name] = (tid,) if name == "start_after" else tid
+    return fields
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
@@ -193,15 +278,18 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
     return schema
 
 
-def plan_output(req: CompletionRequest | ChatCompletionRequest, opts: ToolOptions) -> OutputPlan:
-    """The request's ``OutputPlan``.
+def plan_output(
+    req: CompletionRequest | ChatCompletionRequest, opts: ToolOptions, tokenizer=None
+) -> OutputPlan:
+    """The request's ``OutputPlan``. On a server with a reasoning parser, the constraint
+    starts where the reasoning ends (``reasoning_fields``; ``tokenizer``: the model's).
 
     Raises:
         APIError: 400 naming the field: a bad constraint (``structured_from_request``); two
             tools of one name; ``tool_choice`` without tools, naming a function not in
             ``tools``, or "auto" on a server without an auto tool parser; a forced tool call
-            together with another output constraint; an output constraint on a server with a
-            reasoning parser (the engine cannot start a constraint after the reasoning yet).
+            together with another output constraint; an output constraint on a server whose
+            reasoning markers are not single tokens of the model (``reasoning_fields``).
     """
     structured, param = structured_from_request(req)
     tools_in = getattr(req, "tools", None)
@@ -245,13 +333,9 @@ def plan_output(req: CompletionRequest | ChatCompletionRequest, opts: ToolOption
             schema = required_schema(tools, req.parallel_tool_calls is not False)
         structured = _params("tools", json=schema, disable_any_whitespace=True)
         param = "tools"
-    if structured is not None and opts.reasoning is not None:
-        raise APIError(
-            f"{param}: output constraints are not supported on a server with "
-            f"--reasoning-parser {opts.reasoning.name} yet: the constraint must start where "
-            "the reasoning ends, which the engine does not do yet",
-            param=param,
-        )
+    if structured is not None and opts.reasoning is not None and structured.start_after is None:
+        fields = reasoning_fields(opts.reasoning, tokenizer, param)
+        structured = dataclasses.replace(structured, **fields)
     parser = opts.parser if mode == "auto" else None
     skip = None
     if parser is not None and parser.keep_special_tokens and req.skip_special_tokens is None:

@@ -142,7 +142,7 @@ async def handle(state, raw: Request, req: CompletionRequest | ChatCompletionReq
     """Answers one completions or chat request (JSON, or an SSE stream)."""
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
     check_model(state, req.model)
-    plan = plan_output(req, state.tools)
+    plan = plan_output(req, state.tools, getattr(state.llm, "tokenizer", None))
     sp = to_sampling_params(req, plan)
     if kind == "chat":
         prompt = {"messages": req.template_messages()}
