@@ -188,6 +188,49 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capfd, torch_thre
     assert e.value.code == 2 and "'vllm'" in capfd.readouterr().err
 
 
+def test_random_moe_checkpoint(tmp_path, monkeypatch, torch_threads):
+    """The benchmarks' random Qwen3-MoE (``qwen3moe_tiny`` through ``benchlib.resolve_model``):
+    transformers loads it as Qwen3-MoE with the declared shape and counts as many parameters as
+    ``moe_models.param_counts`` works out from the shapes; its routing is decisive (the gap
+    between each token's A-th and (A+1)-th router logit, from transformers' own router, well
+    above f32 rounding); and the engine's greedy tokens equal transformers' ``generate``."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import benchlib
+    import moe_models
+
+    monkeypatch.setattr(benchlib, "CACHE", tmp_path)
+    path, vocab, hf_dir = benchlib.resolve_model("qwen3moe_tiny", hf=True)
+    assert path == hf_dir == tmp_path / "bench" / "qwen3moe_tiny" and vocab == 512
+    spec = moe_models.RANDOM_QWEN3_MOES["qwen3moe_tiny"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    c = model.config
+    assert c.model_type == "qwen3_moe" and c.num_experts == spec["E"] and not c.mlp_only_layers
+    assert c.num_experts_per_tok == spec["A"] and c.moe_intermediate_size == spec["I"]
+    assert model.num_parameters() == moe_models.param_counts("qwen3moe_tiny")["total"]
+    prompt = [1, 17, 301, 44, 5, 260, 99, 410, 7, 23]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), output_router_logits=True)
+    for logits in out.router_logits:  # [T, E] per layer
+        top = np.sort(logits.float().numpy(), axis=-1)[:, ::-1]
+        assert 1.0 < top.std(axis=-1).mean() < 4.0  # ROUTER_SPREAD 2
+        assert (top[:, spec["A"] - 1] - top[:, spec["A"]]).min() > 1e-3
+    want = model.generate(  # min_new_tokens: EOS (2) suppressed, as ignore_eos
+        torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    got = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
+    assert got[0].outputs[0].token_ids == want
+
+
 # Records shaped as bench_roofline.py and bench_serving.py write them (keys checked above), with
 # numbers chosen here, so the plot is checked against known data whatever ran on this worker.
 ROOFLINE = {
