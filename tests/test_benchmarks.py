@@ -32,6 +32,7 @@ CASES = {
     "bench_compile": ["results"],
     "bench_prefix_cache": ["results", "cpu", "loadavg_start", "repeats"],
     "bench_grouped_matmul": ["results", "cpu", "commit", "auto_backend"],
+    "bench_moe": ["layer", "grouped_matmul", "cpu", "commit", "loadavg_before", "shape"],
 }
 
 
@@ -102,6 +103,33 @@ def test_quick_emits_json(name, results_dir, capfd, torch_threads):
         assert "ttft_process_s" in r["warm"]
     elif name == "bench_prefix_cache":
         check_prefix_cache(s["results"][0])
+    elif name == "bench_moe":
+        check_moe(s)
+
+
+def check_moe(s: dict) -> None:
+    """bench_moe's quick run (qwen3moe_tiny's layer: D 64, 8 experts of width 32, top-2; T = 1
+    and 8): every figure present and positive, the ratios the quotients of their figures, the
+    FLOPs of each side counted from the shape, and every grouped-matmul formulation agreeing
+    with the engine's within f32 rounding."""
+    assert s["shape"] == {"name": "qwen3moe_tiny", "D": 64, "E": 8, "A": 2, "I": 32, "dense_F": 64}
+    assert set(s["layer"]) == {"T1", "T8"}
+    for t, row in ((1, s["layer"]["T1"]), (8, s["layer"]["T8"])):
+        for name in ("moe", "dense", "dense_input_first", "route"):
+            f = row[name]
+            assert 0 < f["ms_min"] <= f["ms_median"] and f["calls"] >= 3, (t, name)
+        assert row["moe_over_dense"] == pytest.approx(
+            row["moe"]["ms_median"] / row["dense"]["ms_median"], rel=1e-2, abs=1e-3
+        )
+        assert row["flops"] == {"moe": t * (6 * 64 * 2 * 32 + 2 * 64 * 8), "dense": t * 6 * 64 * 64}
+        assert 1 <= row["experts_used"] <= min(8, 2 * t) and row["max_rows_per_expert"] <= t
+    assert set(s["grouped_matmul"]) == {"T1/gate_up", "T1/down", "T8/gate_up", "T8/down"}
+    for key, row in s["grouped_matmul"].items():
+        t = int(key[1 : key.index("/")])
+        assert row["rows"] == 2 * t
+        for name in ("gmm_auto", "ragged_dot", "dense_masked", "pallas_tpu_interpret"):
+            assert row[name]["ms_median"] > 0 and row[name]["max_abs_diff_vs_gmm_auto"] < 1e-5
+        assert row["gmm_auto"]["x_gmm_auto"] == 1.0
 
 
 def check_prefix_cache(r: dict) -> None:
