@@ -2,6 +2,7 @@
 
     python scripts/bench_generate.py --model stories260K        # the shipped real model
     python scripts/bench_generate.py --model llama110m          # random ~110M Llama (HF format)
+    python scripts/bench_generate.py --model qwen3moe250m       # random Qwen3-MoE (moe_models)
 
 Workload (seeded): N prompts whose input and output lengths are drawn from log-normal
 distributions shaped like ShareGPT's (long-tailed: many short, some long), clamped to the model's
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from moe_models import RANDOM_QWEN3_MOES, random_qwen3_moe_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("JAXINFER_SHARED", REPO.parent / "shared"))
@@ -98,7 +100,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--model", default="stories260K", help="stories260K, llama110m, llama1b or a path"
+        "--model",
+        default="stories260K",
+        help=f"stories260K, llama110m, llama1b, {', '.join(RANDOM_QWEN3_MOES)} or a path",
     )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -114,6 +118,9 @@ def main() -> None:
         model, vocab = SHARED / "models" / "stories260K", 512
     elif args.model in RANDOM_LLAMAS:
         model, vocab = random_llama_dir(args.model), RANDOM_LLAMAS[args.model][-1]
+    elif args.model in RANDOM_QWEN3_MOES:
+        model = random_qwen3_moe_dir(args.model, CACHE, SHARED)
+        vocab = RANDOM_QWEN3_MOES[args.model]["V"]
     else:
         model, vocab = Path(args.model), 512
     reqs = workload(

@@ -25,8 +25,9 @@ Formulations (each jitted, outputs checked against ragged_dot's, max abs differe
 
 Per formulation: wall ms per call (median and min over ``--repeats`` calls after one warm-up
 call), the process's CPU ms per call (median; all threads, steadier than wall on a shared
-machine), and GFLOP/s of useful work (``2 * T * D * F``) at the median wall time. Host: the CPU
-model (/proc/cpuinfo), the commit, the load average before and after.
+machine), the 1-minute load average when it started (``time_call``, shared with
+``bench_moe.py``), and GFLOP/s of useful work (``2 * T * D * F``) at the median wall time. Host:
+the CPU model (/proc/cpuinfo), the commit, the load average before and after.
 """
 
 from __future__ import annotations
@@ -66,6 +67,37 @@ def commit() -> str:
         ).stdout.strip()
 
     return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain") else "")
+
+
+def loadavg() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+def time_call(fn, *args, repeats: int, budget_s: float | None = None) -> dict:
+    """Times ``fn(*args)`` (a jitted function): one untimed warm-up call (compilation), then
+    ``repeats`` calls, each waited for with ``block_until_ready`` (at least 3 calls, fewer than
+    ``repeats`` once ``budget_s`` seconds of timed calls have passed). Returns wall ms median and
+    min, the process's CPU ms per call (median, all threads: steadier than wall on a shared
+    machine), the calls timed and the 1-minute load average at the start."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    load1, times, cpu, spent = os.getloadavg()[0], [], [], 0.0
+    for i in range(repeats):
+        if budget_s is not None and i >= 3 and spent > budget_s:
+            break
+        t0, c0 = time.perf_counter(), time.process_time()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        spent += times[-1]
+    return {
+        "ms_median": round(float(np.median(times)) * 1e3, 3),
+        "ms_min": round(min(times) * 1e3, 3),
+        "cpu_ms_median": round(float(np.median(cpu)) * 1e3, 3),
+        "calls": len(times),
+        "load1": round(load1, 2),
+    }
 
 
 def formulations(gather_chunk: int):
@@ -136,7 +168,7 @@ def main():
 
     from kernels_pallas.grouped_matmul import resolve_backend
 
-    load_before = os.getloadavg()
+    load_before = loadavg()
     rng = np.random.default_rng(args.seed)
     d, f, e, k = args.hidden, args.moe_intermediate, args.experts, args.top_k
     dtype = jnp.dtype(args.dtype)
@@ -164,23 +196,11 @@ def main():
             useful = 2 * t * lhs.shape[1] * rhs.shape[2]
             for name, fn in fns.items():
                 out = fn(lhs, rhs, gs)
-                jax.block_until_ready(out)  # warm-up (compilation)
-                times, cpu = [], []
-                for _ in range(args.repeats):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    jax.block_until_ready(fn(lhs, rhs, gs))
-                    times.append(time.perf_counter() - t0)
-                    cpu.append(time.process_time() - c0)
-                med = float(np.median(times))
-                r = results[f"{key}/{name}"] = {
-                    "ms_median": round(med * 1e3, 2),
-                    "ms_min": round(min(times) * 1e3, 2),
-                    "cpu_ms_median": round(float(np.median(cpu)) * 1e3, 2),
-                    "useful_gflop_s": round(useful / med / 1e9, 2),
-                    "max_abs_diff_vs_ragged_dot": float(
-                        np.abs(np.asarray(out.astype(jnp.float32)) - want).max()
-                    ),
-                }
+                r = results[f"{key}/{name}"] = time_call(fn, lhs, rhs, gs, repeats=args.repeats)
+                r["useful_gflop_s"] = round(useful / r["ms_median"] / 1e6, 2)
+                r["max_abs_diff_vs_ragged_dot"] = float(
+                    np.abs(np.asarray(out.astype(jnp.float32)) - want).max()
+                )
                 print(f"{key}/{name}: {r}", file=sys.stderr, flush=True)
             base = results[f"{key}/ragged_dot"]["ms_median"]
             for name in fns:
@@ -200,8 +220,8 @@ def main():
         "quick": args.quick,
         "dtype": args.dtype,
         "repeats": args.repeats,
-        "loadavg_before": [round(v, 2) for v in load_before],
-        "loadavg_after": [round(v, 2) for v in os.getloadavg()],
+        "loadavg_before": load_before,
+        "loadavg_after": loadavg(),
         "results": results,
     }
     from benchlib import emit

@@ -415,7 +415,8 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default=None,
-        help="llama110m (default), stories260K (--quick's), llama1b or a HF directory",
+        help="llama110m (default), stories260K (--quick's), llama1b, qwen3moe1b, qwen3moe250m, "
+        "qwen3moe_tiny or a HF directory",
     )
     ap.add_argument(
         "--engines",

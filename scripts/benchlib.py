@@ -8,6 +8,9 @@ Models (``resolve_model``):
 - ``llama110m``, ``llama1b``: random Llama checkpoints in Hugging Face format (float32 on disk,
   built once and cached; see ``bench_generate.random_llama_dir``). Both the engine and
   transformers load the same directory.
+- ``qwen3moe1b``, ``qwen3moe250m``, ``qwen3moe_tiny``: random Qwen3-MoE checkpoints in Hugging
+  Face format (``moe_models``: ~0.99B total / ~0.19B active, ~0.26B / ~0.06B, a tiny one for
+  smoke tests), built once and cached; both sides load the same directory.
 - any other value: a path (a Hugging Face directory is used for both sides).
 
 Workload (``make_workload``): ``n`` requests whose prompt and output lengths are log-normal, shaped
@@ -40,9 +43,10 @@ if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
 from bench_generate import CACHE, RANDOM_LLAMAS, REPO, SHARED, random_llama_dir  # noqa: E402
+from moe_models import RANDOM_QWEN3_MOES, random_qwen3_moe_dir  # noqa: E402
 
 STORIES = SHARED / "models" / "stories260K"
-MODELS = ("stories260K", *RANDOM_LLAMAS)
+MODELS = ("stories260K", *RANDOM_LLAMAS, *RANDOM_QWEN3_MOES)
 
 
 # ---------------------------------------------------------------- models
@@ -125,6 +129,9 @@ def resolve_model(name: str, *, hf: bool = False) -> tuple[Path, int, Path | Non
     if name in RANDOM_LLAMAS:
         path = random_llama_dir(name, "float32")
         return path, RANDOM_LLAMAS[name][-1], path
+    if name in RANDOM_QWEN3_MOES:
+        path = random_qwen3_moe_dir(name, CACHE, SHARED)
+        return path, RANDOM_QWEN3_MOES[name]["V"], path
     path = Path(name)
     if (path / "config.json").exists():
         vocab = json.loads((path / "config.json").read_text()).get("vocab_size", 512)

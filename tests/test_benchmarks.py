@@ -32,6 +32,7 @@ CASES = {
     "bench_compile": ["results"],
     "bench_prefix_cache": ["results", "cpu", "loadavg_start", "repeats"],
     "bench_grouped_matmul": ["results", "cpu", "commit", "auto_backend"],
+    "bench_moe": ["layer", "grouped_matmul", "cpu", "commit", "loadavg_before", "shape"],
 }
 
 
@@ -102,6 +103,33 @@ def test_quick_emits_json(name, results_dir, capfd, torch_threads):
         assert "ttft_process_s" in r["warm"]
     elif name == "bench_prefix_cache":
         check_prefix_cache(s["results"][0])
+    elif name == "bench_moe":
+        check_moe(s)
+
+
+def check_moe(s: dict) -> None:
+    """bench_moe's quick run (qwen3moe_tiny's layer: D 64, 8 experts of width 32, top-2; T = 1
+    and 8): every figure present and positive, the ratios the quotients of their figures, the
+    FLOPs of each side counted from the shape, and every grouped-matmul formulation agreeing
+    with the engine's within f32 rounding."""
+    assert s["shape"] == {"name": "qwen3moe_tiny", "D": 64, "E": 8, "A": 2, "I": 32, "dense_F": 64}
+    assert set(s["layer"]) == {"T1", "T8"}
+    for t, row in ((1, s["layer"]["T1"]), (8, s["layer"]["T8"])):
+        for name in ("moe", "dense", "dense_input_first", "route"):
+            f = row[name]
+            assert 0 < f["ms_min"] <= f["ms_median"] and f["calls"] >= 3, (t, name)
+        assert row["moe_over_dense"] == pytest.approx(
+            row["moe"]["ms_median"] / row["dense"]["ms_median"], rel=1e-2, abs=1e-3
+        )
+        assert row["flops"] == {"moe": t * (6 * 64 * 2 * 32 + 2 * 64 * 8), "dense": t * 6 * 64 * 64}
+        assert 1 <= row["experts_used"] <= min(8, 2 * t) and row["max_rows_per_expert"] <= t
+    assert set(s["grouped_matmul"]) == {"T1/gate_up", "T1/down", "T8/gate_up", "T8/down"}
+    for key, row in s["grouped_matmul"].items():
+        t = int(key[1 : key.index("/")])
+        assert row["rows"] == 2 * t
+        for name in ("gmm_auto", "ragged_dot", "dense_masked", "pallas_tpu_interpret"):
+            assert row[name]["ms_median"] > 0 and row[name]["max_abs_diff_vs_gmm_auto"] < 1e-5
+        assert row["gmm_auto"]["x_gmm_auto"] == 1.0
 
 
 def check_prefix_cache(r: dict) -> None:
@@ -186,6 +214,49 @@ def test_bench_peers_skip_and_ratios(results_dir, monkeypatch, capfd, torch_thre
     with pytest.raises(SystemExit) as e:  # an unknown engine is refused, by name, before any run
         bench_peers.main()
     assert e.value.code == 2 and "'vllm'" in capfd.readouterr().err
+
+
+def test_random_moe_checkpoint(tmp_path, monkeypatch, torch_threads):
+    """The benchmarks' random Qwen3-MoE (``qwen3moe_tiny`` through ``benchlib.resolve_model``):
+    transformers loads it as Qwen3-MoE with the declared shape and counts as many parameters as
+    ``moe_models.param_counts`` works out from the shapes; its routing is decisive (the gap
+    between each token's A-th and (A+1)-th router logit, from transformers' own router, well
+    above f32 rounding); and the engine's greedy tokens equal transformers' ``generate``."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import benchlib
+    import moe_models
+
+    monkeypatch.setattr(benchlib, "CACHE", tmp_path)
+    path, vocab, hf_dir = benchlib.resolve_model("qwen3moe_tiny", hf=True)
+    assert path == hf_dir == tmp_path / "bench" / "qwen3moe_tiny" and vocab == 512
+    spec = moe_models.RANDOM_QWEN3_MOES["qwen3moe_tiny"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    c = model.config
+    assert c.model_type == "qwen3_moe" and c.num_experts == spec["E"] and not c.mlp_only_layers
+    assert c.num_experts_per_tok == spec["A"] and c.moe_intermediate_size == spec["I"]
+    assert model.num_parameters() == moe_models.param_counts("qwen3moe_tiny")["total"]
+    prompt = [1, 17, 301, 44, 5, 260, 99, 410, 7, 23]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), output_router_logits=True)
+    for logits in out.router_logits:  # [T, E] per layer
+        top = np.sort(logits.float().numpy(), axis=-1)[:, ::-1]
+        assert 1.0 < top.std(axis=-1).mean() < 4.0  # ROUTER_SPREAD 2
+        assert (top[:, spec["A"] - 1] - top[:, spec["A"]]).min() > 1e-3
+    want = model.generate(  # min_new_tokens: EOS (2) suppressed, as ignore_eos
+        torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    got = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
+    assert got[0].outputs[0].token_ids == want
 
 
 # Records shaped as bench_roofline.py and bench_serving.py write them (keys checked above), with
