@@ -18,7 +18,12 @@ transformers ``generate`` on the same weights (stories260K converted to a Huggin
 ``benchlib.stories_hf_dir``; the random Llama's own directory), the same prompt ids, schema and
 ``max_tokens``, constrained by an llguidance logits processor built from the model's tokenizer
 through transformers, then unconstrained: its tok/s both ways, slowdown and mask µs per token
-per row, beside jaxinfer's (``--no-peer`` skips it).
+per row, beside jaxinfer's (``--no-peer`` skips it). The peer runs in a child process (no JAX
+threads or engine beside it), torch on ``--threads`` threads (default: every core) with
+``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: torch's OpenMP threads spin-wait
+between ops by default, and on a shared, loaded machine (load 7 on 2 cores) transformers then
+ran stories260K 10-20x slower with 2 threads than with 1; waiting passively gives it its
+1-thread speed or better.
 
 ``--mask-vocab V ...``: the mask's cost at a realistic vocabulary, which the models above lack
 (stories260K's tokenizer has 512 tokens; the random Llama's logits are 32,000 wide but its
@@ -192,12 +197,16 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int) ->
         "loadavg_jaxinfer": [load0, loadavg()],
     }
     if peer:
-        from hf_llguidance import run_peer
-
         log(f"{name}: transformers + llguidance")
         tok_model = path / "tokenizer.model" if name != "stories260K" else STORIES / "tok512.model"
-        p = run_peer(
-            hf_dir, tok_model, list(outs[0].prompt_token_ids), SCHEMA, n, max_tokens, threads
+        p = run_peer_child(
+            hf_dir=str(hf_dir),
+            tokenizer_model=str(tok_model),
+            prompt_ids=list(outs[0].prompt_token_ids),
+            schema=SCHEMA,
+            n=n,
+            max_tokens=max_tokens,
+            threads=threads,
         )
         j = res["jaxinfer"]
         res["peer"] = p
@@ -210,6 +219,23 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int) ->
         }
         res["loadavg_peer"] = loadavg()
     return res
+
+
+def run_peer_child(**spec) -> dict:
+    """``hf_llguidance.run_peer(**spec)`` in a child process (module docstring); its stderr
+    passes through, its stdout is the result as one JSON line."""
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    script = REPO / "scripts" / "hf_llguidance.py"
+    p = subprocess.run(
+        [sys.executable, str(script), json.dumps(spec)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if p.returncode != 0:
+        raise RuntimeError(f"the transformers peer failed (exit status {p.returncode})")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------- masks at a real vocabulary

@@ -11,12 +11,19 @@ from the model's own tokenizer through transformers (``AutoTokenizer`` on the Se
 ``tokenizer.model``, then ``llguidance.hf.from_tokenizer``), as a transformers user would build
 it. The mask is computed in line with the forward (transformers has no overlap), which is what
 such a peer is.
+
+    python scripts/hf_llguidance.py '{"hf_dir": ..., "tokenizer_model": ..., "prompt_ids": [...],
+        "schema": {...}, "n": 64, "max_tokens": 128, "threads": 2}'
+
+prints ``run_peer``'s result as one JSON line (``bench_structured.py`` runs it so, as a child).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -105,8 +112,8 @@ def hf_tokenizer(model_dir: Path, tokenizer_model: Path):
 
 
 def run_peer(
-    hf_dir: Path,
-    tokenizer_model: Path,
+    hf_dir: str | Path,
+    tokenizer_model: str | Path,
     prompt_ids: list[int],
     schema: dict,
     n: int,
@@ -125,7 +132,7 @@ def run_peer(
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
-    tok = hf_tokenizer(hf_dir, tokenizer_model)
+    tok = hf_tokenizer(Path(hf_dir), Path(tokenizer_model))
     eos = tok.eos_token_id
     t = time.perf_counter()
     ll_tok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab)
@@ -166,6 +173,7 @@ def run_peer(
     return {
         "engine": "transformers generate + llguidance logits processor",
         "torch_threads": threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "constrained_tok_s": round(tps_c, 1),
         "unconstrained_tok_s": round(tps_f, 1),
         "slowdown_pct": round((1 - tps_c / tps_f) * 100, 1),
@@ -178,3 +186,7 @@ def run_peer(
         "accept_us_per_token": round(proc.accept_s / max(proc.accepted, 1) * 1e6, 2),
         "ll_tokenizer_build_ms": round(tok_build_s * 1e3, 2),
     }
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_peer(**json.loads(sys.argv[1]))), flush=True)
