@@ -6,24 +6,25 @@
     python scripts/bench_structured.py --quick               # a smoke test, seconds
 
 Per model (``--models``): a batch of N requests (default 64, one prompt each, temperature 1.0,
-seeded) run twice on one warm ``LLM``: every request constrained by a JSON schema (an array of
-at least ten small objects, no whitespace: outputs reach ``max_tokens`` as the unconstrained ones
-do), then the same requests unconstrained (``ignore_eos``). Reported: output tokens/s of each (the
-slowdown in %), the host's mask time per token per row (µs: ``Grammars.fill_bitmask`` timed
-around each call, divided by the rows it filled), the matcher's advance time per token, the
-first-request cost of a schema (the llguidance tokenizer, then the grammar compiled) and the
-same with the schema cached. Both configurations run once before they are timed (compilations
-excluded; ``compilations_in_measured_runs`` shows it). Then the peer (``hf_llguidance.py``):
-transformers ``generate`` on the same weights (stories260K converted to a Hugging Face Llama,
-``benchlib.stories_hf_dir``; the random Llama's own directory), the same prompt ids, schema and
-``max_tokens``, constrained by an llguidance logits processor built from the model's tokenizer
-through transformers, then unconstrained: its tok/s both ways, slowdown and mask µs per token
-per row, beside jaxinfer's (``--no-peer`` skips it). The peer runs in a child process (no JAX
-threads or engine beside it), torch on ``--threads`` threads (default: every core) with
-``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: torch's OpenMP threads spin-wait
-between ops by default, and on a shared, loaded machine (load 7 on 2 cores) transformers then
-ran stories260K 10-20x slower with 2 threads than with 1; waiting passively gives it its
-1-thread speed or better.
+seeded) run on one warm ``LLM``: every request constrained by a JSON schema (an array of at
+least ten small objects, no whitespace: outputs reach ``max_tokens`` as the unconstrained ones
+do), then the same requests unconstrained (``ignore_eos``), ``--repeats`` times in turn.
+Reported: the median output tokens/s of each (the slowdown of the medians in %; every run's
+figure and each pair's slowdown beside them), the host's mask time per token per row (µs:
+``Grammars.fill_bitmask`` timed around each call, divided by the rows it filled), the matcher's
+advance time per token, the first-request cost of a schema (the llguidance tokenizer, then the
+grammar compiled) and the same with the schema cached. Both configurations run once before they
+are timed (compilations excluded; ``compilations_in_measured_runs`` shows it). Then the peer
+(``hf_llguidance.py``): transformers ``generate`` on the same weights (stories260K converted to
+a Hugging Face Llama, ``benchlib.stories_hf_dir``; the random Llama's own directory), the same
+prompt ids, schema and ``max_tokens``, constrained by an llguidance logits processor built from
+the model's tokenizer through transformers, then unconstrained: its tok/s both ways, slowdown
+and mask µs per token per row, beside jaxinfer's (``--no-peer`` skips it). The peer runs in a
+child process (no JAX threads or engine beside it), torch on ``--threads`` threads (default:
+every core) with ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: torch's OpenMP
+threads spin-wait between ops by default, and on a shared, loaded machine (load 7 on 2 cores)
+transformers then ran stories260K 10-20x slower with 2 threads than with 1; waiting passively
+gives it its 1-thread speed or better.
 
 ``--mask-vocab V ...``: the mask's cost at a realistic vocabulary, which the models above lack
 (stories260K's tokenizer has 512 tokens; the random Llama's logits are 32,000 wide but its
@@ -57,6 +58,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
 from benchlib import CACHE, STORIES, add_common_args, emit, host_info, log  # noqa: E402
+from hf_llguidance import throughput  # noqa: E402
 
 SCHEMA = {  # at least 10 items (> 128 tokens): constrained outputs as long as the others
     "type": "array",
@@ -98,7 +100,7 @@ def loadavg() -> list[float]:
 # ---------------------------------------------------------------- jaxinfer and the peer
 
 
-def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int) -> dict:
+def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int, repeats: int) -> dict:
     """jaxinfer's constrained and unconstrained runs of ``name``, then the peer's (module
     docstring)."""
     from benchlib import resolve_model
@@ -156,11 +158,16 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int) ->
     log(f"{name}: jaxinfer warm-up")
     run(constrained), run(free)  # compile the shapes of both (warm-up)
     compiled = llm.num_compilations
-    timing.update(fill_s=0.0, rows=0, calls=0)
     log(f"{name}: jaxinfer timed runs")
-    wall_c, tok_c, outs = run(constrained)
-    mask = dict(timing)
-    wall_f, tok_f, _ = run(free)
+    mask = {"fill_s": 0.0, "rows": 0, "calls": 0}
+    runs_c, runs_f = [], []
+    for _ in range(repeats):  # in turn: a burst of load on the shared machine hits one run
+        timing.update(fill_s=0.0, rows=0, calls=0)
+        wall_c, tok_c, outs = run(constrained)
+        mask = {k: mask[k] + timing[k] for k in mask}
+        wall_f, tok_f, _ = run(free)
+        runs_c.append((tok_c, wall_c))
+        runs_f.append((tok_f, wall_f))
     for o in outs:
         if o.finish_reason == "stop":
             json.loads(o.text)
@@ -172,7 +179,6 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int) ->
             m.accept(tok)
             k += 1
     accept_us = (time.perf_counter() - t0) / max(k, 1) * 1e6
-    tps_c, tps_f = tok_c / wall_c, tok_f / wall_f
     res = {
         "model": name,
         "vocab_size": eng.cfg.vocab_size,
@@ -180,11 +186,7 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int) ->
         "requests": n,
         "max_tokens": max_tokens,
         "jaxinfer": {
-            "constrained_tok_s": round(tps_c, 1),
-            "unconstrained_tok_s": round(tps_f, 1),
-            "slowdown_pct": round((1 - tps_c / tps_f) * 100, 1),
-            "constrained_tokens": tok_c,
-            "unconstrained_tokens": tok_f,
+            **throughput(runs_c, runs_f),
             "constrained_finished_stop": sum(o.finish_reason == "stop" for o in outs),
             "mask_us_per_token_row": round(mask["fill_s"] / max(mask["rows"], 1) * 1e6, 2),
             "mask_ms_per_step": round(mask["fill_s"] / max(mask["calls"], 1) * 1e3, 3),
@@ -207,6 +209,7 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int) ->
             n=n,
             max_tokens=max_tokens,
             threads=threads,
+            repeats=repeats,
         )
         j = res["jaxinfer"]
         res["peer"] = p
@@ -389,6 +392,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=None, help="default: stories260K llama110m")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="timed constrained/unconstrained pairs per engine"
+    )
     ap.add_argument("--no-peer", action="store_true", help="skip transformers + llguidance")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (peer)")
     ap.add_argument("--mask-vocab", nargs="*", type=int, default=None, metavar="V")
@@ -399,8 +405,9 @@ def main() -> None:
     models = args.models if args.models is not None else ["stories260K", "llama110m"]
     vocabs, lines = args.mask_vocab or [], args.mask_corpus_lines
     n, max_tokens, steps = args.num_requests, args.max_tokens, args.mask_steps
+    repeats = args.repeats
     if args.quick:
-        models, n, max_tokens = QUICK["models"], QUICK["n"], QUICK["max_tokens"]
+        models, n, max_tokens, repeats = QUICK["models"], QUICK["n"], QUICK["max_tokens"], 1
         vocabs, lines, steps = QUICK["vocab"], QUICK["lines"], 8
     summary = {
         "bench": "bench_structured",
@@ -411,12 +418,14 @@ def main() -> None:
         **host_info(),
         "schema": SCHEMA,
         "prompt": PROMPT,
+        "repeats": repeats,
         "loadavg_start": loadavg(),
         "results": [],
         "mask_vocab": [],
     }
     for name in models:
-        summary["results"].append(bench_model(name, n, max_tokens, not args.no_peer, args.threads))
+        res = bench_model(name, n, max_tokens, not args.no_peer, args.threads, repeats)
+        summary["results"].append(res)
     for v in vocabs:
         log(f"masks at V = {v}")
         summary["mask_vocab"].append(bench_mask_vocab(v, n, steps, lines, args.seed))

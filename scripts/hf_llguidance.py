@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 class LLGuidanceLogitsProcessor:
     """A transformers logits processor constraining each row of a batch to one llguidance grammar.
@@ -39,9 +41,9 @@ class LLGuidanceLogitsProcessor:
         vocab_size: V, the logits' width.
 
     Timings (seconds, summed over calls): ``fill_s`` (the bitmask fill, llguidance only),
-    ``apply_s`` (unpacking it onto the scores), ``accept_s`` (advancing the matchers); ``rows``
-    counts the rows filled (a row stops once its grammar consumed EOS), ``accepted`` the tokens
-    the matchers consumed.
+    ``apply_s`` (unpacking it, numpy's ``unpackbits``, and setting the scores), ``accept_s``
+    (advancing the matchers); ``rows`` counts the rows filled (a row stops once its grammar
+    consumed EOS), ``accepted`` the tokens the matchers consumed.
     """
 
     def __init__(self, ll_tokenizer, grammar: str, rows: int, vocab_size: int):
@@ -49,7 +51,7 @@ class LLGuidanceLogitsProcessor:
         import llguidance.torch as llt
         import torch
 
-        self._llt = llt
+        self._llt, self._torch = llt, torch
         self.matchers = [
             llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0) for _ in range(rows)
         ]
@@ -58,7 +60,6 @@ class LLGuidanceLogitsProcessor:
                 raise ValueError(f"llguidance grammar: {m.get_error()[:300]}")
         self.executor = llguidance.LLExecutor()
         self.bitmask = llt.allocate_token_bitmask(rows, vocab_size)  # int32[B, W]
-        self.shifts = torch.arange(32, dtype=torch.int32)
         self.vocab_size = vocab_size
         self.live = [True] * rows
         self.started = False
@@ -89,9 +90,9 @@ class LLGuidanceLogitsProcessor:
         self.rows += len(rows)
         self.calls += 1
         t = time.perf_counter()
-        b = self.bitmask.shape[0]
-        bits = ((self.bitmask.unsqueeze(-1) >> self.shifts) & 1).reshape(b, -1)
-        out = scores.masked_fill(bits[:, : scores.shape[1]] == 0, float("-inf"))
+        words = self.bitmask.numpy().view(np.uint8)  # bit t % 32 of word t // 32, little-endian
+        allowed = np.unpackbits(words, axis=-1, bitorder="little")[:, : scores.shape[1]]
+        out = scores.masked_fill(self._torch.from_numpy(allowed) == 0, float("-inf"))
         self.apply_s += time.perf_counter() - t
         return out
 
@@ -119,11 +120,13 @@ def run_peer(
     n: int,
     max_tokens: int,
     threads: int,
+    repeats: int = 1,
 ) -> dict:
     """transformers ``generate`` (float32, sampled at temperature 1.0, top-k off, seeded) of
     ``n`` copies of ``prompt_ids``: constrained by ``schema`` (no whitespace, EOS where the
-    grammar can end), then unconstrained (EOS ignored). Returns tok/s of each, the slowdown and
-    the processor's timings per token per row; the constrained outputs that ended are parsed."""
+    grammar can end), then unconstrained (EOS ignored), ``repeats`` times in turn. Returns tok/s
+    of each (``throughput``), the slowdown and the processor's timings per token per row over
+    every constrained run; the constrained outputs that ended are parsed."""
     import llguidance
     import llguidance.hf
     import torch
@@ -158,33 +161,56 @@ def run_peer(
 
     generate(4, 4)  # warm-up (no compilation in eager transformers; first-call allocations)
     generate(4, 4, LLGuidanceLogitsProcessor(ll_tok, grammar, 4, vocab))
-    proc = LLGuidanceLogitsProcessor(ll_tok, grammar, n, vocab)
-    wall_c, outs_c = generate(n, max_tokens, proc)
-    wall_f, outs_f = generate(n, max_tokens)
 
     def length(row):  # tokens up to and including the first EOS (transformers pads after it)
         return row.index(eos) + 1 if eos in row else len(row)
 
-    tok_c, tok_f = sum(map(length, outs_c)), sum(len(r) for r in outs_f)
+    procs, runs_c, runs_f = [], [], []
+    for _ in range(repeats):
+        procs.append(LLGuidanceLogitsProcessor(ll_tok, grammar, n, vocab))
+        wall_c, outs_c = generate(n, max_tokens, procs[-1])
+        wall_f, outs_f = generate(n, max_tokens)
+        runs_c.append((sum(map(length, outs_c)), wall_c))
+        runs_f.append((sum(len(r) for r in outs_f), wall_f))
     stopped = [r[: length(r) - 1] for r in outs_c if eos in r]
     for r in stopped:
         json.loads(tok.decode(r))
-    tps_c, tps_f = tok_c / wall_c, tok_f / wall_f
+
+    def total(attr):
+        return sum(getattr(p, attr) for p in procs)
+
     return {
         "engine": "transformers generate + llguidance logits processor",
         "torch_threads": threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "constrained_tok_s": round(tps_c, 1),
-        "unconstrained_tok_s": round(tps_f, 1),
-        "slowdown_pct": round((1 - tps_c / tps_f) * 100, 1),
-        "constrained_tokens": tok_c,
-        "unconstrained_tokens": tok_f,
+        **throughput(runs_c, runs_f),
         "constrained_finished_stop": len(stopped),
-        "mask_us_per_token_row": round(proc.fill_s / max(proc.rows, 1) * 1e6, 2),
-        "mask_ms_per_step": round(proc.fill_s / max(proc.calls, 1) * 1e3, 3),
-        "apply_ms_per_step": round(proc.apply_s / max(proc.calls, 1) * 1e3, 3),
-        "accept_us_per_token": round(proc.accept_s / max(proc.accepted, 1) * 1e6, 2),
+        "mask_us_per_token_row": round(total("fill_s") / max(total("rows"), 1) * 1e6, 2),
+        "mask_ms_per_step": round(total("fill_s") / max(total("calls"), 1) * 1e3, 3),
+        "apply_ms_per_step": round(total("apply_s") / max(total("calls"), 1) * 1e3, 3),
+        "accept_us_per_token": round(total("accept_s") / max(total("accepted"), 1) * 1e6, 2),
         "ll_tokenizer_build_ms": round(tok_build_s * 1e3, 2),
+    }
+
+
+def throughput(runs_c: list[tuple[int, float]], runs_f: list[tuple[int, float]]) -> dict:
+    """Output tok/s of constrained and unconstrained runs run in turn ((tokens, seconds) each):
+    the median of each, the slowdown of the medians (%), every run's tok/s and each pair's
+    slowdown (a shared machine's bursts hit single runs), and the last runs' token counts."""
+    tps_c = [t / w for t, w in runs_c]
+    tps_f = [t / w for t, w in runs_f]
+    med_c, med_f = float(np.median(tps_c)), float(np.median(tps_f))
+    return {
+        "constrained_tok_s": round(med_c, 1),
+        "unconstrained_tok_s": round(med_f, 1),
+        "slowdown_pct": round((1 - med_c / med_f) * 100, 1),
+        "constrained_tok_s_runs": [round(x, 1) for x in tps_c],
+        "unconstrained_tok_s_runs": [round(x, 1) for x in tps_f],
+        "slowdown_pct_pairs": [
+            round((1 - c / f) * 100, 1) for c, f in zip(tps_c, tps_f, strict=True)
+        ],
+        "constrained_tokens": runs_c[-1][0],
+        "unconstrained_tokens": runs_f[-1][0],
     }
 
 
