@@ -14,17 +14,20 @@ figure and each pair's slowdown beside them), the host's mask time per token per
 ``Grammars.fill_bitmask`` timed around each call, divided by the rows it filled), the matcher's
 advance time per token, the first-request cost of a schema (the llguidance tokenizer, then the
 grammar compiled) and the same with the schema cached. Both configurations run once before they
-are timed (compilations excluded; ``compilations_in_measured_runs`` shows it). Then the peer
-(``hf_llguidance.py``): transformers ``generate`` on the same weights (stories260K converted to
-a Hugging Face Llama, ``benchlib.stories_hf_dir``; the random Llama's own directory), the same
-prompt ids, schema and ``max_tokens``, constrained by an llguidance logits processor built from
-the model's tokenizer through transformers, then unconstrained: its tok/s both ways, slowdown
-and mask µs per token per row, beside jaxinfer's (``--no-peer`` skips it). The peer runs in a
-child process (no JAX threads or engine beside it), torch on ``--threads`` threads (default:
-every core) with ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: torch's OpenMP
-threads spin-wait between ops by default, and on a shared, loaded machine (load 7 on 2 cores)
-transformers then ran stories260K 10-20x slower with 2 threads than with 1; waiting passively
-gives it its 1-thread speed or better.
+are timed (compilations excluded; ``compilations_in_measured_runs`` shows it); every run starts
+after ``gc.collect()`` (without it, stories260K's unconstrained runs on one ``LLM`` varied from
+4,400 to 9,900 tok/s on an idle machine; with it, 6,900 to 9,600: the cyclic collector's passes
+over earlier runs' garbage fell inside the timing). Then the peer (``hf_llguidance.py``):
+transformers ``generate`` on the same weights (stories260K converted to a Hugging Face Llama,
+``benchlib.stories_hf_dir``; the random Llama's own directory), the same prompt ids, schema and
+``max_tokens``, constrained by an llguidance logits processor built from the model's tokenizer
+through transformers, then unconstrained: its tok/s both ways, slowdown and mask µs per token
+per row, beside jaxinfer's (``--no-peer`` skips it). The peer runs in a child process (no JAX
+threads or engine beside it), torch on ``--threads`` threads (default: every core) with
+``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: torch's OpenMP threads spin-wait
+between ops by default, and on a shared, loaded machine (load 7 on 2 cores) transformers then
+ran stories260K 10-20x slower with 2 threads than with 1; waiting passively gives it its
+1-thread speed or better.
 
 ``--mask-vocab V ...``: the mask's cost at a realistic vocabulary, which the models above lack
 (stories260K's tokenizer has 512 tokens; the random Llama's logits are 32,000 wide but its
@@ -46,6 +49,7 @@ entry (the machine may be shared: compare figures of the same run); it is append
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -150,6 +154,7 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int, re
     ]
 
     def run(params) -> tuple[float, int, list]:
+        gc.collect()  # no collection of the previous run's garbage inside this one's timing
         t = time.perf_counter()
         outs = llm.generate(prompts[: len(params)], params)
         wall = time.perf_counter() - t

@@ -20,6 +20,7 @@ prints ``run_peer``'s result as one JSON line (``bench_structured.py`` runs it s
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -154,6 +155,7 @@ def run_peer(
         model.generation_config.eos_token_id = None if proc is None else eos
         if proc is not None:
             kw["logits_processor"] = LogitsProcessorList([proc])
+        gc.collect()  # as bench_structured's jaxinfer runs
         t = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids[:rows], attention_mask=torch.ones_like(ids[:rows]), **kw)
