@@ -33,6 +33,7 @@ CASES = {
     "bench_prefix_cache": ["results", "cpu", "loadavg_start", "repeats"],
     "bench_grouped_matmul": ["results", "cpu", "commit", "auto_backend"],
     "bench_moe": ["layer", "grouped_matmul", "cpu", "commit", "loadavg_before", "shape"],
+    "bench_structured": ["results", "mask_vocab", "cpu", "commit", "loadavg_start"],
 }
 
 
@@ -105,6 +106,8 @@ def test_quick_emits_json(name, results_dir, capfd, torch_threads):
         check_prefix_cache(s["results"][0])
     elif name == "bench_moe":
         check_moe(s)
+    elif name == "bench_structured":
+        check_structured(s)
 
 
 def check_moe(s: dict) -> None:
@@ -130,6 +133,32 @@ def check_moe(s: dict) -> None:
         for name in ("gmm_auto", "ragged_dot", "dense_masked", "pallas_tpu_interpret"):
             assert row[name]["ms_median"] > 0 and row[name]["max_abs_diff_vs_gmm_auto"] < 1e-5
         assert row["gmm_auto"]["x_gmm_auto"] == 1.0
+
+
+def check_structured(s: dict) -> None:
+    """bench_structured's quick run (8 requests of 16 tokens, stories260K, one vocabulary): both
+    engines' keys, unconstrained runs of exactly 8 x 16 tokens (EOS ignored), constrained ones
+    of at most that, and the mask figures at the trained vocabulary."""
+    (r,) = s["results"]
+    assert r["model"] == "stories260K" and r["requests"] == 8 and r["max_tokens"] == 16
+    keys = {"constrained_tok_s", "unconstrained_tok_s", "slowdown_pct", "mask_us_per_token_row"}
+    for side in ("jaxinfer", "peer"):
+        assert set(r[side]) >= keys | {"ll_tokenizer_build_ms"}, (side, r[side])
+        assert r[side]["unconstrained_tokens"] == 8 * 16, side
+        assert 0 < r[side]["constrained_tokens"] <= 8 * 16, side
+    assert set(r["jaxinfer"]) >= {"schema_first_compile_ms", "schema_cached_ms"}
+    assert r["jaxinfer"]["compilations_in_measured_runs"] == 0
+    assert set(r["jaxinfer_over_peer"]) == {
+        "constrained_tok_s",
+        "unconstrained_tok_s",
+        "mask_us_per_token_row",
+    }
+    (v,) = s["mask_vocab"]
+    assert v["vocab"] == 1000
+    for key in ("ll_tokenizer_build_ms", "schema_first_compile_ms", "schema_cached_ms"):
+        assert v[key] > 0, key
+    assert v["mask_us_per_token_1_row"] > 0 and v["mask_us_per_row_8_rows"] > 0
+    assert 0 < v["mean_allowed_tokens_1_row"] < 1000
 
 
 def check_prefix_cache(r: dict) -> None:
