@@ -81,6 +81,25 @@ SCHEMA = {  # at least 10 items (> 128 tokens): constrained outputs as long as t
 PROMPT = "Once upon a time"
 
 
+def grammar_costs(tokenizer, vocab: int, so):
+    """A fresh ``Grammars`` and its first-request costs in seconds: building llguidance's
+    tokenizer, compiling ``so``'s schema (a StructuredOutputsParams), then fetching it cached
+    (mean of 100)."""
+    from jaxinfer.sampling.structured import Grammars
+
+    g = Grammars(tokenizer, vocab)
+    t = time.perf_counter()
+    _ = g.ll_tokenizer
+    t_tok = time.perf_counter() - t
+    t = time.perf_counter()
+    g.check(so)
+    t_first = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(100):
+        g.matcher(so)
+    return g, t_tok, t_first, (time.perf_counter() - t) / 100
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -111,7 +130,6 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int, re
 
     from jaxinfer import SamplingParams, StructuredOutputsParams
     from jaxinfer.llm import LLM
-    from jaxinfer.sampling.structured import Grammars
 
     load0 = loadavg()
     path, _, hf_dir = resolve_model(name, hf=peer)
@@ -120,17 +138,7 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int, re
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 
     # first-request cost: the llguidance tokenizer, then the schema; then the schema cached
-    g = Grammars(llm.tokenizer, eng.cfg.vocab_size)
-    t0 = time.perf_counter()
-    _ = g.ll_tokenizer
-    t_tok = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    g.check(so)
-    t_first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(100):
-        g.matcher(so)
-    t_cached = (time.perf_counter() - t0) / 100
+    g, t_tok, t_first, t_cached = grammar_costs(llm.tokenizer, eng.cfg.vocab_size, so)
 
     timing = {"fill_s": 0.0, "rows": 0, "calls": 0}
     fill = eng.grammars.fill_bitmask
@@ -333,24 +341,14 @@ def bench_mask_vocab(vocab: int, rows: int, steps: int, lines: int, seed: int) -
     import numpy as np
 
     from jaxinfer import StructuredOutputsParams
-    from jaxinfer.sampling.structured import Grammars, bitmask_words, unpack_bitmask
+    from jaxinfer.sampling.structured import bitmask_words, unpack_bitmask
     from jaxinfer.tokenizers import load_tokenizer
 
     load0 = loadavg()
     path, train_s = bpe_tokenizer_dir(vocab, lines, seed)
     tok = load_tokenizer(path)
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    g = Grammars(tok, vocab)
-    t = time.perf_counter()
-    _ = g.ll_tokenizer
-    t_tok = time.perf_counter() - t
-    t = time.perf_counter()
-    g.check(so)
-    t_first = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(100):
-        g.matcher(so)
-    t_cached = (time.perf_counter() - t) / 100
+    g, t_tok, t_first, t_cached = grammar_costs(tok, vocab, so)
     eos = np.array(sorted(tok.eos_ids))
     res = {
         "vocab": vocab,
