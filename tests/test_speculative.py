@@ -39,9 +39,6 @@ V, R, N = 8, 2, 3000
 ALPHA = 1e-3  # a correct rule fails one test in a thousand; wrong rules give p-values ~ 0
 
 
-pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")
-
-
 def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
     """Pearson chi-square p-value of ``counts`` against ``probs``.
 

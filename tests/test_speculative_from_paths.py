@@ -19,8 +19,6 @@ from jaxinfer.cli import main as cli
 from jaxinfer.sampling.sampler import SamplingParams
 from tests.conftest import STORIES, stories_reference
 
-pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # see conftest
-
 # XLA computes max|w| / 127 as a product with the reciprocal: within one float32 ulp of numpy's.
 F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -57,7 +55,7 @@ def reference():
 
 
 def test_quantize_and_train_draft_heads_then_generate_from_both_directories(
-    tmp_path, capsys, monkeypatch, reference
+    tmp_path, capsys, reference
 ):
     """The README's workflow on stories260K: ``jaxinfer quantize`` writes int8 weights (numpy
     scales, bit for bit what quantizing in memory gives); a few steps of ``jaxinfer
@@ -67,7 +65,6 @@ def test_quantize_and_train_draft_heads_then_generate_from_both_directories(
     from jaxinfer.loaders import load
     from jaxinfer.quant import QTensor, quantize
 
-    monkeypatch.setenv("JAXINFER_COMPILATION_CACHE", "0")  # the CLI's LLMs would turn it on
     prompts, params, check = reference
     qdir = tmp_path / "int8"
     assert cli.main(["quantize", "--model", str(STORIES), "--out", str(qdir)]) == 0
