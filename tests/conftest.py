@@ -11,6 +11,15 @@ SHARED = Path(
     os.environ.get("JAXINFER_SHARED", Path(__file__).resolve().parents[1].parent / "shared")
 )
 STORIES = SHARED / "models" / "stories260K"
+
+# The suite compiles with LLVM's optimization level 0 (XLA's backend level; the HLO and XLA's
+# own passes are the same): the suite is compile-bound (a cold speculative test spends ~40 of its
+# 47 s compiling), and level 0 compiles ~30 % faster. Set before jax is imported, so this process
+# and its subprocess tests use it; XLA_FLAGS naming a level of its own wins.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 # The engine sizes of the ``stories_llm`` fixture (the model's 512-token context, 32 sequences):
 # an LLM of stories260K built with them (and the same attention), or a ``jaxinfer generate`` run
 # given STORIES_CLI_FLAGS, reuses every step shape that another test of this process compiled with
