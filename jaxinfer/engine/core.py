@@ -23,18 +23,18 @@ import numpy as np
 import jaxinfer.engine.prompt_logprobs as plp
 from jaxinfer.compile.buckets import BackgroundCompiler, BucketReuse
 from jaxinfer.engine.batch import (
-    Buckets,
     build_step_batch,
     exact_buckets,
     row_index,
     sampling_tensors,
 )
+from jaxinfer.engine.inflight import InFlightStep, LaunchedStep, ScheduledStep
 from jaxinfer.engine.intake import check_request, check_stop_strings, new_request_state, replay
 from jaxinfer.engine.kv_manager import make_kv_manager
 from jaxinfer.engine.recovery import StepRecovery
 from jaxinfer.engine.request_output import RequestState, advance, build_output
 from jaxinfer.engine.resume import ResumeState, check_resume
-from jaxinfer.engine.runner import Capabilities, Forwarded, ModelRunner, StepInputs, StepOutput
+from jaxinfer.engine.runner import Capabilities, ModelRunner, StepInputs
 from jaxinfer.engine.scheduler import ScheduleOutput, Scheduler
 from jaxinfer.engine.sequence import SeqStatus, Sequence
 from jaxinfer.engine.step import LogitsControls
@@ -45,40 +45,6 @@ from jaxinfer.outputs import RequestOutput, TokenLogprob
 from jaxinfer.sampling.sampler import MASKED, MAX_LOGPROBS, SamplingParams, draw_seed, sample_flags
 from jaxinfer.sampling.structured import Grammars, GrammarViolation, full_bitmask
 from jaxinfer.tokenizers import Tokenizer
-
-
-@dataclasses.dataclass(eq=False)
-class _Step:
-    """A scheduled step with its buckets and sampling variant, chosen once per dispatch."""
-
-    sched: ScheduleOutput
-    need: Buckets  # exact buckets (``batch.exact_buckets``)
-    buckets: Buckets  # the buckets it runs padded to (bucket reuse)
-    flags: tuple  # ``sampling.sample_flags``
-    forward_key: tuple  # its forward compile key (``ModelRunner.step_keys``)
-
-
-@dataclasses.dataclass(eq=False)
-class _Launched:
-    """A dispatched step (``_launch``): a constrained one (flags ending in ``MASKED``) has only
-    its forward dispatched (``fwd``), its sampling waits for the masks; another is dispatched
-    whole (``out``)."""
-
-    fwd: Forwarded | None
-    out: StepOutput | None
-    sampled: list[tuple[Sequence, int]]  # (sequence, row) of each row that samples a token
-    num_logprobs: int
-    prompt_lp: plp.StepPlan | None
-
-
-@dataclasses.dataclass(eq=False)
-class _InFlight:
-    """A dispatched step whose sampled tokens are still on device."""
-
-    out: StepOutput
-    sampled: list[tuple[Sequence, int]]  # (sequence, row) of each row that sampled a token
-    num_logprobs: int
-    prompt_lp: plp.StepPlan | None = None  # when some row wants prompt logprobs
 
 
 def _from_runner(name: str, doc: str) -> property:
@@ -139,7 +105,7 @@ class EngineCore:
         self.buckets = BucketReuse(runner, ecfg.reuse_compiled_buckets, compiler)
         # Whether a step is dispatched before the previous one's tokens are read back.
         self.async_scheduling = ecfg.async_scheduling and caps.async_scheduling
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlightStep | None = None
         self.recovery = StepRecovery()  # step-failure recovery (``step``, ``_recover``)
         self.num_steps = 0
         self.stop_ids = set(tokenizer.eos_ids)
@@ -331,7 +297,7 @@ class EngineCore:
         self.recovery.culprits = [seq for seq, _ in done.sampled]
         return self._collect(done)
 
-    def _prepare(self, sched: ScheduleOutput) -> _Step:
+    def _prepare(self, sched: ScheduleOutput) -> ScheduledStep:
         """The step's buckets (exact, or a compiled key one size up: ``BucketReuse``) and its
         sampling variant."""
         rows = sched.rows
@@ -345,9 +311,9 @@ class EngineCore:
         )
         want_plp = any(r.seq.params.prompt_logprobs is not None for r in sched.prefill)
         bk = self.buckets.choose(need, flags, exact=want_plp)
-        return _Step(sched, need, bk, flags, self.runner.step_keys(bk, flags, want_plp)[0])
+        return ScheduledStep(sched, need, bk, flags, self.runner.step_keys(bk, flags, want_plp)[0])
 
-    def _collect_then_dispatch(self, done: _InFlight, nxt: _Step) -> list[RequestOutput]:
+    def _collect_then_dispatch(self, done: InFlightStep, nxt: ScheduledStep) -> list[RequestOutput]:
         """Async scheduling when the next step compiles a new shape: reads the step in flight
         first, so its tokens (a cold run's first token) do not wait for the compile, then
         dispatches the next step without the rows that finished meanwhile."""
@@ -369,7 +335,7 @@ class EngineCore:
                 return results + self._recover(e)
         return results
 
-    def _launch_collect_sample(self, done: _InFlight, nxt: _Step) -> list[RequestOutput]:
+    def _launch_collect_sample(self, done: InFlightStep, nxt: ScheduledStep) -> list[RequestOutput]:
         """Async scheduling when the next step has constrained rows (structured outputs): their
         masks depend on the tokens of the step in flight. Dispatches the next step's forward
         (it reads those tokens on device), reads the step in flight back while the forward runs
@@ -384,12 +350,12 @@ class EngineCore:
             return results + self._recover(e)
         return results
 
-    def _dispatch(self, step: _Step, prev: _InFlight | None) -> _InFlight:
+    def _dispatch(self, step: ScheduledStep, prev: InFlightStep | None) -> InFlightStep:
         """Builds the step's host inputs and dispatches them (``_launch``, then ``_sample``).
         Returns without waiting for the device."""
         return self._sample(self._launch(step, prev))
 
-    def _launch(self, step: _Step, prev: _InFlight | None) -> _Launched:
+    def _launch(self, step: ScheduledStep, prev: InFlightStep | None) -> LaunchedStep:
         """Builds the step's host inputs and dispatches them: a constrained step its forward only
         (``ModelRunner.run_forward``), another the whole step (``ModelRunner.run``); advances
         ``num_computed`` and marks each sampled token pending."""
@@ -427,9 +393,9 @@ class EngineCore:
             ) or seq.num_tokens >= self.ecfg.max_model_len:
                 seq.pending_final = True  # finishes on this token whatever it is
             sampled.append((seq, r))
-        return _Launched(fwd, out, sampled, step.flags[1], plan)
+        return LaunchedStep(fwd, out, sampled, step.flags[1], plan)
 
-    def _sample(self, launched: _Launched) -> _InFlight:
+    def _sample(self, launched: LaunchedStep) -> InFlightStep:
         """Dispatches a launched step's sampling (``ModelRunner.run_sample``), with the token
         bitmask of its constrained rows when its flags end in ``MASKED``: each such row's
         grammar has accepted every token before the one sampled now (all read back)."""
@@ -450,9 +416,9 @@ class EngineCore:
                 rows.append((req.grammar, r))
             self.grammars.fill_bitmask(rows, bitmask)
             out = self.runner.run_sample(fwd, bitmask)
-        return _InFlight(out, launched.sampled, launched.num_logprobs, launched.prompt_lp)
+        return InFlightStep(out, launched.sampled, launched.num_logprobs, launched.prompt_lp)
 
-    def _collect(self, done: _InFlight) -> list[RequestOutput]:
+    def _collect(self, done: InFlightStep) -> list[RequestOutput]:
         """Reads a dispatched step's tokens back (waiting for the device) and appends them."""
         out, num_lp = done.out.sampled, done.num_logprobs
         tokens = to_host(out.tokens)
