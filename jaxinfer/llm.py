@@ -222,7 +222,8 @@ class LLM:
 
         Raises:
             TypeError: ``prompts`` or one of them is of no accepted type (``inputs.prompt_list``:
-                a string, a list of token ids, a dict, or a list of these).
+                a string, a list of token ids, a dict, or a list of these); ``sampling_params``
+                neither a ``SamplingParams`` nor a list.
             ValueError: ``sampling_params``, ``request_ids`` or ``resume`` do not match the
                 prompts in length; a dict prompt with none of ``"prompt"``,
                 ``"prompt_token_ids"``, ``"messages"``.
@@ -232,6 +233,11 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, list | tuple):
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them, not "
+                f"{type(sampling_params).__name__}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
         if request_ids is None:

@@ -69,6 +69,13 @@ def _assert_good_neighbour(js, line: int) -> None:
 # ------------------------------------------------------------------------- class 2: input files
 
 
+def test_a_misspelled_prompt_key_is_named(tmp_path):
+    """A record without a prompt key (``promt`` for ``prompt``) fails alone, naming its fields."""
+    js = _jobs(tmp_path, [_rec(id="typo", promt="Tom"), GOOD])
+    _assert_error(_by_line(js)[1], 1, "exactly one of", "its fields besides id: promt")
+    _assert_good_neighbour(js, 2)
+
+
 def test_deeply_nested_line_is_one_error(tmp_path):
     deep = b'{"id": "d", "prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     nested = b'{"id": "n", "prompt": "x", "stop": ' + b"[" * 40 + b"]" * 40 + b"}"

@@ -222,4 +222,7 @@ def test_prompts_of_the_wrong_type_raise_and_the_llm_stays_usable(stories_llm):
     for method, prompts, error, match in BAD_PROMPTS:
         with pytest.raises(error, match=match):
             getattr(stories_llm, method)(prompts)
+    for params, got in (({"max_tokens": 3}, "dict"), ("bogus", "str")):  # not a list of 5 chars
+        with pytest.raises(TypeError, match=f"a SamplingParams or a list of them, not {got}$"):
+            stories_llm.generate("Once", params)
     assert_reproduces_stories_reference(stories_llm)

@@ -430,7 +430,9 @@ def _record_problem(rec: dict, bad_utf8: bool) -> str | None:
     given = [k for k in PROMPT_KEYS if k in rec]
     if len(given) != 1:
         return f"a record needs exactly one of {', '.join(PROMPT_KEYS)}" + (
-            f", got {', '.join(given)}" if given else ""
+            f", got {', '.join(given)}"
+            if given
+            else f"; its fields besides id: {', '.join(map(str, rec)) or 'none'}"
         )
     key = given[0]
     value = rec[key]
