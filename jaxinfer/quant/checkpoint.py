@@ -371,10 +371,15 @@ def load_quantized(path: str | os.PathLike, dtype=None, place=None) -> tuple[Mod
             args=ocp.args.PyTreeRestore(restore_args=_restore_args(meta["arrays"])),
         )
     except Exception as e:  # orbax/tensorstore raise many types; name the directory either way
-        first = str(e).splitlines()[0][:300] if str(e) else ""
+        msg = str(e)
+        for cut in ("See full TensorStore details", "[source locations="):
+            msg = msg.split(cut)[0]  # tensorstore's spec dump and C++ source lines
+        first = " ".join(msg.split())[:300]
+        named = sorted((n for n in meta["arrays"] if f"/{n}/" in str(e)), key=len)
+        where = pdir / named[-1] if named else pdir
         raise CheckpointError(
-            f"{pdir}: cannot read the arrays (a file under it is truncated or corrupt; re-run "
-            f"`jaxinfer quantize`): {type(e).__name__}: {first}"
+            f"{where}: cannot read the array{'' if named else 's'} (a file under it is truncated "
+            f"or corrupt; re-run `jaxinfer quantize`): {type(e).__name__}: {first}"
         ) from None
     for name, spec in meta["arrays"].items():
         x = flat.get(name)
