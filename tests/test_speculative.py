@@ -348,7 +348,7 @@ def _tiny_greedy_case():
     The prompts hold 16 tokens in all, and the one also run alone 4 (= 1 + R): the mixed
     batch's prefill round has the shape of its verify rounds (16 tokens, 4 rows) and the lone
     prefill that of the lone verify rounds (4 tokens, 1 row), so each drafter compiles two
-    rounds. (Rows still cross pages as they decode: 8-token pages, up to 22 tokens a row.)"""
+    rounds. (Rows still cross pages as they decode: 8-token pages, 13 to 20 tokens a row.)"""
     cfg, params = _tiny(64, 3, layers=2, scale=0.4)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(0, 64, size=k))) for k in (3, 4, 1, 3)]
