@@ -13,14 +13,16 @@ For each model, three fresh subprocesses (this script with ``--child``) run the 
 
 Each child builds ``LLM``, streams one prompt (``--first-prompt-len`` tokens) until its first
 token, finishes it, then runs a mixed-length workload (``benchlib.make_workload``, seeded) and the
-same workload again. Reported per mode: time to first token from the parent's spawn
-(``ttft_process_s``: Python start, imports, loading, compilation) and from the ``generate_stream``
-call (``ttft_in_process_s``); ``llm.num_compilations`` after the first request, after the workload
-and after the repeat (``grew_after_warmup`` = repeat - workload, which must be 0); XLA backend
-compilations and their seconds, and persistent-cache hits, from ``jax.monitoring`` events. The
-engine's threshold for caching (``jax_persistent_cache_min_compile_time_secs``) is left as the
-engine sets it unless ``--cache-min-compile-secs`` overrides it. One JSON line on stdout, appended
-to ``results/bench_compile.jsonl``.
+same workload again (``--attn-impl``: the attention of every child's ``LLM``; ``--quick``'s
+children run the XLA attention, so the cold child builds no native kernel). Reported per mode:
+time to first token from the parent's spawn (``ttft_process_s``: Python start, imports,
+loading, compilation) and from the ``generate_stream`` call (``ttft_in_process_s``);
+``llm.num_compilations`` after the first request, after the workload and after the repeat
+(``grew_after_warmup`` = repeat - workload, which must be 0); XLA backend compilations and
+their seconds, and persistent-cache hits, from ``jax.monitoring`` events. The engine's threshold
+for caching (``jax_persistent_cache_min_compile_time_secs``) is left as the engine sets it unless
+``--cache-min-compile-secs`` overrides it. One JSON line on stdout, appended to
+``results/bench_compile.jsonl``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,12 @@ def child(args) -> None:
 
     path, vocab = args.models, args.vocab  # resolved by the parent (the cache dir is redirected)
     t = time.perf_counter()
-    llm = LLM(path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    llm = LLM(
+        path,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        attn_impl=args.attn_impl,
+    )
     if args.cache_min_compile_secs is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", args.cache_min_compile_secs)
     load_s = time.perf_counter() - t
@@ -140,6 +147,8 @@ def spawn(args, model: str, vocab: int, env: dict) -> dict:
         str(args.first_prompt_len),
         "--first-output-len",
         str(args.first_output_len),
+        "--attn-impl",
+        args.attn_impl,
     ]
     if args.cache_min_compile_secs is not None:
         cmd += ["--cache-min-compile-secs", str(args.cache_min_compile_secs)]
@@ -168,6 +177,11 @@ def main() -> None:
     ap.add_argument("--first-prompt-len", type=int, default=16)
     ap.add_argument("--first-output-len", type=int, default=8)
     ap.add_argument(
+        "--attn-impl",
+        default="auto",
+        help="the children's LLM(attn_impl=...) (--quick: xla, no native kernel to build)",
+    )
+    ap.add_argument(
         "--cache-min-compile-secs",
         type=float,
         default=None,
@@ -179,9 +193,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
-    if args.quick:
-        args.models, args.num_prompts, args.mean_input, args.mean_output = "stories260K", 3, 12, 4
-        args.max_model_len, args.max_num_seqs = 64, 8
+    if args.quick:  # a smoke test of the three children and the summary
+        args.models, args.num_prompts, args.mean_input, args.mean_output = "stories260K", 2, 12, 4
+        args.max_model_len, args.max_num_seqs, args.first_output_len = 64, 8, 4
+        # The cold child's fresh JAXINFER_CACHE_DIR holds no native CPU decode kernel: with the
+        # default attention it would build it (a C++ compile) before its first token.
+        args.attn_impl = "xla" if args.attn_impl == "auto" else args.attn_impl
 
     results = []
     for model in [m for m in args.models.split(",") if m]:

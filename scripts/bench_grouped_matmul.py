@@ -33,6 +33,7 @@ the CPU model (/proc/cpuinfo), the commit, the load average before and after.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -100,7 +101,11 @@ def time_call(fn, *args, repeats: int, budget_s: float | None = None) -> dict:
     }
 
 
-def formulations(gather_chunk: int):
+@functools.cache
+def _shared_formulations() -> dict:
+    """The formulations that do not depend on ``--gather-chunk``, jitted once per process: a
+    second script run in the same process (bench_moe after this one, as tests/test_benchmarks.py
+    does) reuses their compiled shapes."""
     import jax
     import jax.numpy as jnp
 
@@ -109,14 +114,31 @@ def formulations(gather_chunk: int):
     def ragged_dot(lhs, rhs, group_sizes):
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
-    def group_of_row(group_sizes, t):
-        ends = jnp.cumsum(group_sizes)
-        return jnp.searchsorted(ends, jnp.arange(t), side="right").clip(0, group_sizes.shape[0] - 1)
-
     def dense_masked(lhs, rhs, group_sizes):
         every = jnp.einsum("TD,EDF->TEF", lhs, rhs)  # every expert on every row
         g = group_of_row(group_sizes, lhs.shape[0])
         return jnp.take_along_axis(every, g[:, None, None], axis=1)[:, 0]
+
+    def gmm_auto(lhs, rhs, group_sizes):
+        return gmm(lhs, rhs, group_sizes, backend="auto")
+
+    return {
+        "ragged_dot": jax.jit(ragged_dot),
+        "gmm_auto": jax.jit(gmm_auto),
+        "dense_masked": jax.jit(dense_masked),
+    }
+
+
+def group_of_row(group_sizes, t):
+    import jax.numpy as jnp
+
+    ends = jnp.cumsum(group_sizes)
+    return jnp.searchsorted(ends, jnp.arange(t), side="right").clip(0, group_sizes.shape[0] - 1)
+
+
+def formulations(gather_chunk: int):
+    import jax
+    import jax.numpy as jnp
 
     def gather(lhs, rhs, group_sizes):
         t, d = lhs.shape
@@ -130,15 +152,7 @@ def formulations(gather_chunk: int):
         out = jax.lax.map(chunk, (lhs.reshape(t // c, c, d), g.reshape(t // c, c)))
         return out.reshape(t, -1)
 
-    def gmm_auto(lhs, rhs, group_sizes):
-        return gmm(lhs, rhs, group_sizes, backend="auto")
-
-    return {
-        "ragged_dot": jax.jit(ragged_dot),
-        "gmm_auto": jax.jit(gmm_auto),
-        "dense_masked": jax.jit(dense_masked),
-        "gather": jax.jit(gather),
-    }
+    return {**_shared_formulations(), "gather": jax.jit(gather)}
 
 
 def main():
@@ -159,9 +173,9 @@ def main():
         help="where bench_grouped_matmul.jsonl is appended (default: results/ in the repo)",
     )
     args = ap.parse_args()
-    if args.quick:
-        args.tokens, args.hidden, args.moe_intermediate, args.experts = "32,4", 64, 32, 8
-        args.repeats, args.gather_chunk = 2, 16
+    if args.quick:  # D = F = 64, E = 8, top-2 of 8 and 1 tokens: bench_moe --quick's gate/up shapes
+        args.tokens, args.hidden, args.moe_intermediate, args.experts = "8,1", 64, 64, 8
+        args.repeats, args.gather_chunk, args.top_k = 2, 16, 2
 
     import jax
     import jax.numpy as jnp

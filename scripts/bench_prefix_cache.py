@@ -180,11 +180,14 @@ class CacheClock:
 
 
 def run_pass(
-    llm, clock: CacheClock, name: str, static: dict, chat: list, answer_len: int
+    llm, clock: CacheClock, name: str, static: dict, chat: list, answer_len: int, collect=True
 ) -> tuple[dict, list]:
-    """One cold-cache pass of workload ``name``: (figures, generated token ids per request)."""
+    """One cold-cache pass of workload ``name``: (figures, generated token ids per request).
+    ``collect``: ``gc.collect()`` first (skipped by ``--quick``, whose figures are a smoke test:
+    a full collection takes ~1 s in a process holding many compiled programs)."""
     clear_prefix_cache(llm)
-    gc.collect()
+    if collect:
+        gc.collect()
     before = cache_stats(llm)
     host0 = clock.seconds
     waves = []
@@ -333,7 +336,7 @@ def bench_model(name: str, args, size: dict, ln: dict) -> dict:
     t = time.perf_counter()
     for w in names:  # warm-up: compiles every bucket each setting meets
         for s in ("on", "off"):
-            run_pass(llms[s], clocks[s], w, static, chat, ln["chat_answer"])
+            run_pass(llms[s], clocks[s], w, static, chat, ln["chat_answer"], not args.quick)
     warmup_s = time.perf_counter() - t
     log(f"[prefix_cache] {name}: loaded in {load_s:.1f} s, warm-up {warmup_s:.1f} s")
     comp = {s: llm.num_compilations for s, llm in llms.items()}
@@ -344,7 +347,9 @@ def bench_model(name: str, args, size: dict, ln: dict) -> dict:
         for w in names:
             ids = {}
             for s in order:
-                fig, ids[s] = run_pass(llms[s], clocks[s], w, static, chat, ln["chat_answer"])
+                fig, ids[s] = run_pass(
+                    llms[s], clocks[s], w, static, chat, ln["chat_answer"], not args.quick
+                )
                 runs[w][s].append(fig)
                 log(
                     f"[prefix_cache] {name} {w} cache {s} repeat {rep}: "
@@ -372,7 +377,8 @@ def bench_model(name: str, args, size: dict, ln: dict) -> dict:
     }
     log(table(name, res))
     del llms
-    gc.collect()
+    if not args.quick:
+        gc.collect()
     return entry
 
 

@@ -123,9 +123,19 @@ def loadavg() -> list[float]:
 # ---------------------------------------------------------------- jaxinfer and the peer
 
 
-def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int, repeats: int) -> dict:
+def bench_model(
+    name: str,
+    n: int,
+    max_tokens: int,
+    peer: bool,
+    threads: int,
+    repeats: int,
+    max_model_len: int = 512,
+    collect: bool = True,
+) -> dict:
     """jaxinfer's constrained and unconstrained runs of ``name``, then the peer's (module
-    docstring)."""
+    docstring). ``collect``: ``gc.collect()`` before every run (``--quick`` skips it: a smoke
+    test, and a full collection takes ~1 s in a process holding many compiled programs)."""
     from benchlib import resolve_model
 
     from jaxinfer import SamplingParams, StructuredOutputsParams
@@ -133,7 +143,7 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int, re
 
     load0 = loadavg()
     path, _, hf_dir = resolve_model(name, hf=peer)
-    llm = LLM(path, max_num_seqs=n, max_model_len=512)
+    llm = LLM(path, max_num_seqs=n, max_model_len=max_model_len)
     eng = llm.engine
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 
@@ -162,7 +172,8 @@ def bench_model(name: str, n: int, max_tokens: int, peer: bool, threads: int, re
     ]
 
     def run(params) -> tuple[float, int, list]:
-        gc.collect()  # no collection of the previous run's garbage inside this one's timing
+        if collect:  # no collection of the previous run's garbage inside this one's timing
+            gc.collect()
         t = time.perf_counter()
         outs = llm.generate(prompts[: len(params)], params)
         wall = time.perf_counter() - t
@@ -385,7 +396,16 @@ def bench_mask_vocab(vocab: int, rows: int, steps: int, lines: int, seed: int) -
 
 # ---------------------------------------------------------------- main
 
-QUICK = {"models": ["stories260K"], "n": 8, "max_tokens": 16, "vocab": [1000], "lines": 3000}
+# --quick: the engine's sizes those of the other scripts' quick runs (max_model_len 64, 8 rows),
+# so that in one process (tests/test_benchmarks.py) they share compiled steps.
+QUICK = {
+    "models": ["stories260K"],
+    "n": 8,
+    "max_tokens": 16,
+    "max_model_len": 64,
+    "vocab": [1000],
+    "lines": 3000,
+}
 
 
 def main() -> None:
@@ -395,6 +415,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=None, help="default: stories260K llama110m")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=512, help="the engine's max_model_len")
     ap.add_argument(
         "--repeats", type=int, default=3, help="timed constrained/unconstrained pairs per engine"
     )
@@ -408,9 +429,10 @@ def main() -> None:
     models = args.models if args.models is not None else ["stories260K", "llama110m"]
     vocabs, lines = args.mask_vocab or [], args.mask_corpus_lines
     n, max_tokens, steps = args.num_requests, args.max_tokens, args.mask_steps
-    repeats = args.repeats
+    repeats, max_model_len, collect = args.repeats, args.max_model_len, True
     if args.quick:
         models, n, max_tokens, repeats = QUICK["models"], QUICK["n"], QUICK["max_tokens"], 1
+        max_model_len, collect = QUICK["max_model_len"], False
         vocabs, lines, steps = QUICK["vocab"], QUICK["lines"], 8
     summary = {
         "bench": "bench_structured",
@@ -427,7 +449,9 @@ def main() -> None:
         "mask_vocab": [],
     }
     for name in models:
-        res = bench_model(name, n, max_tokens, not args.no_peer, args.threads, repeats)
+        res = bench_model(
+            name, n, max_tokens, not args.no_peer, args.threads, repeats, max_model_len, collect
+        )
         summary["results"].append(res)
     for v in vocabs:
         log(f"masks at V = {v}")

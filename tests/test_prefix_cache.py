@@ -275,8 +275,16 @@ def test_tiny_pool_evicts_and_preempts_with_identical_outputs(stories_dir):
     from jaxinfer.llm import LLM
 
     # max_num_seqs as the session's engines (the sampling steps' shapes are shared); the pool
-    # holds 19 pages of 8 tokens for up to 10 sequences of ~90 tokens.
-    kw = dict(max_num_seqs=32, max_model_len=96, kv_pages=20, compilation_cache=False)
+    # holds 19 pages of 8 tokens for up to 10 sequences of ~90 tokens. Its forward steps are its
+    # own (the pool's size): layers in lax.scan, which compiles ~2x faster (the unrolled CPU
+    # default runs with caching in the tests above).
+    kw = dict(
+        max_num_seqs=32,
+        max_model_len=96,
+        kv_pages=20,
+        unroll_layers=False,
+        compilation_cache=False,
+    )
     cached, plain = LLM(stories_dir, **kw), LLM(stories_dir, enable_prefix_caching=False, **kw)
     tok = cached.tokenizer
     heads = [

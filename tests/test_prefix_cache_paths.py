@@ -361,7 +361,10 @@ def test_pallas_gpu_kernel_interpret():
         head_dim=16,
         max_position_embeddings=64,
     )
-    params = init_random(cfg, jax.random.key(0), scale=0.3)
+    # jitted whole: one compilation, not one per weight shape (eager, 34 small ones)
+    params = jax.jit(init_random, static_argnums=0, static_argnames="scale")(
+        cfg, jax.random.key(0), scale=0.3
+    )
     prefix = np.random.default_rng(0).integers(3, 64, 20).tolist()
     _pallas_check(cfg, params, _IdsOnly(), "pallas_gpu_interpret", _pallas_waves(prefix))
 
