@@ -40,7 +40,11 @@ from jaxinfer.models.params import LayerParams  # noqa: E402
 from jaxinfer.models.sharding import field_spec, make_mesh, plan_sharding, prepare  # noqa: E402
 
 # (tp, dp, enable_expert_parallel)
-MESHES = [(8, 1, True), (4, 2, True), (2, 1, False), (2, 2, False)]
+# Each path once: expert parallel over 8 devices (tp only: its logits against one device's),
+# expert parallel in data-parallel replicas (4 x 2), and the width split (2 x 1: unrolled layers,
+# logits). The width split in replicas runs the same per-replica code as 4 x 2 (replica_view,
+# replica_meshes) with the split of 2 x 1; the layer checks split the width over tp = 8 and 4.
+MESHES = [(8, 1, True), (4, 2, True), (2, 1, False)]
 LAYER_SPLITS = [(2, True), (8, True), (8, False), (4, False)]
 PROMPTS = [[5, 17, 33, 9, 101, 7], [200, 3, 45], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 MAX_TOKENS = 6

@@ -284,7 +284,9 @@ def main() -> None:
         tok = load_tokenizer(STORIES)
         texts = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day"]
         prompts = [tok.encode(t) for t in texts]
-        meshes = [(2, 1), (4, 1), (8, 1), (2, 2)]
+        # 2 x 1 unrolled layers, 8 x 1 under scan with K=4 replicated and F padded, 2 x 2 data
+        # parallel (tp = 4 under scan: qwen2 below, its KV heads and biases replicated)
+        meshes = [(2, 1), (8, 1), (2, 2)]
         out += check_model("stories260K", STORIES, prompts, meshes, max_tokens=10)
     # qwen2: q/k/v biases (bk/bv repeated with the KV heads at tp=4 > K=2), tied embedding;
     # gemma2: untied LM head split over V, soft-caps, sandwich norms, GeGLU.

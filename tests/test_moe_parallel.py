@@ -2,9 +2,9 @@
 and refusals in process, then on 8 fake CPU devices (one subprocess running
 tests/moe_parallel_check.py, as ``XLA_FLAGS`` must be set before jax is imported) greedy tokens
 and logits equal to one device's with the experts split over tp = 8 (expert parallel), over
-tp = 4 in each of 2 data-parallel replicas, and with each expert's width split over tp = 2 (also
-x 2 replicas); sparse layers of gpt-oss's and Qwen2-MoE's shapes (expert biases, a shared
-expert, widths zero-padded) against the one-device layer."""
+tp = 4 in each of 2 data-parallel replicas, and with each expert's width split over tp = 2;
+sparse layers of gpt-oss's and Qwen2-MoE's shapes (expert biases, a shared expert, widths
+zero-padded) against the one-device layer."""
 
 import json
 import os
@@ -114,7 +114,7 @@ def test_moe_on_eight_devices_equals_one_device(tmp_path):
     ref = meshes[0]
     assert (ref["tp"], ref["dp"]) == (1, 1)
     seen = {(r["tp"], r["dp"], r["expert_parallel"]) for r in meshes[1:]}
-    assert seen == {(8, 1, True), (4, 2, True), (2, 1, False), (2, 2, False)}
+    assert seen == {(8, 1, True), (4, 2, True), (2, 1, False)}
     e, d, i = 8, 64, 32
     for r in meshes[1:]:
         assert r["same_tokens"], r

@@ -17,6 +17,8 @@ transformers' greedy tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hf_fixtures as H
 import jax.numpy as jnp
 import moe_fixtures as M
@@ -52,12 +54,21 @@ def _prompts() -> list[list[int]]:
     return out
 
 
+_BUILT: dict[str, tuple] = {}
+
+
+def _family(name: str, tmp_path_factory) -> tuple:
+    """(name, checkpoint path, transformers f32 model), built once per family in this module."""
+    if name not in _BUILT:
+        path = M.build_checkpoint(name, str(tmp_path_factory.mktemp("moe") / name))
+        _BUILT[name] = (name, path, H.hf_model(path, "float32"))
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     """(name, checkpoint path, transformers f32 model), built once per family."""
-    name = request.param
-    path = M.build_checkpoint(name, str(tmp_path_factory.mktemp("moe") / name))
-    return name, path, H.hf_model(path, "float32")
+    return _family(request.param, tmp_path_factory)
 
 
 def test_forward_logits_equal_transformers(family, tmp_path):
@@ -85,9 +96,9 @@ BF16_RMS_RATIO = 1.25
 def test_forward_logits_bf16(family):
     """bfloat16 weights, against transformers in bfloat16, at test_hf_parity's bounds (stated
     against transformers' own bf16 error on the same model and tokens)."""
-    name, path, _ = family
+    name, path, model = family
     tokens = H.sample_tokens()
-    ref32 = H.hf_logits(H.hf_model(path, "float32"), tokens)
+    ref32 = H.hf_logits(model, tokens)
     ref16 = H.hf_logits(H.hf_model(path, "bfloat16"), tokens)
     got16, _, params = H.jax_logits(path, "bfloat16", tokens)
     assert params.layers.expert_down.dtype == jnp.bfloat16
@@ -143,7 +154,10 @@ def test_engine_greedy_and_logprobs_equal_transformers(family):
         )
 
     # Prefix caching (on by default): a prompt sharing the longest prompt's first two full pages
-    # reads their KV from the cache, and its greedy tokens still equal transformers'.
+    # reads their KV from the cache, and its greedy tokens still equal transformers'. It asks for
+    # the logprobs of its last 2 prompt tokens only (prompt_logprobs_from, as LLM.score does:
+    # positions before 16 have no logits to give), so the cached pages are read and its steps are
+    # shapes compiled above (no new compilation).
     shared = prompts[2][:16] + H.random_ids(3, seed=8)
     with torch.no_grad():
         ref = model.generate(
@@ -154,11 +168,23 @@ def test_engine_greedy_and_logprobs_equal_transformers(family):
             min_new_tokens=NEW,
             pad_token_id=0,
         )[0, len(shared) :].tolist()
-    (out,) = llm.generate(
-        [shared], SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    )
+    lp = H.log_softmax(H.hf_logits(model, [shared + ref])[0])
+    (out,) = llm.generate([shared], dataclasses.replace(sp, prompt_logprobs_from=len(shared) - 2))
     assert out.metrics.num_cached_tokens == 16, out.metrics
     assert out.token_ids == ref, name
+    assert out.prompt_logprobs[-3] is None
+    pos = np.arange(len(shared) - 3, len(shared) - 1)
+    np.testing.assert_allclose(
+        [e.logprob for e in out.prompt_logprobs[-2:]],
+        lp[pos, shared[-2:]],
+        rtol=0,
+        atol=LOGPROB_ATOL,
+        err_msg=f"{name} cached prompt",
+    )
+    pos = np.arange(len(shared) - 1, len(shared) - 1 + NEW)
+    np.testing.assert_allclose(
+        [e.logprob for e in out.logprobs], lp[pos, ref], rtol=0, atol=LOGPROB_ATOL, err_msg=name
+    )
 
 
 def _generate(model, prompt: list[int]) -> list[int]:
@@ -176,14 +202,13 @@ def _generate(model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def test_speculative_ngram_equals_transformers(tmp_path):
+def test_speculative_ngram_equals_transformers(tmp_path_factory):
     """n-gram speculative decoding on an MoE model (Qwen3-MoE, dense and sparse layers): the
     verify rounds run k + 1 tokens a row through the experts; greedy tokens equal transformers'.
     Prompts repeat a phrase so the drafter proposes tokens. Steps of 8 tokens and more run the
     layer scan (``scan_layers_from_tokens``), where a mixed model picks each layer's MLP with
     ``lax.cond``."""
-    path = M.build_checkpoint("qwen3_moe", str(tmp_path / "qwen3_moe"))
-    model = H.hf_model(path, "float32")
+    _, path, model = _family("qwen3_moe", tmp_path_factory)  # the family tests' checkpoint
     a, b = H.random_ids(5, seed=9), H.random_ids(4, seed=10)
     prompts = [a + a + a[:3], b + b + b + b[:2]]
     # steps of >= 8 tokens (the prefill chunks) run the layers as a scan picking each layer's

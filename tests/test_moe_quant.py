@@ -200,8 +200,19 @@ def _greedy(cfg, params, tokenizer, prompts, kv_cache_dtype="auto", max_tokens=4
     from jaxinfer.engine.runner import ModelRunner
     from jaxinfer.sampling.sampler import SamplingParams
 
+    # One engine shape for every mode (quality floors are what is tested, not the engine's
+    # forms): KV pages of 16 tokens hold the longest row (7 + 40 tokens) in the smallest block
+    # table bucket (4 pages), so each engine compiles one prefill and one decode step (pages of 8
+    # added a second decode step at 33 tokens); the layers under lax.scan, which compiles faster
+    # than the unrolled loop (the unrolled MoE engine: test_moe_parity, test_moe_parallel).
     ecfg = engine_config(
-        cfg, "float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype
+        cfg,
+        "float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        kv_cache_dtype=kv_cache_dtype,
+        page_size=16,
+        unroll_layers=False,
     )
     eng = EngineCore(ModelRunner(cfg, params, ecfg), tokenizer)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -195,7 +195,6 @@ def test_sharded_and_data_parallel_engines_then_the_disk_cache_in_a_second_proce
     meshes = {(r["model"], r["tp"], r["dp"]) for r in report}
     for m in [
         ("stories260K", 2, 1),
-        ("stories260K", 4, 1),
         ("stories260K", 8, 1),
         ("stories260K", 2, 2),
         ("qwen2", 4, 1),
