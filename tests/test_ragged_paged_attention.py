@@ -68,13 +68,6 @@ def interpret_for(backend):
     return False
 
 
-def one_page(backend):
-    """Pages per KV block for the feature tests on 8-token pages: one on TPU (interpreting a
-    block of one page costs about a third of a block of two), two on GPU (``tl.dot`` needs >= 16
-    keys per block)."""
-    return 1 if backend == "tpu" else 2
-
-
 def run_case(
     backend, dtype, z, g, h, window, softcap, kind="mixed", ppb=2, int8=False, sinks=False
 ):
@@ -150,13 +143,7 @@ CASES = [("tpu", *c) for c in pick(pairwise("tpu"))] + [("gpu", *c) for c in pic
     ids=lambda x: getattr(x, "__name__", str(x)),
 )
 def test_kernel_equals_reference(backend, dtype, page_size, gqa, head_dim, window, softcap, kind):
-    # KV blocks of two pages (a page boundary inside a block), except the TPU cases of GQA 4
-    # and 8, which take one-page blocks (a third of the interpret time of two): each TPU kernel
-    # (decode, prefill) still meets two-page blocks with both dtypes (the mixed f32 case and
-    # the bf16 decode and prefill cases) and one-page blocks (here and in the feature tests
-    # below). The GPU kernel needs >= 16 keys per block: two pages of 8.
-    ppb = 1 if backend == "tpu" and gqa >= 4 else 2
-    run_case(backend, dtype, page_size, gqa, head_dim, window, softcap, kind, ppb=ppb)
+    run_case(backend, dtype, page_size, gqa, head_dim, window, softcap, kind)
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
@@ -164,10 +151,10 @@ def test_sliding_window_and_softcap(backend):
     # One-page KV blocks: the window (5 tokens) starts in page 2 of the 35-token row, so the
     # kernel skips its first KV blocks; soft-cap as in Gemma 2, with a cap that bites at these
     # scores (~N(0, 1)): at Gemma 2's 50 (or 30) a skipped cap stayed within bf16 tolerance.
-    # The window on prefill rows (f32 pages, GQA 2, 8-token pages, skipped and partly masked
-    # KV blocks) is test_attention_sinks' prefill run (window 6) and, on int8 pages,
-    # test_int8_pages_equal_reference_on_dequantized_pages' (window 6): the same masking and
-    # block skipping, so no run of its own here.
+    # The window on prefill rows (f32 pages, GQA 2, 8-token pages, two-page KV blocks) is
+    # test_attention_sinks' prefill run (the same batch and tiling, window 6) and, on int8
+    # pages, test_int8_pages_equal_reference_on_dequantized_pages' (window 6): the same masking
+    # and block skipping, so no run (and no kernel compilation) of its own here.
     run_case(backend, jnp.bfloat16, 16, 2, 64, 5, 3.0, kind="decode", ppb=1)
 
 
@@ -188,19 +175,16 @@ def test_int8_pages_equal_reference_on_dequantized_pages(backend):
         None,
         kind="mixed",
         int8=True,
-        ppb=one_page(backend),
+        ppb=1 if backend == "tpu" else 2,
     )
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_attention_sinks(backend):
     # gpt-oss: a sink logit per query head; decode rows over several KV blocks and a sliding
-    # window, then prefill rows (GQA 2 over 2 KV heads, 8-token pages). One page per KV block on
-    # TPU (the decode rows then span three blocks; the sinks do not depend on the block width),
-    # two on GPU (>= 16 keys per block).
-    ppb = one_page(backend)
-    run_case(backend, jnp.float32, 8, 2, 64, 0, None, kind="decode", sinks=True, ppb=ppb)
-    run_case(backend, jnp.float32, 8, 2, 64, 6, None, kind="prefill", sinks=True, ppb=ppb)
+    # window, then prefill rows (GQA 2 over 2 KV heads, 8-token pages).
+    run_case(backend, jnp.float32, 8, 2, 64, 0, None, kind="decode", sinks=True)
+    run_case(backend, jnp.float32, 8, 2, 64, 6, None, kind="prefill", sinks=True)
 
 
 def test_int8_pages_need_both_scales():
