@@ -10,7 +10,7 @@ from jaxinfer.sampling.sampler import SamplingParams
 PROMPTS = ["Once upon a time", "The cat sat"]
 
 
-def _generate(stories_dir, attn_impl, *, max_model_len=64, max_tokens=4, kv_cache_dtype="auto"):
+def _generate(stories_dir, attn_impl, *, max_model_len=32, max_tokens=4, kv_cache_dtype="auto"):
     from jaxinfer.llm import LLM
 
     # Layers under lax.scan: the interpreted kernel is compiled once, not once per layer.
@@ -27,8 +27,10 @@ def _generate(stories_dir, attn_impl, *, max_model_len=64, max_tokens=4, kv_cach
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     # A prefill step of two rows, then decode steps within one page: two compilations, as each
     # interprets the kernel in every layer (mixed decode + prefill batches: the kernel tests).
-    # Each interpreted decode step costs ~7 s at max_model_len=64 and later ones repeat the same
-    # program on the same page, hence 4 tokens (prefill + 3 decode steps).
+    # max_model_len=32: two 16-token pages per sequence, so the kernel's KV block is two pages
+    # (the second null), a multi-page block at half the interpretation of 64's four pages. Later
+    # decode steps repeat the same program on the same page, hence 4 tokens (prefill + 3 decode
+    # steps).
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * 2
     return [o.token_ids for o in llm.generate(ids, params)]
 

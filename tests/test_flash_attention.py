@@ -7,6 +7,8 @@ compiled `jax.vjp`. Mosaic and Triton lowering of every kernel is checked separa
 (lowering only, no device needed).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ FWD_TOL = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (2e-2, 2e-2)}
 GRAD_TOL = {jnp.float32: (1e-4, 1e-4), jnp.bfloat16: (2e-2, 2e-2)}
 
 
+@functools.partial(jax.jit, static_argnums=range(8))  # one compilation per shape, not per op
 def _inputs(b, n, kh, t, s, h, dtype, seed=0):
     kq, kk, kv, kw = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(kq, (b, n, t, h), jnp.float32).astype(dtype)
@@ -182,17 +185,20 @@ def test_lowers_for_device(backend, platform):
 def test_fully_masked_rows_are_zero():
     # T > S with bottom-right causal alignment: the first T - S queries see no key.
     q, k, v, _ = _inputs(1, 1, 1, 128, 64, 64, jnp.float32)
-    out = flash_attention(
-        q,
-        k,
-        v,
-        sm_scale=0.125,
-        block_sizes=BlockSizes(block_q=64, block_k=64),
-        backend="gpu",
-        interpret=True,
-    )
+    # jitted: one compilation each, not one per operation of the wrapper and of the reference
+    out = jax.jit(
+        lambda q, k, v: flash_attention(
+            q,
+            k,
+            v,
+            sm_scale=0.125,
+            block_sizes=BlockSizes(block_q=64, block_k=64),
+            backend="gpu",
+            interpret=True,
+        )
+    )(q, k, v)
     np.testing.assert_array_equal(np.asarray(out[:, :, :64]), 0.0)
-    ref = mha_reference(q, k, v, sm_scale=0.125)
+    ref = jax.jit(lambda q, k, v: mha_reference(q, k, v, sm_scale=0.125))(q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
 

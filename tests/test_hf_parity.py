@@ -62,6 +62,35 @@ def checkpoint(tmp_path_factory):
     return get
 
 
+class _Shared:
+    """Per module, per checkpoint: transformers' f32 model, its logits on ``H.sample_tokens()``
+    and jaxinfer's f32 load (``load_hf``), each computed once and shared by the tests that use
+    them (the f32, bf16, greedy and wrong-config tests of one family read the same reference)."""
+
+    def __init__(self):
+        self.models, self.logits, self.loaded = {}, {}, {}
+
+    def hf_f32(self, path):
+        if path not in self.models:
+            self.models[path] = H.hf_model(path, "float32")
+        return self.models[path]
+
+    def hf_f32_logits(self, path):
+        if path not in self.logits:
+            self.logits[path] = H.hf_logits(self.hf_f32(path), H.sample_tokens())
+        return self.logits[path]
+
+    def load(self, path):
+        if path not in self.loaded:
+            self.loaded[path] = load_hf(path)
+        return self.loaded[path]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return _Shared()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _print_figures():
     yield
@@ -70,11 +99,12 @@ def _print_figures():
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_logits_f32(checkpoint, name, record_property):
+def test_logits_f32(checkpoint, shared, name, record_property):
     path = checkpoint(name)
     tokens = H.sample_tokens()
-    ref = H.hf_logits(H.hf_model(path, "float32"), tokens)
-    got, cfg, _ = H.jax_logits(path, "float32", tokens)
+    ref = shared.hf_f32_logits(path)
+    cfg, params = shared.load(path)  # as H.jax_logits(path, "float32", tokens)
+    got = np.asarray(dense_logits(params, cfg, jnp.asarray(tokens)))
     assert np.abs(ref).max() > 1.0 and ref.std() > 0.3, "logits too small to be a meaningful test"
     err = H.errors(got, ref)
     FIGURES.setdefault(name, {})["f32"] = err
@@ -84,10 +114,10 @@ def test_logits_f32(checkpoint, name, record_property):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_logits_bf16(checkpoint, name, record_property):
+def test_logits_bf16(checkpoint, shared, name, record_property):
     path = checkpoint(name)
     tokens = H.sample_tokens()
-    ref32 = H.hf_logits(H.hf_model(path, "float32"), tokens)
+    ref32 = shared.hf_f32_logits(path)
     ref16 = H.hf_logits(H.hf_model(path, "bfloat16"), tokens)
     got16, _, params = H.jax_logits(path, "bfloat16", tokens)
     assert params.embed.dtype == jnp.bfloat16
@@ -103,11 +133,11 @@ def test_logits_bf16(checkpoint, name, record_property):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_greedy_matches_generate(checkpoint, name):
+def test_greedy_matches_generate(checkpoint, shared, name):
     import torch
 
     path = checkpoint(name)
-    model = H.hf_model(path, "float32")
+    model = shared.hf_f32(path)
     prompt = H.sample_tokens(seed=1)[0, : H.PROMPT_LEN]
     with torch.no_grad():
         out = model.generate(
@@ -119,16 +149,16 @@ def test_greedy_matches_generate(checkpoint, name):
             pad_token_id=0,
         )
     ref = out[0, len(prompt) :].tolist()
-    cfg, params = load_hf(path)
+    cfg, params = shared.load(path)
     got = dense_greedy(params, cfg, prompt.tolist(), H.NEW_TOKENS)
     assert len(ref) == H.NEW_TOKENS
     assert got == ref
     assert len(set(ref)) >= 8, "degenerate continuation, not a meaningful test"
 
 
-def test_cases_cover_the_matrix(checkpoint):
+def test_cases_cover_the_matrix(checkpoint, shared):
     """The families and variants the parity tests are meant to cover really occur."""
-    cfgs = {n: load_hf(checkpoint(n))[0] for n in CASES}
+    cfgs = {n: shared.load(checkpoint(n))[0] for n in CASES}
     assert {c.model_type for c in cfgs.values()} >= {
         "llama",
         "mistral",
@@ -174,19 +204,19 @@ def cfg_rope(cfg):
         ("qwen3", dict(rms_norm_eps=1e-1)),
     ],
 )
-def test_parity_detects_wrong_config(checkpoint, name, change):
+def test_parity_detects_wrong_config(checkpoint, shared, name, change):
     """The f32 comparison fails by a wide margin when one family detail is wrong."""
     path = checkpoint(name)
     tokens = H.sample_tokens()
-    ref = H.hf_logits(H.hf_model(path, "float32"), tokens)
-    cfg, params = load_hf(path)
+    ref = shared.hf_f32_logits(path)
+    cfg, params = shared.load(path)
     wrong = dataclasses.replace(cfg, **change)
     got = np.asarray(dense_logits(params, wrong, jnp.asarray(tokens)))
     assert H.errors(got, ref)["max_rel"] > 100 * F32_MAX_REL
 
 
 @pytest.mark.parametrize("layout", ["model.language_model.", "language_model.model."])
-def test_gemma3_multimodal_checkpoint(checkpoint, tmp_path, layout):
+def test_gemma3_multimodal_checkpoint(checkpoint, shared, tmp_path, layout):
     """A ``gemma3`` (multimodal) checkpoint loads its text tower: nested text_config, prefixed
     tensor names (transformers 5 and 4 layouts), vision tensors ignored."""
     from safetensors.numpy import load_file, save_file
@@ -206,7 +236,7 @@ def test_gemma3_multimodal_checkpoint(checkpoint, tmp_path, layout):
     tie = text.pop("tie_word_embeddings")  # the top-level flag governs gemma3
     with open(tmp_path / "config.json", "w") as f:
         json.dump({"model_type": "gemma3", "text_config": text, "tie_word_embeddings": tie}, f)
-    cfg_a, params_a = load_hf(src)
+    cfg_a, params_a = shared.load(src)
     cfg_b, params_b = load_hf(tmp_path)
     assert cfg_b == cfg_a
     tokens = jnp.asarray(H.sample_tokens())
