@@ -81,11 +81,25 @@ def test_seeded_sampling_is_batch_invariant(stories_llm):
 
 
 def test_preemption_gives_the_same_outputs(stories_dir, stories_llm):
+    """Preempted and recomputed rows give the outputs of an ample pool: plain rows, and rows
+    constrained by test_structured_outputs' JSON schema (the grammars advance only on collected
+    tokens), in one run of the tight engine (one set of its step shapes to compile)."""
+    from test_structured_outputs import SCHEMA
+
+    from jaxinfer import StructuredOutputsParams
     from jaxinfer.llm import LLM
 
-    prompts = MIXED[:10]
+    prompts = MIXED[:10] + ["Once upon a time"] * 10
     params = [
         SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=90, ignore_eos=True)
+        for i in range(10)
+    ] + [
+        SamplingParams(
+            temperature=0.8,
+            seed=i,
+            max_tokens=150,
+            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+        )
         for i in range(10)
     ]
     ample = stories_llm.generate(prompts, params)
@@ -103,6 +117,8 @@ def test_preemption_gives_the_same_outputs(stories_dir, stories_llm):
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
     assert sum(o.metrics.num_preemptions for o in tight) == small.engine.scheduler.num_preemptions
+    assert sum(o.metrics.num_preemptions for o in tight[10:]) > 0  # constrained rows too
+    assert all(o.finish_reason == "stop" for o in tight[10:])
     assert small.engine.kv_manager.num_free_pages == 13  # every page came back
 
 
@@ -156,12 +172,19 @@ def test_chunked_prefill_equals_one_shot(stories_llm):
     close(logits2, logits1)
     close(kv2.k_pages[:, :, pages], kv1.k_pages[:, :, pages])
     close(kv2.v_pages[:, :, pages], kv1.v_pages[:, :, pages])
-    # and the engine with a 16-token budget (every prompt chunked) gives the unchunked outputs
+    # and the engine with a 32-token budget (every prompt longer: chunked) gives the unchunked
+    # outputs. Its sizes but the budget are stories_llm's (STORIES_ENGINE): it reuses the step
+    # shapes compiled for that engine (the budget is no compile key, the steps' buckets are).
+    from conftest import STORIES_ENGINE
+
     from jaxinfer.llm import LLM
 
-    chunky = LLM(llm.model_path, max_num_seqs=4, max_num_batched_tokens=16, compilation_cache=False)
+    chunky = LLM(
+        llm.model_path, **STORIES_ENGINE, max_num_batched_tokens=32, compilation_cache=False
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=24)
-    prompts = [MIXED[7], MIXED[10], MIXED[4]]
+    prompts = [MIXED[7], MIXED[4] + " " + MIXED[1], MIXED[10] + " " + MIXED[7]]
+    assert all(len(chunky.tokenizer.encode(p)) > 32 for p in prompts)
     assert [o.token_ids for o in chunky.generate(prompts, sp)] == [
         o.token_ids for o in llm.generate(prompts, sp)
     ]

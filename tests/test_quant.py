@@ -332,6 +332,7 @@ def test_every_mode_on_stories260k(stories_dir, stories_float_greedy, quant, kv)
         stories_dir,
         max_num_seqs=8,
         max_model_len=128,
+        page_size=16,  # every sequence (at most 47 tokens) in one block-table bucket: 2 steps
         quantization=quant,
         kv_cache_dtype=kv,
         compilation_cache=False,

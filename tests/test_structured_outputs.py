@@ -62,11 +62,13 @@ def _json(**kw) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, **kw)
 
 
-def test_200_json_samples_validate(stories_llm):
-    """Temperature 1.0, 200 seeds: every output parses and validates, finishing "stop"."""
+def test_32_json_samples_validate(stories_llm):
+    """Temperature 1.0, 32 seeds (one batch of the engine's 32 sequences, so the run compiles
+    few step shapes): every output parses and validates, finishing "stop". Rows admitted while
+    constrained rows decode: test_regex_choice_and_lark_outputs_parse (96 rows)."""
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=300, structured_outputs=_json())
-        for i in range(200)
+        for i in range(32)
     ]
     outs = stories_llm.generate([PROMPT] * len(params), params)
     for o in outs:
@@ -395,30 +397,6 @@ def test_n_and_resume_replay_the_grammar(stories_llm):
     broken = [ResumeState(5, (400, 401)), ResumeState(6)]
     bad = list(stories_llm.generate_stream([PROMPT], sp, resume=[broken]))
     assert "does not match the request's structured_outputs" in bad[0].error
-
-
-def test_preemption_recomputes_constrained_rows(stories_dir, stories_llm):
-    """The tight-pool engine of test_engine's preemption test: constrained outputs equal those of
-    the ample engine (the grammars advance only on collected tokens)."""
-    from jaxinfer.llm import LLM
-
-    params = [
-        SamplingParams(temperature=0.8, seed=i, max_tokens=150, structured_outputs=_json())
-        for i in range(10)
-    ]
-    ample = stories_llm.generate([PROMPT] * 10, params)
-    small = LLM(
-        stories_dir,
-        max_model_len=192,
-        kv_pages=14,
-        page_size=16,
-        max_num_seqs=32,
-        compilation_cache=False,
-    )
-    tight = small.generate([PROMPT] * 10, params)
-    assert small.engine.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
-    assert all(o.finish_reason == "stop" for o in tight)
 
 
 def test_cli_records_and_json_schema_flag(tmp_path, capsys):

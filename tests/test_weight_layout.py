@@ -49,9 +49,13 @@ def test_fused_linear_parts_equal_einsums(rows):
 )
 def test_forward_with_out_in_projections(dtype, unroll):
     cfg = ModelConfig("llama", 96, 32, 64, 2, 4, 2, 8, tie_word_embeddings=True)
-    params = init_random(cfg, jax.random.PRNGKey(0), dtype=dtype, scale=0.2)
-    params = unstack_layers(params) if unroll else params
-    conv = out_in_projections(params)
+    # Under jit: one compilation (eagerly, each op of each weight shape compiles its own).
+    params = jax.jit(init_random, static_argnums=0, static_argnames=("dtype", "scale"))(
+        cfg, jax.random.PRNGKey(0), dtype=dtype, scale=0.2
+    )
+    # The layout changes move the weights exactly: each under jit, one compilation.
+    params = jax.jit(unstack_layers)(params) if unroll else params
+    conv = jax.jit(out_in_projections)(params)
     lp = conv.layers[0] if unroll else jax.tree.map(lambda a: a[0], conv.layers)
     assert lp.wq is None and lp.wqkv.parts == ((4, 8), (2, 8), (2, 8))
     assert lp.wqkv.shape == (64, 32) and lp.w_gate_up.shape == (128, 32)
@@ -76,6 +80,8 @@ def test_quantize_refuses_engine_layout():
     from jaxinfer.quant import quantize
 
     cfg = ModelConfig("llama", 96, 32, 64, 1, 4, 2, 8, tie_word_embeddings=True)
-    params = out_in_projections(unstack_layers(init_random(cfg, jax.random.PRNGKey(0))))
+    params = jax.jit(lambda k: out_in_projections(unstack_layers(init_random(cfg, k))))(
+        jax.random.PRNGKey(0)
+    )
     with pytest.raises(ValueError, match="output-first"):
         quantize(params, "int8")
