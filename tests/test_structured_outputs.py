@@ -62,13 +62,13 @@ def _json(**kw) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, **kw)
 
 
-def test_32_json_samples_validate(stories_llm):
-    """Temperature 1.0, 32 seeds (one batch of the engine's 32 sequences, so the run compiles
-    few step shapes): every output parses and validates, finishing "stop". Rows admitted while
-    constrained rows decode: test_regex_choice_and_lark_outputs_parse (96 rows)."""
+def test_200_json_samples_validate(stories_llm):
+    """Temperature 1.0, 200 seeds (the issue's count; the engine runs 32 sequences at a time, so
+    rows are admitted while constrained rows decode): every output parses and validates against
+    the nested schema with ``jsonschema``, finishing "stop", keys in the schema's order."""
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=300, structured_outputs=_json())
-        for i in range(32)
+        for i in range(200)
     ]
     outs = stories_llm.generate([PROMPT] * len(params), params)
     for o in outs:
